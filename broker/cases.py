@@ -1,0 +1,100 @@
+"""Read a planning case (the schema of ``tests/data/testvectors/README.md``) into domain objects."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from broker.errors import LayoutError
+from broker.layout import EngineLayout, GroupKind
+from broker.models import AttentionParams, MambaParams, ModelSpec, build_engine_layout
+from broker.planner import TransferRequest
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    model: ModelSpec
+    prefill: EngineLayout
+    decode: EngineLayout
+    request: TransferRequest
+
+
+def _get(obj: Mapping[str, Any], key: str, where: str) -> Any:
+    try:
+        return obj[key]
+    except (KeyError, TypeError):
+        raise LayoutError(f"{where}.{key}" if where else key, "missing") from None
+
+
+def _positive_int(obj: Mapping[str, Any], key: str, where: str) -> int:
+    value = _get(obj, key, where)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise LayoutError(f"{where}.{key}", f"must be a positive integer, got {value!r}")
+    return value
+
+
+def _mamba_params(kind: str, raw: Mapping[str, Any]) -> MambaParams:
+    dims = {k: v for k, v in raw.items() if k in MambaParams.__dataclass_fields__
+            and k not in ("local_shapes", "conv_kernel", "kind")}
+    local_shapes = {}
+    for tp, shapes in (raw.get("shapes_by_tp") or {}).items():
+        where = f"mamba.shapes_by_tp.{tp}"
+        proj = (shapes.get("conv_local_proj_dims") or shapes.get("conv_proj_dims")
+                or shapes.get("proj_dims"))
+        if proj is None and kind == "mamba1" and "conv_shape" in shapes:
+            proj = [shapes["conv_shape"][0]]
+        ssm = shapes.get("ssm_shape") or shapes.get("ssm")
+        if proj is None or ssm is None:
+            raise LayoutError(where, "needs conv_local_proj_dims and ssm_shape")
+        local_shapes[int(tp)] = (tuple(proj), tuple(ssm))
+    try:
+        return MambaParams(kind=kind, conv_kernel=_get(raw, "conv_kernel", "mamba"),
+                           local_shapes=local_shapes, **dims)
+    except TypeError as exc:
+        raise LayoutError("mamba", str(exc)) from None
+
+
+def model_from_case(case: Mapping[str, Any]) -> ModelSpec:
+    groups = []
+    for i, group in enumerate(_get(case, "groups", "")):
+        kind = _get(group, "type", f"groups[{i}]")
+        if kind not in ("attention", "mamba"):
+            raise LayoutError(f"groups[{i}].type", f"must be attention or mamba, got {kind!r}")
+        groups.append((GroupKind(kind), tuple(_get(group, "layers", f"groups[{i}]"))))
+    if not groups:
+        raise LayoutError("groups", "at least one group is required")
+    attention = None
+    if "attention" in case:
+        raw = case["attention"]
+        attention = AttentionParams(_positive_int(raw, "total_num_kv_heads", "attention"),
+                                    _positive_int(raw, "head_dim", "attention"),
+                                    raw.get("dtype", "bfloat16"))
+    mamba = None
+    if "mamba" in case:
+        mamba = _mamba_params(_get(case, "mamba_type", ""), case["mamba"])
+    return ModelSpec(case.get("name", "case"), tuple(groups), attention, mamba)
+
+
+def _engine(case: Mapping[str, Any], role: str, model: ModelSpec) -> EngineLayout:
+    side = _get(case, role, "")
+    block_size = side.get("logical_block_size", case.get("logical_block_size", 0))
+    kernel = side.get("kernel_block_size", case.get("kernel_block_size", 0))
+    return build_engine_layout(model, _positive_int(side, "tp", role),
+                               _positive_int(side, "num_blocks", role), block_size, kernel)
+
+
+def load_case(case: Mapping[str, Any]) -> Case:
+    """Build both engines and the request; raises :class:`LayoutError` naming the field."""
+    model = model_from_case(case)
+    request = _get(case, "request", "")
+    return Case(
+        name=case.get("name", "case"),
+        model=model,
+        prefill=_engine(case, "prefill", model),
+        decode=_engine(case, "decode", model),
+        request=TransferRequest.of(_positive_int(request, "num_tokens", "request"),
+                                   _get(request, "p_block_ids", "request"),
+                                   _get(request, "d_block_ids", "request")),
+    )

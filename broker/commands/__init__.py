@@ -1,0 +1,1 @@
+"""Subcommands of the ``pdbroker`` CLI (see :data:`broker.cli.COMMAND_MODULES`)."""

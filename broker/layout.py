@@ -1,0 +1,271 @@
+"""Declarative description of what lives in an engine's KV-cache pages.
+
+An engine has ``tp_size`` ranks. Every rank registers ``num_regions`` regions (tensors) of
+``num_blocks`` pages of ``page_bytes`` each; region *i* holds layer *i* of every KV-cache
+group (vLLM's hybrid allocator shares one tensor between groups), so the same page is read
+through the view of whichever group its block id was allocated to.
+
+A group's view of a page is a tuple of :class:`Segment`: pieces of *global* tensors (``kv``,
+``conv.x``, ``ssm`` ...) with their local shape, byte strides, TP-sharded axis and, for
+attention, the token axis. Attention pages hold ``block_size // kernel_block_size`` kernel
+blocks of ``kernel_block_bytes``; their segment offsets are relative to a kernel block.
+Nothing here does I/O; everything is frozen and validated on construction.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+
+from broker.errors import LayoutError
+
+DTYPE_BYTES: dict[str, int] = {
+    "float32": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "fp8": 1,
+    "fp8_e4m3": 1,
+    "fp8_e5m2": 1,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+    "uint8": 1,
+}
+
+
+def dtype_bytes(dtype: str, field_name: str = "dtype") -> int:
+    """Bytes per element of ``dtype`` (accepts ``torch.bfloat16``-style names)."""
+    name = dtype.removeprefix("torch.")
+    try:
+        return DTYPE_BYTES[name]
+    except KeyError:
+        raise LayoutError(field_name, f"unknown dtype {dtype!r}") from None
+
+
+class GroupKind(str, Enum):
+    ATTENTION = "attention"
+    MAMBA = "mamba"
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One rank's piece of one global tensor, as laid out inside a page (or kernel block).
+
+    ``offset`` and ``strides`` are in bytes; ``shape`` in elements. Along ``shard_axis`` the
+    rank holds global indices ``shard_start .. shard_start + shape[shard_axis]`` of
+    ``global_extent``; other axes are whole. ``token_axis`` indexes tokens within the kernel
+    block (attention only).
+    """
+
+    tensor: str
+    offset: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    dtype: str
+    shard_axis: int | None = None
+    shard_start: int = 0
+    global_extent: int = 0
+    token_axis: int | None = None
+
+    def __post_init__(self) -> None:
+        where = f"segment {self.tensor!r}"
+        if len(self.shape) != len(self.strides) or not self.shape:
+            raise LayoutError(f"{where}.strides", "shape and strides must have the same rank")
+        if any(n <= 0 for n in self.shape):
+            raise LayoutError(f"{where}.shape", f"dimensions must be positive, got {self.shape}")
+        if any(s <= 0 for s in self.strides):
+            raise LayoutError(f"{where}.strides", f"strides must be positive, got {self.strides}")
+        if self.offset < 0:
+            raise LayoutError(f"{where}.offset", "must be >= 0")
+        dtype_bytes(self.dtype, f"{where}.dtype")
+        for axis_field in ("shard_axis", "token_axis"):
+            axis = getattr(self, axis_field)
+            if axis is not None and not 0 <= axis < len(self.shape):
+                raise LayoutError(f"{where}.{axis_field}", f"axis {axis} out of range")
+        if self.shard_axis is not None:
+            if self.shard_axis == self.token_axis:
+                raise LayoutError(f"{where}.shard_axis", "cannot also be the token axis")
+            local = self.shape[self.shard_axis]
+            if not 0 <= self.shard_start <= self.global_extent - local:
+                raise LayoutError(
+                    f"{where}.shard_start",
+                    f"local slice [{self.shard_start}, {self.shard_start + local}) "
+                    f"outside global extent {self.global_extent}",
+                )
+
+    @property
+    def itemsize(self) -> int:
+        return dtype_bytes(self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of state this segment holds (excluding any gaps between strided elements)."""
+        return math.prod(self.shape) * self.itemsize
+
+    @property
+    def end(self) -> int:
+        """One past the last byte addressed, relative to the page (or kernel block)."""
+        return self.offset + sum((n - 1) * s for n, s in zip(self.shape, self.strides)) + self.itemsize
+
+    @property
+    def global_shape(self) -> tuple[int, ...]:
+        """Shape of the global tensor, token axis left at the local kernel-block length."""
+        if self.shard_axis is None:
+            return self.shape
+        return tuple(
+            self.global_extent if axis == self.shard_axis else n for axis, n in enumerate(self.shape)
+        )
+
+    @property
+    def shard_interval(self) -> tuple[int, int]:
+        """Global ``[start, stop)`` held along the shard axis (``(0, 1)`` if unsharded)."""
+        if self.shard_axis is None:
+            return (0, 1)
+        return (self.shard_start, self.shard_start + self.shape[self.shard_axis])
+
+
+def contiguous_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+    """Byte strides of a C-contiguous array."""
+    strides, step = [], itemsize
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """One KV-cache group's view of a page: its layers (one per region) and segments.
+
+    Attention groups set ``block_size`` (tokens per logical page), ``kernel_block_size``
+    (tokens per kernel block) and ``kernel_block_bytes`` (stride between kernel blocks);
+    their segment offsets are relative to the kernel block. Mamba groups leave them 0: one
+    block is one indivisible state snapshot.
+    """
+
+    kind: GroupKind
+    layers: tuple[str, ...]
+    segments: tuple[Segment, ...]
+    block_size: int = 0
+    kernel_block_size: int = 0
+    kernel_block_bytes: int = 0
+
+    @property
+    def is_attention(self) -> bool:
+        return self.kind is GroupKind.ATTENTION
+
+    @property
+    def kernel_blocks_per_page(self) -> int:
+        return self.block_size // self.kernel_block_size if self.is_attention else 1
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of real state in one page (attention: all kernel blocks), padding excluded."""
+        return sum(s.nbytes for s in self.segments) * self.kernel_blocks_per_page
+
+    def segment(self, tensor: str) -> Segment:
+        for seg in self.segments:
+            if seg.tensor == tensor:
+                return seg
+        raise KeyError(tensor)
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """Everything one TP rank declares about its KV cache."""
+
+    tp_rank: int
+    num_regions: int
+    num_blocks: int
+    page_bytes: int
+    groups: tuple[GroupLayout, ...]
+
+    def __post_init__(self) -> None:
+        where = f"ranks[{self.tp_rank}]"
+        for name in ("num_regions", "num_blocks", "page_bytes"):
+            if getattr(self, name) <= 0:
+                raise LayoutError(f"{where}.{name}", "must be positive")
+        if not self.groups:
+            raise LayoutError(f"{where}.groups", "at least one KV-cache group is required")
+        for g, group in enumerate(self.groups):
+            gwhere = f"{where}.groups[{g}]"
+            if not group.layers or len(group.layers) > self.num_regions:
+                raise LayoutError(
+                    f"{gwhere}.layers",
+                    f"{len(group.layers)} layers do not fit {self.num_regions} regions",
+                )
+            if not group.segments:
+                raise LayoutError(f"{gwhere}.segments", "a group needs at least one segment")
+            if len({s.tensor for s in group.segments}) != len(group.segments):
+                raise LayoutError(f"{gwhere}.segments", "tensor names must be unique")
+            if group.is_attention:
+                self._check_attention(group, gwhere)
+            else:
+                for seg in group.segments:
+                    if seg.token_axis is not None:
+                        raise LayoutError(f"{gwhere}.segments", "mamba segments have no token axis")
+                    if seg.end > self.page_bytes:
+                        raise LayoutError(
+                            f"{gwhere}.segments[{seg.tensor!r}]",
+                            f"ends at byte {seg.end}, past page_bytes {self.page_bytes}",
+                        )
+
+    def _check_attention(self, group: GroupLayout, gwhere: str) -> None:
+        if group.block_size <= 0 or group.kernel_block_size <= 0:
+            raise LayoutError(f"{gwhere}.block_size", "attention groups need positive block sizes")
+        if group.block_size % group.kernel_block_size:
+            raise LayoutError(
+                f"{gwhere}.kernel_block_size",
+                f"{group.kernel_block_size} does not divide block_size {group.block_size}",
+            )
+        if group.kernel_block_bytes * group.kernel_blocks_per_page > self.page_bytes:
+            raise LayoutError(
+                f"{gwhere}.kernel_block_bytes",
+                f"{group.kernel_blocks_per_page} kernel blocks of {group.kernel_block_bytes} "
+                f"bytes exceed page_bytes {self.page_bytes}",
+            )
+        for seg in group.segments:
+            if seg.token_axis is None or seg.shape[seg.token_axis] != group.kernel_block_size:
+                raise LayoutError(
+                    f"{gwhere}.segments[{seg.tensor!r}].token_axis",
+                    f"needs a token axis of kernel_block_size={group.kernel_block_size} tokens",
+                )
+            if seg.end > group.kernel_block_bytes:
+                raise LayoutError(
+                    f"{gwhere}.segments[{seg.tensor!r}]",
+                    f"ends at byte {seg.end}, past kernel_block_bytes {group.kernel_block_bytes}",
+                )
+
+    @property
+    def region_bytes(self) -> int:
+        return self.num_blocks * self.page_bytes
+
+
+@dataclass(frozen=True)
+class EngineLayout:
+    """A whole engine: the model it serves and the layout of each of its TP ranks."""
+
+    model: str
+    tp_size: int
+    ranks: tuple[RankLayout, ...]
+    description: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        if self.tp_size <= 0:
+            raise LayoutError("tp_size", "must be positive")
+        if len(self.ranks) != self.tp_size:
+            raise LayoutError("ranks", f"expected {self.tp_size} ranks, got {len(self.ranks)}")
+        for r, rank in enumerate(self.ranks):
+            if rank.tp_rank != r:
+                raise LayoutError(f"ranks[{r}].tp_rank", f"expected {r}, got {rank.tp_rank}")
+        first = self.ranks[0]
+        for rank in self.ranks[1:]:
+            kinds = [(g.kind, g.layers) for g in rank.groups]
+            if kinds != [(g.kind, g.layers) for g in first.groups]:
+                raise LayoutError(f"ranks[{rank.tp_rank}].groups", "ranks disagree on the groups")
+
+    @property
+    def groups(self) -> tuple[GroupLayout, ...]:
+        """Rank 0's groups: kinds, layers and block sizes are the same on every rank."""
+        return self.ranks[0].groups

@@ -1,0 +1,510 @@
+"""The transfer planner: a resharding of declared segments, vectorised over block ids.
+
+For every decode (rank, group, segment) the planner finds the prefill pieces that hold the
+same global elements, intersects them and emits byte runs that are contiguous on both sides
+(:func:`strided_runs`). Which prefill rank serves a piece is decided by interval subtraction
+along the TP-sharded axis, preferring the ranks vLLM pairs with that decode rank, so a
+replicated head is read once. Per (decode rank, group, chunk shape) the runs relative to the
+page starts form a cached :class:`Template`; a request only adds block offsets with numpy and
+coalesces runs that continue each other on both sides.
+
+Invariants, enforced on every plan: every run lies inside its region on both sides; no two
+runs write the same decode byte (templates are checked once, block ids per request); the
+bytes equal the unpadded state the decode rank needs. Pure: no I/O, no clocks, no globals.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from broker.errors import IncompatibleLayoutsError, RequestError
+from broker.layout import EngineLayout, GroupLayout, Segment
+
+_I64 = np.int64
+
+
+@dataclass(frozen=True)
+class TransferRequest:
+    """One request's state: ``num_tokens`` whose KV moves and block ids per group per side.
+
+    A decode attention list shorter than the request needs means decode already holds a
+    prefix: its blocks are the request's last ones. Mamba lists pair from the prefill tail.
+    """
+
+    num_tokens: int
+    prefill_block_ids: tuple[tuple[int, ...], ...]
+    decode_block_ids: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def of(cls, num_tokens: int, prefill: Sequence[Sequence[int]],
+           decode: Sequence[Sequence[int]]) -> TransferRequest:
+        return cls(num_tokens, tuple(tuple(g) for g in prefill), tuple(tuple(g) for g in decode))
+
+
+@dataclass(frozen=True)
+class SourceReads:
+    """Reads of one decode rank from one prefill rank: parallel int64 columns, offsets in
+    bytes from the start of region ``region`` (same region index on both sides)."""
+
+    prefill_rank: int
+    region: np.ndarray
+    local_offset: np.ndarray
+    remote_offset: np.ndarray
+    length: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.length.sum())
+
+    @property
+    def num_descriptors(self) -> int:
+        return int(self.length.size)
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """What one decode rank reads, per source prefill rank, and what that saves.
+
+    ``naive_bytes``: whole decode pages (padding included) for every page touched;
+    ``vllm_descriptors``: descriptors vLLM 0.33's per-block scheme issues for the same state.
+    """
+
+    decode_rank: int
+    sources: tuple[SourceReads, ...]
+    naive_bytes: int
+    vllm_descriptors: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.sources)
+
+    @property
+    def num_descriptors(self) -> int:
+        return sum(s.num_descriptors for s in self.sources)
+
+    @property
+    def prefill_ranks(self) -> tuple[int, ...]:
+        return tuple(s.prefill_rank for s in self.sources)
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    """Plans of every decode rank for one request."""
+
+    ranks: tuple[RankPlan, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.nbytes for r in self.ranks)
+
+    @property
+    def num_descriptors(self) -> int:
+        return sum(r.num_descriptors for r in self.ranks)
+
+    @property
+    def naive_bytes(self) -> int:
+        return sum(r.naive_bytes for r in self.ranks)
+
+    @property
+    def vllm_descriptors(self) -> int:
+        return sum(r.vllm_descriptors for r in self.ranks)
+
+    def rows(self) -> np.ndarray:
+        """``[d_rank, d_region, d_offset, p_rank, p_region, p_offset, length]`` per run."""
+        parts = [
+            np.stack([np.full_like(s.region, r.decode_rank), s.region, s.local_offset,
+                      np.full_like(s.region, s.prefill_rank), s.region, s.remote_offset,
+                      s.length], axis=1)
+            for r in self.ranks for s in r.sources
+        ]
+        return np.concatenate(parts) if parts else np.zeros((0, 7), dtype=_I64)
+
+
+@dataclass(frozen=True)
+class Template:
+    """Runs for one block pair (one chunk of tokens for attention), offsets relative to the
+    page start on each side, coalesced; ``vllm_units`` counts vLLM's descriptors for it."""
+
+    prefill_rank: np.ndarray
+    remote_offset: np.ndarray
+    local_offset: np.ndarray
+    length: np.ndarray
+    vllm_units: int
+
+
+# --------------------------------------------------------------------------- run emission
+
+
+def strided_runs(extent: Sequence[int], itemsize: int,
+                 d_base: int, d_start: Sequence[int], d_strides: Sequence[int],
+                 p_base: int, p_start: Sequence[int], p_strides: Sequence[int],
+                 ) -> tuple[np.ndarray, np.ndarray, int]:
+    """Byte runs copying a box of ``extent`` elements between two strided arrays.
+
+    The box starts at local index ``d_start`` / ``p_start`` on each side. Trailing axes whose
+    strides make the box contiguous on *both* sides fold into one run; the remaining outer
+    axes enumerate runs. Returns ``(d_offsets, p_offsets, run_length)``.
+    """
+    run, inner = itemsize, len(extent)
+    while inner > 0:
+        axis = inner - 1
+        if extent[axis] != 1 and (d_strides[axis] != run or p_strides[axis] != run):
+            break
+        run *= extent[axis]
+        inner -= 1
+    d_off = np.array([d_base + sum(s * t for s, t in zip(d_start, d_strides))], dtype=_I64)
+    p_off = np.array([p_base + sum(s * t for s, t in zip(p_start, p_strides))], dtype=_I64)
+    for axis in range(inner):
+        steps = np.arange(extent[axis], dtype=_I64)
+        d_off = (d_off[:, None] + steps * d_strides[axis]).ravel()
+        p_off = (p_off[:, None] + steps * p_strides[axis]).ravel()
+    return d_off, p_off, run
+
+
+def _subtract(intervals: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
+    out = []
+    for a, b in intervals:
+        if b <= lo or a >= hi:
+            out.append((a, b))
+            continue
+        if a < lo:
+            out.append((a, lo))
+        if b > hi:
+            out.append((hi, b))
+    return out
+
+
+def coalesce(keys: np.ndarray, d_off: np.ndarray, p_off: np.ndarray, length: np.ndarray,
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Sort runs by (key, decode offset) and merge those that continue each other on both
+    sides. ``keys`` must identify (prefill rank, region): runs never merge across them."""
+    order = np.lexsort((d_off, keys))
+    keys, d_off, p_off, length = keys[order], d_off[order], p_off[order], length[order]
+    if keys.size < 2:
+        return keys, d_off, p_off, length
+    joins = (keys[1:] == keys[:-1]) & (d_off[1:] == d_off[:-1] + length[:-1]) & (
+        p_off[1:] == p_off[:-1] + length[:-1])
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    return keys[starts], d_off[starts], p_off[starts], np.add.reduceat(length, starts)
+
+
+# --------------------------------------------------------------------------- pair planner
+
+
+@dataclass
+class PairPlanner:
+    """Plans transfers from one prefill engine layout to one decode engine layout.
+
+    Construction checks that the layouts describe the same state; templates are built
+    lazily per (decode rank, group, chunk shape) and cached on the instance.
+    """
+
+    prefill: EngineLayout
+    decode: EngineLayout
+    max_templates: int = 4096
+    _templates: dict[tuple, Template] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        check_compatible(self.prefill, self.decode)
+
+    # ---- public API
+
+    def plan(self, request: TransferRequest) -> TransferPlan:
+        """Plans of every decode rank."""
+        return TransferPlan(tuple(self.plan_rank(d, request) for d in range(self.decode.tp_size)))
+
+    def source_ranks(self, decode_rank: int) -> tuple[int, ...]:
+        """Prefill ranks in the order they are asked for data: vLLM's partners of this
+        decode rank first (``d*P//D``, or ``d*k .. d*k+k-1``), then the others."""
+        p_tp, d_tp = self.prefill.tp_size, self.decode.tp_size
+        if d_tp >= p_tp:
+            preferred = [decode_rank * p_tp // d_tp]
+        else:
+            k = p_tp // d_tp
+            preferred = list(range(decode_rank * k, decode_rank * k + k))
+        return tuple(preferred + [p for p in range(p_tp) if p not in preferred])
+
+    def plan_rank(self, decode_rank: int, request: TransferRequest) -> RankPlan:
+        """What ``decode_rank`` reads for ``request``. Raises :class:`RequestError`."""
+        if not 0 <= decode_rank < self.decode.tp_size:
+            raise RequestError("decode_rank", f"{decode_rank} outside [0, {self.decode.tp_size})")
+        self._check_request(request)
+        p_rank0, d_layout = self.prefill.ranks[0], self.decode.ranks[decode_rank]
+        p_page, d_page = p_rank0.page_bytes, d_layout.page_bytes
+        pieces: list[tuple[np.ndarray, ...]] = []
+        naive_pages = vllm_units = 0
+        for g, d_group in enumerate(d_layout.groups):
+            regions = np.arange(len(d_group.layers), dtype=_I64)
+            p_ids = request.prefill_block_ids[g]
+            d_ids = request.decode_block_ids[g]
+            if d_group.is_attention:
+                batches, pages = self._attention_batches(decode_rank, g, request.num_tokens, p_ids, d_ids)
+            else:
+                n = min(len(p_ids), len(d_ids))
+                p_sel = np.asarray(p_ids[len(p_ids) - n:], dtype=_I64)
+                d_sel = np.asarray(d_ids[:n], dtype=_I64)
+                batches, pages = [(self._template(decode_rank, g, None), p_sel, d_sel)], n
+            naive_pages += pages * regions.size
+            for tpl, p_blocks, d_blocks in batches:
+                if not p_blocks.size or not tpl.length.size:
+                    continue
+                vllm_units += tpl.vllm_units * p_blocks.size * regions.size
+                pieces.append(_expand(tpl, regions, p_blocks * p_page, d_blocks * d_page))
+        return self._assemble(decode_rank, pieces, naive_pages * d_page, vllm_units)
+
+    # ---- request handling
+
+    def _check_request(self, request: TransferRequest) -> None:
+        if request.num_tokens <= 0:
+            raise RequestError("num_tokens", f"must be positive, got {request.num_tokens}")
+        groups = self.decode.groups
+        seen: set[int] = set()
+        used = 0
+        for side, ids, layout in (("prefill_block_ids", request.prefill_block_ids, self.prefill),
+                                  ("decode_block_ids", request.decode_block_ids, self.decode)):
+            if len(ids) != len(groups):
+                raise RequestError(side, f"expected {len(groups)} groups, got {len(ids)}")
+            limit = layout.ranks[0].num_blocks
+            for g, group_ids in enumerate(ids):
+                if group_ids and (min(group_ids) < 0 or max(group_ids) >= limit):
+                    bad = next(b for b in group_ids if not 0 <= b < limit)
+                    raise RequestError(f"{side}[{g}]", f"block id {bad} outside [0, {limit})")
+                if side == "decode_block_ids":
+                    seen.update(group_ids)
+                    used += len(group_ids)
+        if len(seen) != used:
+            raise RequestError("decode_block_ids", "a decode block id appears twice; "
+                               "two groups would write the same page")
+        for g, group in enumerate(self.prefill.groups):
+            if group.is_attention:
+                held = len(request.prefill_block_ids[g]) * group.block_size
+                if held < request.num_tokens:
+                    raise RequestError(
+                        f"prefill_block_ids[{g}]",
+                        f"{len(request.prefill_block_ids[g])} blocks of {group.block_size} "
+                        f"tokens cannot hold num_tokens={request.num_tokens}")
+
+    def _attention_batches(self, decode_rank: int, g: int, num_tokens: int,
+                           p_ids: Sequence[int], d_ids: Sequence[int],
+                           ) -> tuple[list[tuple[Template, np.ndarray, np.ndarray]], int]:
+        """Split the tokens decode is missing into chunks that lie in one prefill and one
+        decode page, grouped by shape ``(prefill page offset, decode page offset, tokens)``."""
+        p_group, d_group = self.prefill.groups[g], self.decode.groups[g]
+        p_bs, d_bs = p_group.block_size, d_group.block_size
+        needed = -(-num_tokens // d_bs)
+        skip = max(0, needed - len(d_ids))  # decode already holds a prefix of `skip` pages
+        first = skip * d_bs
+        # Whole kernel blocks move (as vLLM does), but none beyond the last token's.
+        last = min(_round_up(num_tokens, d_group.kernel_block_size),
+                   _round_up(num_tokens, p_group.kernel_block_size))
+        if last <= first or not d_ids:
+            return [], 0
+        if p_bs == d_bs:
+            starts = np.arange(first, last, d_bs, dtype=_I64)
+        else:
+            starts = np.union1d(np.arange(first, last, d_bs, dtype=_I64),
+                                np.arange(_round_up(first, p_bs), last, p_bs, dtype=_I64))
+            starts = np.union1d(starts, [first])
+        ends = np.append(starts[1:], last)
+        p_index, d_index = starts // p_bs, starts // d_bs
+        p_at, d_at, count = starts - p_index * p_bs, starts - d_index * d_bs, ends - starts
+        p_blocks = np.asarray(p_ids, dtype=_I64)[p_index]
+        d_blocks = np.asarray(d_ids, dtype=_I64)[d_index - skip]
+        shapes = np.stack([p_at, d_at, count], axis=1)
+        unique, inverse = np.unique(shapes, axis=0, return_inverse=True)
+        inverse = inverse.ravel()
+        batches = []
+        for i, (pa, da, n) in enumerate(unique.tolist()):
+            mask = inverse == i
+            tpl = self._template(decode_rank, g, (pa, da, n))
+            batches.append((tpl, p_blocks[mask], d_blocks[mask]))
+        return batches, int(np.unique(d_blocks).size)
+
+    def _assemble(self, decode_rank: int, pieces: list[tuple[np.ndarray, ...]],
+                  naive_bytes: int, vllm_units: int) -> RankPlan:
+        if not pieces:
+            return RankPlan(decode_rank, (), naive_bytes, vllm_units)
+        p_rank, region, d_off, p_off, length = (np.concatenate(c) for c in zip(*pieces))
+        num_regions = self.decode.ranks[decode_rank].num_regions
+        keys, d_off, p_off, length = coalesce(p_rank * num_regions + region, d_off, p_off, length)
+        p_rank, region = np.divmod(keys, num_regions)
+        self._check_bounds(decode_rank, p_rank, d_off, p_off, length)
+        cuts = np.flatnonzero(p_rank[1:] != p_rank[:-1]) + 1
+        sources = tuple(
+            SourceReads(int(p_rank[lo]), region[lo:hi], d_off[lo:hi], p_off[lo:hi], length[lo:hi])
+            for lo, hi in zip(np.concatenate(([0], cuts)), np.concatenate((cuts, [p_rank.size])))
+        )
+        return RankPlan(decode_rank, sources, naive_bytes, vllm_units)
+
+    def _check_bounds(self, decode_rank: int, p_rank: np.ndarray, d_off: np.ndarray,
+                      p_off: np.ndarray, length: np.ndarray) -> None:
+        d_limit = self.decode.ranks[decode_rank].region_bytes
+        p_limit = self.prefill.ranks[0].region_bytes
+        if (d_off.min() < 0 or p_off.min() < 0 or (d_off + length).max() > d_limit
+                or (p_off + length).max() > p_limit):
+            raise AssertionError("planner produced a run outside a registered region")
+
+    # ---- templates
+
+    def _template(self, decode_rank: int, g: int, chunk: tuple[int, int, int] | None) -> Template:
+        key = (decode_rank, g, chunk)
+        tpl = self._templates.get(key)
+        if tpl is None:
+            if len(self._templates) >= self.max_templates:
+                self._templates.clear()
+            tpl = self._templates[key] = self._build_template(decode_rank, g, chunk)
+        return tpl
+
+    def _build_template(self, decode_rank: int, g: int,
+                        chunk: tuple[int, int, int] | None) -> Template:
+        d_group = self.decode.ranks[decode_rank].groups[g]
+        p_groups = [rank.groups[g] for rank in self.prefill.ranks]
+        pieces = _kernel_pieces(p_groups[0], d_group, chunk)
+        ranks_out, d_out, p_out, len_out = [], [], [], []
+        units = 0
+        for d_seg in d_group.segments:
+            for p_kb, p_tok, d_kb, d_tok, tokens in pieces:
+                missing = [d_seg.shard_interval]
+                for p in self.source_ranks(decode_rank):
+                    p_seg = p_groups[p].segment(d_seg.tensor)
+                    overlaps = [(max(a, p_seg.shard_interval[0]), min(b, p_seg.shard_interval[1]))
+                                for a, b in missing]
+                    overlaps = [(a, b) for a, b in overlaps if a < b]
+                    for lo, hi in overlaps:
+                        d_off, p_off, run = _segment_box(
+                            d_seg, p_seg, lo, hi, d_tok, p_tok, tokens,
+                            d_kb * d_group.kernel_block_bytes, p_kb * p_groups[p].kernel_block_bytes)
+                        ranks_out.append(np.full(d_off.size, p, dtype=_I64))
+                        d_out.append(d_off)
+                        p_out.append(p_off)
+                        len_out.append(np.full(d_off.size, run, dtype=_I64))
+                        missing = _subtract(missing, lo, hi)
+                    units += bool(overlaps)
+                    if not missing:
+                        break
+                if missing:
+                    raise IncompatibleLayoutsError(
+                        f"groups[{g}].segments[{d_seg.tensor!r}]",
+                        f"decode rank {decode_rank} needs global indices {missing} that no "
+                        "prefill rank holds")
+        if not d_out:
+            empty = np.zeros(0, dtype=_I64)
+            return Template(empty, empty, empty, empty, 0)
+        p_rank, d_off, p_off, length = coalesce(*(np.concatenate(c) for c in (ranks_out, d_out, p_out, len_out)))
+        _check_template(d_group, chunk, d_off, length, decode_rank, g)
+        return Template(p_rank, p_off, d_off, length, units)
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def _kernel_pieces(p_group: GroupLayout, d_group: GroupLayout,
+                   chunk: tuple[int, int, int] | None) -> list[tuple[int, int, int, int, int]]:
+    """Split a chunk at kernel-block boundaries of both sides: ``(p_kernel_block,
+    p_token_in_kb, d_kernel_block, d_token_in_kb, tokens)``. Mamba: one whole piece."""
+    if chunk is None:
+        return [(0, 0, 0, 0, 0)]
+    p_at, d_at, count = chunk
+    p_kbs, d_kbs = p_group.kernel_block_size, d_group.kernel_block_size
+    cuts = {0, count}
+    cuts.update(k * p_kbs - p_at for k in range(p_at // p_kbs + 1, (p_at + count) // p_kbs + 1))
+    cuts.update(k * d_kbs - d_at for k in range(d_at // d_kbs + 1, (d_at + count) // d_kbs + 1))
+    bounds = sorted(c for c in cuts if 0 <= c <= count)
+    return [((p_at + u) // p_kbs, (p_at + u) % p_kbs, (d_at + u) // d_kbs, (d_at + u) % d_kbs, v - u)
+            for u, v in zip(bounds, bounds[1:])]
+
+
+def _segment_box(d_seg: Segment, p_seg: Segment, lo: int, hi: int, d_tok: int, p_tok: int,
+                 tokens: int, d_base: int, p_base: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """Runs copying global shard indices ``[lo, hi)`` (and a token range) of one tensor."""
+    extent, d_start, p_start = list(d_seg.shape), [0] * len(d_seg.shape), [0] * len(d_seg.shape)
+    if d_seg.shard_axis is not None:
+        axis = d_seg.shard_axis
+        extent[axis] = hi - lo
+        d_start[axis], p_start[axis] = lo - d_seg.shard_start, lo - p_seg.shard_start
+    if d_seg.token_axis is not None:
+        axis = d_seg.token_axis
+        extent[axis], d_start[axis], p_start[axis] = tokens, d_tok, p_tok
+    return strided_runs(extent, d_seg.itemsize, d_base + d_seg.offset, d_start, d_seg.strides,
+                        p_base + p_seg.offset, p_start, p_seg.strides)
+
+
+def _check_template(d_group: GroupLayout, chunk: tuple[int, int, int] | None, d_off: np.ndarray,
+                    length: np.ndarray, decode_rank: int, g: int) -> None:
+    """A template writes each needed decode byte exactly once."""
+    order = np.argsort(d_off)
+    if np.any(d_off[order][1:] < (d_off + length)[order][:-1]):
+        raise AssertionError(f"template for decode rank {decode_rank} group {g} overlaps itself")
+    if chunk is None:
+        needed = sum(s.nbytes for s in d_group.segments)
+    else:
+        needed = sum(s.nbytes // d_group.kernel_block_size for s in d_group.segments) * chunk[2]
+    if int(length.sum()) != needed:
+        raise AssertionError(
+            f"template for decode rank {decode_rank} group {g} moves {int(length.sum())} "
+            f"bytes, needs {needed}")
+
+
+def _expand(tpl: Template, regions: np.ndarray, p_bases: np.ndarray, d_bases: np.ndarray,
+            ) -> tuple[np.ndarray, ...]:
+    """Template runs for every (region, block pair): columns p_rank, region, d_off, p_off, len."""
+    shape = (regions.size, p_bases.size, tpl.length.size)
+    d_off = np.broadcast_to(d_bases[:, None] + tpl.local_offset, shape).ravel()
+    p_off = np.broadcast_to(p_bases[:, None] + tpl.remote_offset, shape).ravel()
+    region = np.broadcast_to(regions[:, None, None], shape).ravel()
+    p_rank = np.broadcast_to(tpl.prefill_rank, shape).ravel()
+    length = np.broadcast_to(tpl.length, shape).ravel()
+    return p_rank, region, d_off, p_off, length
+
+
+# --------------------------------------------------------------------------- compatibility
+
+
+def check_compatible(prefill: EngineLayout, decode: EngineLayout) -> None:
+    """Raise :class:`IncompatibleLayoutsError` unless decode can be filled from prefill."""
+    if prefill.model and decode.model and prefill.model != decode.model:
+        raise IncompatibleLayoutsError("model", f"prefill serves {prefill.model!r}, decode {decode.model!r}")
+    p_tp, d_tp = prefill.tp_size, decode.tp_size
+    if max(p_tp, d_tp) % min(p_tp, d_tp):
+        raise IncompatibleLayoutsError("tp_size", f"prefill tp={p_tp} and decode tp={d_tp}: "
+                                       "one must divide the other")
+    if len(prefill.groups) != len(decode.groups):
+        raise IncompatibleLayoutsError(
+            "groups", f"prefill has {len(prefill.groups)} KV-cache groups, decode {len(decode.groups)}")
+    if prefill.ranks[0].num_regions != decode.ranks[0].num_regions:
+        raise IncompatibleLayoutsError(
+            "num_regions", f"prefill {prefill.ranks[0].num_regions}, decode {decode.ranks[0].num_regions}")
+    for g, (pg, dg) in enumerate(zip(prefill.groups, decode.groups)):
+        where = f"groups[{g}]"
+        if pg.kind != dg.kind:
+            raise IncompatibleLayoutsError(f"{where}.kind", f"prefill {pg.kind.value}, decode {dg.kind.value}")
+        if pg.layers != dg.layers:
+            raise IncompatibleLayoutsError(f"{where}.layers", "prefill and decode list different layers")
+        p_tensors = {s.tensor: s for s in pg.segments}
+        for ds in dg.segments:
+            ps = p_tensors.get(ds.tensor)
+            swhere = f"{where}.segments[{ds.tensor!r}]"
+            if ps is None:
+                raise IncompatibleLayoutsError(swhere, "prefill pages have no such tensor")
+            _check_segment_pair(swhere, ps, ds)
+        extra = set(p_tensors) - {s.tensor for s in dg.segments}
+        if extra:
+            raise IncompatibleLayoutsError(f"{where}.segments", f"decode pages lack {sorted(extra)}")
+
+
+def _check_segment_pair(where: str, ps: Segment, ds: Segment) -> None:
+    if ps.dtype != ds.dtype:
+        raise IncompatibleLayoutsError(f"{where}.dtype", f"prefill {ps.dtype}, decode {ds.dtype}")
+    if (ps.shard_axis, ps.token_axis) != (ds.shard_axis, ds.token_axis):
+        raise IncompatibleLayoutsError(f"{where}.shard_axis", "prefill and decode shard different axes")
+    p_shape, d_shape = list(ps.global_shape), list(ds.global_shape)
+    if ds.token_axis is not None:
+        p_shape[ds.token_axis] = d_shape[ds.token_axis] = 0
+    if p_shape != d_shape:
+        raise IncompatibleLayoutsError(f"{where}.shape",
+                                       f"global shapes differ: prefill {ps.global_shape}, decode {ds.global_shape}")

@@ -1,0 +1,1 @@
+"""Engine-side libraries: prefill and decode clients that drive NIXL (extra ``engine``)."""
