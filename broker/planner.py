@@ -136,6 +136,32 @@ class Template:
     vllm_units: int
 
 
+class _TemplateTable:
+    """Every template of one decode rank, each repeated over its group's regions, stored as
+    flat columns so that a request expands all its block pairs with one gather."""
+
+    def __init__(self) -> None:
+        self.ids: dict[tuple, int] = {}
+        self.start = np.zeros(0, dtype=_I64)
+        self.size = np.zeros(0, dtype=_I64)
+        self.vllm_units = np.zeros(0, dtype=_I64)
+        empty = np.zeros(0, dtype=_I64)
+        self.p_rank = self.region = self.p_off = self.d_off = self.length = empty
+
+    def add(self, key: tuple, tpl: Template, num_regions: int) -> int:
+        runs = tpl.length.size
+        tid = self.ids[key] = self.size.size
+        self.start = np.append(self.start, self.p_rank.size)
+        self.size = np.append(self.size, runs * num_regions)
+        self.vllm_units = np.append(self.vllm_units, tpl.vllm_units * num_regions)
+        self.p_rank = np.concatenate([self.p_rank, np.tile(tpl.prefill_rank, num_regions)])
+        self.region = np.concatenate([self.region, np.repeat(np.arange(num_regions, dtype=_I64), runs)])
+        self.p_off = np.concatenate([self.p_off, np.tile(tpl.remote_offset, num_regions)])
+        self.d_off = np.concatenate([self.d_off, np.tile(tpl.local_offset, num_regions)])
+        self.length = np.concatenate([self.length, np.tile(tpl.length, num_regions)])
+        return tid
+
+
 # --------------------------------------------------------------------------- run emission
 
 
@@ -206,10 +232,11 @@ class PairPlanner:
     prefill: EngineLayout
     decode: EngineLayout
     max_templates: int = 4096
-    _templates: dict[tuple, Template] = field(default_factory=dict, init=False, repr=False)
+    _tables: list[_TemplateTable] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
         check_compatible(self.prefill, self.decode)
+        self._tables = [_TemplateTable() for _ in range(self.decode.tp_size)]
 
     # ---- public API
 
@@ -233,28 +260,37 @@ class PairPlanner:
         if not 0 <= decode_rank < self.decode.tp_size:
             raise RequestError("decode_rank", f"{decode_rank} outside [0, {self.decode.tp_size})")
         self._check_request(request)
-        p_rank0, d_layout = self.prefill.ranks[0], self.decode.ranks[decode_rank]
-        p_page, d_page = p_rank0.page_bytes, d_layout.page_bytes
-        pieces: list[tuple[np.ndarray, ...]] = []
-        naive_pages = vllm_units = 0
-        for g, d_group in enumerate(d_layout.groups):
-            regions = np.arange(len(d_group.layers), dtype=_I64)
-            p_ids = request.prefill_block_ids[g]
-            d_ids = request.decode_block_ids[g]
+        # One slot per block pair (attention: per chunk of tokens): its template and pages.
+        slot_tpl: list[int] = []
+        slot_p: list[int] = []
+        slot_d: list[int] = []
+        naive_pages = 0
+        for g, d_group in enumerate(self.decode.groups):
+            p_ids, d_ids = request.prefill_block_ids[g], request.decode_block_ids[g]
             if d_group.is_attention:
-                batches, pages = self._attention_batches(decode_rank, g, request.num_tokens, p_ids, d_ids)
+                tpls, p_sel, d_sel, pages = self._attention_slots(
+                    decode_rank, g, request.num_tokens, p_ids, d_ids)
             else:
                 n = min(len(p_ids), len(d_ids))
-                p_sel = np.asarray(p_ids[len(p_ids) - n:], dtype=_I64)
-                d_sel = np.asarray(d_ids[:n], dtype=_I64)
-                batches, pages = [(self._template(decode_rank, g, None), p_sel, d_sel)], n
-            naive_pages += pages * regions.size
-            for tpl, p_blocks, d_blocks in batches:
-                if not p_blocks.size or not tpl.length.size:
-                    continue
-                vllm_units += tpl.vllm_units * p_blocks.size * regions.size
-                pieces.append(_expand(tpl, regions, p_blocks * p_page, d_blocks * d_page))
-        return self._assemble(decode_rank, pieces, naive_pages * d_page, vllm_units)
+                tpls = [self._template_id(decode_rank, g, None)] * n
+                p_sel, d_sel, pages = p_ids[len(p_ids) - n:], d_ids[:n], n
+            slot_tpl += tpls
+            slot_p += p_sel
+            slot_d += d_sel
+            naive_pages += pages * len(d_group.layers)
+        d_page = self.decode.ranks[decode_rank].page_bytes
+        table = self._tables[decode_rank]
+        tpl = np.array(slot_tpl, dtype=_I64)
+        sizes = table.size[tpl]
+        total = int(sizes.sum())
+        if not total:
+            return RankPlan(decode_rank, (), naive_pages * d_page, 0)
+        slot_of_row = np.repeat(np.arange(tpl.size, dtype=_I64), sizes)
+        row = np.arange(total, dtype=_I64) + np.repeat(table.start[tpl] - (np.cumsum(sizes) - sizes), sizes)
+        p_off = table.p_off[row] + np.array(slot_p, dtype=_I64)[slot_of_row] * self.prefill.ranks[0].page_bytes
+        d_off = table.d_off[row] + np.array(slot_d, dtype=_I64)[slot_of_row] * d_page
+        return self._assemble(decode_rank, table.p_rank[row], table.region[row], d_off, p_off,
+                              table.length[row], naive_pages * d_page, int(table.vllm_units[tpl].sum()))
 
     # ---- request handling
 
@@ -288,11 +324,12 @@ class PairPlanner:
                         f"{len(request.prefill_block_ids[g])} blocks of {group.block_size} "
                         f"tokens cannot hold num_tokens={request.num_tokens}")
 
-    def _attention_batches(self, decode_rank: int, g: int, num_tokens: int,
-                           p_ids: Sequence[int], d_ids: Sequence[int],
-                           ) -> tuple[list[tuple[Template, np.ndarray, np.ndarray]], int]:
+    def _attention_slots(self, decode_rank: int, g: int, num_tokens: int,
+                         p_ids: Sequence[int], d_ids: Sequence[int],
+                         ) -> tuple[list[int], list[int], list[int], int]:
         """Split the tokens decode is missing into chunks that lie in one prefill and one
-        decode page, grouped by shape ``(prefill page offset, decode page offset, tokens)``."""
+        decode page; returns per chunk its template id and both block ids, and the number of
+        decode pages written."""
         p_group, d_group = self.prefill.groups[g], self.decode.groups[g]
         p_bs, d_bs = p_group.block_size, d_group.block_size
         needed = -(-num_tokens // d_bs)
@@ -302,46 +339,41 @@ class PairPlanner:
         last = min(_round_up(num_tokens, d_group.kernel_block_size),
                    _round_up(num_tokens, p_group.kernel_block_size))
         if last <= first or not d_ids:
-            return [], 0
-        if p_bs == d_bs:
-            starts = np.arange(first, last, d_bs, dtype=_I64)
-        else:
-            starts = np.union1d(np.arange(first, last, d_bs, dtype=_I64),
-                                np.arange(_round_up(first, p_bs), last, p_bs, dtype=_I64))
-            starts = np.union1d(starts, [first])
+            return [], [], [], 0
+        if p_bs == d_bs:  # chunks are whole pages but the last
+            count = -(-(last - first) // d_bs)
+            tail = last - first - (count - 1) * d_bs
+            tpls = [self._template_id(decode_rank, g, (0, 0, d_bs))] * (count - 1)
+            tpls.append(self._template_id(decode_rank, g, (0, 0, tail)))
+            return tpls, list(p_ids[skip:skip + count]), list(d_ids[:count]), count
+        starts = np.union1d(np.arange(first, last, d_bs, dtype=_I64),
+                            np.arange(_round_up(first, p_bs), last, p_bs, dtype=_I64))
+        starts = np.union1d(starts, [first])
         ends = np.append(starts[1:], last)
         p_index, d_index = starts // p_bs, starts // d_bs
-        p_at, d_at, count = starts - p_index * p_bs, starts - d_index * d_bs, ends - starts
-        p_blocks = np.asarray(p_ids, dtype=_I64)[p_index]
-        d_blocks = np.asarray(d_ids, dtype=_I64)[d_index - skip]
-        shapes = np.stack([p_at, d_at, count], axis=1)
-        unique, inverse = np.unique(shapes, axis=0, return_inverse=True)
-        inverse = inverse.ravel()
-        batches = []
-        for i, (pa, da, n) in enumerate(unique.tolist()):
-            mask = inverse == i
-            tpl = self._template(decode_rank, g, (pa, da, n))
-            batches.append((tpl, p_blocks[mask], d_blocks[mask]))
-        return batches, int(np.unique(d_blocks).size)
+        shapes = zip((starts - p_index * p_bs).tolist(), (starts - d_index * d_bs).tolist(),
+                     (ends - starts).tolist())
+        tpls = [self._template_id(decode_rank, g, shape) for shape in shapes]
+        d_sel = np.asarray(d_ids, dtype=_I64)[d_index - skip]
+        return (tpls, np.asarray(p_ids, dtype=_I64)[p_index].tolist(), d_sel.tolist(),
+                int(np.unique(d_sel).size))
 
-    def _assemble(self, decode_rank: int, pieces: list[tuple[np.ndarray, ...]],
-                  naive_bytes: int, vllm_units: int) -> RankPlan:
-        if not pieces:
-            return RankPlan(decode_rank, (), naive_bytes, vllm_units)
-        p_rank, region, d_off, p_off, length = (np.concatenate(c) for c in zip(*pieces))
+    def _assemble(self, decode_rank: int, p_rank: np.ndarray, region: np.ndarray,
+                  d_off: np.ndarray, p_off: np.ndarray, length: np.ndarray, naive_bytes: int,
+                  vllm_units: int) -> RankPlan:
         num_regions = self.decode.ranks[decode_rank].num_regions
         keys, d_off, p_off, length = coalesce(p_rank * num_regions + region, d_off, p_off, length)
         p_rank, region = np.divmod(keys, num_regions)
-        self._check_bounds(decode_rank, p_rank, d_off, p_off, length)
-        cuts = np.flatnonzero(p_rank[1:] != p_rank[:-1]) + 1
+        self._check_bounds(decode_rank, d_off, p_off, length)
+        cuts = (np.flatnonzero(p_rank[1:] != p_rank[:-1]) + 1).tolist()
         sources = tuple(
             SourceReads(int(p_rank[lo]), region[lo:hi], d_off[lo:hi], p_off[lo:hi], length[lo:hi])
-            for lo, hi in zip(np.concatenate(([0], cuts)), np.concatenate((cuts, [p_rank.size])))
+            for lo, hi in zip([0, *cuts], [*cuts, p_rank.size])
         )
         return RankPlan(decode_rank, sources, naive_bytes, vllm_units)
 
-    def _check_bounds(self, decode_rank: int, p_rank: np.ndarray, d_off: np.ndarray,
-                      p_off: np.ndarray, length: np.ndarray) -> None:
+    def _check_bounds(self, decode_rank: int, d_off: np.ndarray, p_off: np.ndarray,
+                      length: np.ndarray) -> None:
         d_limit = self.decode.ranks[decode_rank].region_bytes
         p_limit = self.prefill.ranks[0].region_bytes
         if (d_off.min() < 0 or p_off.min() < 0 or (d_off + length).max() > d_limit
@@ -350,14 +382,18 @@ class PairPlanner:
 
     # ---- templates
 
-    def _template(self, decode_rank: int, g: int, chunk: tuple[int, int, int] | None) -> Template:
-        key = (decode_rank, g, chunk)
-        tpl = self._templates.get(key)
-        if tpl is None:
-            if len(self._templates) >= self.max_templates:
-                self._templates.clear()
-            tpl = self._templates[key] = self._build_template(decode_rank, g, chunk)
-        return tpl
+    def _template_id(self, decode_rank: int, g: int, chunk: tuple[int, int, int] | None) -> int:
+        """Id in the decode rank's table of the template for group ``g`` and ``chunk``
+        (``(prefill page token, decode page token, tokens)``; ``None`` for a Mamba block)."""
+        table = self._tables[decode_rank]
+        key = (g, chunk)
+        tid = table.ids.get(key)
+        if tid is None:
+            if len(table.ids) >= self.max_templates:
+                table = self._tables[decode_rank] = _TemplateTable()
+            tpl = self._build_template(decode_rank, g, chunk)
+            tid = table.add(key, tpl, len(self.decode.groups[g].layers))
+        return tid
 
     def _build_template(self, decode_rank: int, g: int,
                         chunk: tuple[int, int, int] | None) -> Template:
@@ -448,18 +484,6 @@ def _check_template(d_group: GroupLayout, chunk: tuple[int, int, int] | None, d_
         raise AssertionError(
             f"template for decode rank {decode_rank} group {g} moves {int(length.sum())} "
             f"bytes, needs {needed}")
-
-
-def _expand(tpl: Template, regions: np.ndarray, p_bases: np.ndarray, d_bases: np.ndarray,
-            ) -> tuple[np.ndarray, ...]:
-    """Template runs for every (region, block pair): columns p_rank, region, d_off, p_off, len."""
-    shape = (regions.size, p_bases.size, tpl.length.size)
-    d_off = np.broadcast_to(d_bases[:, None] + tpl.local_offset, shape).ravel()
-    p_off = np.broadcast_to(p_bases[:, None] + tpl.remote_offset, shape).ravel()
-    region = np.broadcast_to(regions[:, None, None], shape).ravel()
-    p_rank = np.broadcast_to(tpl.prefill_rank, shape).ravel()
-    length = np.broadcast_to(tpl.length, shape).ravel()
-    return p_rank, region, d_off, p_off, length
 
 
 # --------------------------------------------------------------------------- compatibility

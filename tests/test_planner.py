@@ -1,0 +1,171 @@
+"""Planner behaviour on named scenarios and its validation errors."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from broker.errors import IncompatibleLayoutsError, LayoutError, RequestError
+from broker.layout import (EngineLayout, GroupKind, GroupLayout, RankLayout, Segment,
+                           contiguous_strides)
+from broker.models import AttentionParams, MambaParams, ModelSpec, build_engine_layout
+from broker.planner import PairPlanner, TransferRequest
+from broker.scenarios import build_scenario
+from test_planner_properties import check_plan_by_simulation
+
+MAMBA2 = MambaParams("mamba2", conv_kernel=4, intermediate_size=64, num_heads=16, head_dim=4,
+                     n_groups=2, state_size=8)
+GDN = MambaParams("gdn", conv_kernel=4, conv_dtype="bfloat16", ssm_dtype="bfloat16",
+                  num_k_heads=8, num_v_heads=16, head_k_dim=4, head_v_dim=4)
+
+
+def hybrid(mamba: MambaParams = MAMBA2, kv_heads: int = 4, kv_dtype: str = "bfloat16") -> ModelSpec:
+    return ModelSpec("tiny", ((GroupKind.MAMBA, ("m0", "m2")), (GroupKind.ATTENTION, ("a1", "a3")),
+                              (GroupKind.MAMBA, ("m4", "m5"))),
+                     AttentionParams(kv_heads, 8, kv_dtype), mamba)
+
+
+@pytest.mark.parametrize("p_tp,d_tp", [(1, 1), (2, 2), (1, 4), (4, 1), (2, 8), (8, 2)])
+@pytest.mark.parametrize("mamba", [MAMBA2, GDN], ids=["mamba2", "gdn"])
+def test_tp_pairs_reshard_exactly(p_tp: int, d_tp: int, mamba: MambaParams) -> None:
+    sc = build_scenario(hybrid(mamba), p_tp, d_tp, num_tokens=100, prefill_offset=3, decode_offset=1)
+    check_plan_by_simulation(sc.prefill, sc.decode, sc.request)
+
+
+def test_replicated_mamba2_groups_read_the_right_group() -> None:
+    # n_groups=2 < tp=8: each decode rank holds one whole group; vLLM 0.33 misreads this case.
+    sc = build_scenario(hybrid(), 1, 8, num_tokens=40)
+    check_plan_by_simulation(sc.prefill, sc.decode, sc.request)
+    sc = build_scenario(hybrid(), 8, 2, num_tokens=40)
+    check_plan_by_simulation(sc.prefill, sc.decode, sc.request)
+    b_rank5 = sc.decode.ranks[1].groups[0].segment("conv.B")
+    assert (b_rank5.shard_start, b_rank5.shape[0]) == (8, 8)  # rank 1 of 2 holds group 1
+
+
+def test_different_logical_block_sizes_without_common_kernel_block() -> None:
+    model = hybrid()
+    prefill = build_engine_layout(model, 2, 40, block_size=48, kernel_block_size=16)
+    decode = build_engine_layout(model, 1, 40, block_size=80, kernel_block_size=40)
+    request = TransferRequest.of(150, [[1], list(range(4, 8)), [2]], [[3], [10, 11], [5]])
+    check_plan_by_simulation(prefill, decode, request)
+
+
+def test_prefix_hit_moves_only_the_missing_tail() -> None:
+    sc = build_scenario(hybrid(), 2, 2, num_tokens=100)
+    full = PairPlanner(sc.prefill, sc.decode).plan_rank(0, sc.request)
+    d_ids = list(sc.request.decode_block_ids)
+    d_ids[1] = d_ids[1][-1:]  # decode already holds all but the last attention page
+    request = dataclasses.replace(sc.request, decode_block_ids=tuple(d_ids))
+    check_plan_by_simulation(sc.prefill, sc.decode, request)
+    partial = PairPlanner(sc.prefill, sc.decode).plan_rank(0, request)
+    attention_page = sc.decode.groups[1].state_bytes
+    pages_skipped = len(sc.request.decode_block_ids[1]) - 1
+    assert full.nbytes - partial.nbytes == pages_skipped * attention_page * 2  # two layers
+
+
+def test_fp8_kv_and_separate_k_v_planes_are_declarations_only() -> None:
+    # Older vLLM splits a kernel block into a K plane and a V plane: declare it, plan it.
+    def planes(rank: RankLayout) -> RankLayout:
+        groups = []
+        for group in rank.groups:
+            if group.is_attention:
+                kv = group.segment("kv")
+                heads, kbs, two_d = kv.shape
+                shape = (heads, kbs, two_d // 2)
+                strides = contiguous_strides(shape, kv.itemsize)
+                k = dataclasses.replace(kv, tensor="k", shape=shape, strides=strides)
+                v = dataclasses.replace(k, tensor="v", offset=kv.nbytes // 2)
+                group = dataclasses.replace(group, segments=(k, v))
+            groups.append(group)
+        return dataclasses.replace(rank, groups=tuple(groups))
+
+    sc = build_scenario(hybrid(kv_dtype="fp8"), 4, 2, num_tokens=70)
+    prefill = dataclasses.replace(sc.prefill, ranks=tuple(planes(r) for r in sc.prefill.ranks))
+    decode = dataclasses.replace(sc.decode, ranks=tuple(planes(r) for r in sc.decode.ranks))
+    check_plan_by_simulation(prefill, decode, sc.request)
+
+
+def test_homogeneous_tp_coalesces_consecutive_pages() -> None:
+    sc = build_scenario(hybrid(), 2, 2, num_tokens=2000)
+    plan = PairPlanner(sc.prefill, sc.decode).plan_rank(0, sc.request)
+    # Blocks are [mamba0 | attention pages... | mamba2]: per region, Mamba page 0 is one run
+    # (conv and SSM adjacent, padding after), the attention pages and the Mamba page behind
+    # them (contiguous on both sides) a second.
+    assert plan.num_descriptors == 2 * 2
+    assert plan.vllm_descriptors == 2 * 4 * 2 + 2 * len(sc.request.decode_block_ids[1])
+    assert plan.nbytes < plan.naive_bytes
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def test_layouts_of_different_models_are_rejected() -> None:
+    prefill = build_engine_layout(hybrid(), 1, 8)
+    decode = build_engine_layout(hybrid(GDN), 1, 8)
+    with pytest.raises(IncompatibleLayoutsError) as err:
+        PairPlanner(prefill, decode)
+    assert err.value.field == "model"
+
+
+def test_dtype_mismatch_names_the_segment() -> None:
+    prefill = build_engine_layout(hybrid(), 1, 8)
+    decode = build_engine_layout(dataclasses.replace(hybrid(), name="tiny"), 1, 8)
+    decode = dataclasses.replace(decode, model=prefill.model)
+    ssm_bf16 = dataclasses.replace(decode.groups[0].segment("ssm"), dtype="bfloat16",
+                                   strides=contiguous_strides(decode.groups[0].segment("ssm").shape, 2))
+    group = dataclasses.replace(decode.groups[0], segments=(*decode.groups[0].segments[:-1], ssm_bf16))
+    rank = dataclasses.replace(decode.ranks[0], groups=(group, *decode.ranks[0].groups[1:]))
+    with pytest.raises(IncompatibleLayoutsError) as err:
+        PairPlanner(prefill, EngineLayout(decode.model, 1, (rank,)))
+    assert err.value.field == "groups[0].segments['ssm'].dtype"
+
+
+def test_tp_sizes_that_do_not_divide_are_rejected() -> None:
+    model = ModelSpec("t", ((GroupKind.MAMBA, ("m",)),), None,
+                      MambaParams("mamba1", 4, intermediate_size=12, state_size=2))
+    with pytest.raises(IncompatibleLayoutsError) as err:
+        PairPlanner(build_engine_layout(model, 2, 4), build_engine_layout(model, 3, 4))
+    assert err.value.field == "tp_size"
+
+
+@pytest.mark.parametrize("mutate,field", [
+    (lambda r: dataclasses.replace(r, prefill_block_ids=r.prefill_block_ids[:2]), "prefill_block_ids"),
+    (lambda r: dataclasses.replace(r, decode_block_ids=((99,), *r.decode_block_ids[1:])), "decode_block_ids[0]"),
+    (lambda r: dataclasses.replace(r, decode_block_ids=(r.decode_block_ids[1][:1], *r.decode_block_ids[1:])),
+     "decode_block_ids"),
+    (lambda r: dataclasses.replace(r, prefill_block_ids=(r.prefill_block_ids[0], r.prefill_block_ids[1][:1],
+                                                         r.prefill_block_ids[2])), "prefill_block_ids[1]"),
+    (lambda r: dataclasses.replace(r, num_tokens=0), "num_tokens"),
+])
+def test_bad_requests_name_the_field(mutate, field: str) -> None:
+    sc = build_scenario(hybrid(), 2, 2, num_tokens=200)
+    with pytest.raises(RequestError) as err:
+        PairPlanner(sc.prefill, sc.decode).plan_rank(0, mutate(sc.request))
+    assert err.value.field == field
+
+
+def test_decode_rank_out_of_range() -> None:
+    sc = build_scenario(hybrid(), 2, 2, num_tokens=20)
+    with pytest.raises(RequestError) as err:
+        PairPlanner(sc.prefill, sc.decode).plan_rank(2, sc.request)
+    assert err.value.field == "decode_rank"
+
+
+def test_segment_outside_its_page_is_rejected() -> None:
+    seg = Segment("ssm", 100, (4, 8), contiguous_strides((4, 8), 4), "float32", 0, 0, 4)
+    with pytest.raises(LayoutError) as err:
+        RankLayout(0, 1, 4, 128, (GroupLayout(GroupKind.MAMBA, ("m",), (seg,)),))
+    assert err.value.field == "ranks[0].groups[0].segments['ssm']"
+
+
+def test_block_size_too_small_for_mamba_state() -> None:
+    with pytest.raises(LayoutError) as err:
+        build_engine_layout(hybrid(), 1, 8, block_size=1)
+    assert err.value.field == "block_size"
+
+
+def test_unknown_dtype_is_rejected() -> None:
+    with pytest.raises(LayoutError) as err:
+        build_engine_layout(hybrid(kv_dtype="int3"), 1, 8)
+    assert err.value.field == "attention.dtype"

@@ -1,0 +1,71 @@
+"""The planner reproduces reference plans computed with vLLM 0.33's own NIXL connector."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from broker.cli import main
+
+VECTORS = Path(__file__).parent / "data" / "testvectors"
+CASES = sorted((VECTORS / "cases").glob("*.json"))
+
+
+def merge_runs(runs: list[list[int]]) -> list[tuple[int, ...]]:
+    """Sort and merge runs that continue each other on both sides (same ranks, regions)."""
+    merged: list[tuple[int, ...]] = []
+    for run in sorted(map(tuple, runs)):
+        if merged:
+            prev = merged[-1]
+            if (prev[0], prev[1], prev[3], prev[4]) == (run[0], run[1], run[3], run[4]) and (
+                    prev[2] + prev[6] == run[2] and prev[5] + prev[6] == run[5]):
+                merged[-1] = (*prev[:6], prev[6] + run[6])
+                continue
+        merged.append(run)
+    return merged
+
+
+def test_vectors_are_present() -> None:
+    assert len(CASES) >= 8
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda p: p.stem)
+def test_plan_matches_vllm_reference(case: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    expected = json.loads((VECTORS / "expected" / case.name).read_text())
+    rc = main(["plan", "--case", str(case), "--json"])
+    out = capsys.readouterr()
+    if expected["status"] != "ok":
+        assert rc != 0 and out.err
+        return
+    assert rc == 0, out.err
+    got = json.loads(out.out)
+    assert merge_runs(got["runs"]) == merge_runs(expected["runs"])
+    assert got["total_bytes"] == expected["total_bytes"]
+    assert got["vllm_descriptors"] == expected["vllm_descriptors"]
+    assert got["descriptors"] <= expected["vllm_descriptors"]
+
+
+def test_console_script_plans_a_case() -> None:
+    exe = shutil.which("pdbroker") or shutil.which("pdbroker", path=str(Path(sys.executable).parent))
+    cmd = [exe] if exe else [sys.executable, "-m", "broker.cli"]
+    case = CASES[0]
+    out = subprocess.run([*cmd, "plan", "--case", str(case), "--json"], capture_output=True,
+                         text=True, check=True)
+    expected = json.loads((VECTORS / "expected" / case.name).read_text())
+    assert json.loads(out.stdout)["total_bytes"] == expected["total_bytes"]
+
+
+def test_unplannable_case_names_the_field(tmp_path: Path) -> None:
+    raw = json.loads(CASES[0].read_text())
+    raw["decode"]["tp"] = 3
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(raw))
+    out = subprocess.run([sys.executable, "-m", "broker.cli", "plan", "--case", str(bad), "--json"],
+                         capture_output=True, text=True)
+    assert out.returncode != 0
+    assert "total_num_kv_heads" in out.stderr and "tp=3" in out.stderr
