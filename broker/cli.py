@@ -12,6 +12,7 @@ from broker.errors import PdbrokerError
 #: Modules that each define ``register(subparsers)``; a command's handler is ``args.run``.
 COMMAND_MODULES = (
     "broker.commands.plan",
+    "broker.commands.bench",
 )
 
 
