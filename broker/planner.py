@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from itertools import chain
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,6 +26,8 @@ from broker.errors import IncompatibleLayoutsError, RequestError
 from broker.layout import EngineLayout, GroupLayout, Segment
 
 _I64 = np.int64
+#: Rows of a template table: prefill rank, region, decode offset, prefill offset, length.
+_COLUMNS = ("prefill_rank", "region", "local_offset", "remote_offset", "length")
 
 
 @dataclass(frozen=True)
@@ -138,27 +141,37 @@ class Template:
 
 class _TemplateTable:
     """Every template of one decode rank, each repeated over its group's regions, stored as
-    flat columns so that a request expands all its block pairs with one gather."""
+    the rows of one ``(5, runs)`` array (:data:`_COLUMNS`) so that a request expands all its
+    block pairs with one gather."""
 
     def __init__(self) -> None:
         self.ids: dict[tuple, int] = {}
         self.start = np.zeros(0, dtype=_I64)
         self.size = np.zeros(0, dtype=_I64)
         self.vllm_units = np.zeros(0, dtype=_I64)
-        empty = np.zeros(0, dtype=_I64)
-        self.p_rank = self.region = self.p_off = self.d_off = self.length = empty
+        self.starts_pages = np.zeros(0, dtype=bool)
+        self.ends_pages = np.zeros(0, dtype=bool)
+        self.runs = np.zeros((len(_COLUMNS), 0), dtype=_I64)
 
-    def add(self, key: tuple, tpl: Template, num_regions: int) -> int:
+    def add(self, key: tuple, tpl: Template, num_regions: int, p_page: int, d_page: int) -> int:
+        """Append ``tpl`` repeated over ``num_regions`` regions; returns its id. Records whether
+        a run starts at both page starts or ends at both page ends: only such runs can merge
+        with a run of another block pair."""
         runs = tpl.length.size
         tid = self.ids[key] = self.size.size
-        self.start = np.append(self.start, self.p_rank.size)
+        self.starts_pages = np.append(self.starts_pages, bool(
+            np.any((tpl.local_offset == 0) & (tpl.remote_offset == 0))))
+        self.ends_pages = np.append(self.ends_pages, bool(np.any(
+            (tpl.local_offset + tpl.length == d_page) & (tpl.remote_offset + tpl.length == p_page))))
+        self.start = np.append(self.start, self.runs.shape[1])
         self.size = np.append(self.size, runs * num_regions)
         self.vllm_units = np.append(self.vllm_units, tpl.vllm_units * num_regions)
-        self.p_rank = np.concatenate([self.p_rank, np.tile(tpl.prefill_rank, num_regions)])
-        self.region = np.concatenate([self.region, np.repeat(np.arange(num_regions, dtype=_I64), runs)])
-        self.p_off = np.concatenate([self.p_off, np.tile(tpl.remote_offset, num_regions)])
-        self.d_off = np.concatenate([self.d_off, np.tile(tpl.local_offset, num_regions)])
-        self.length = np.concatenate([self.length, np.tile(tpl.length, num_regions)])
+        added = np.stack([np.tile(tpl.prefill_rank, num_regions),
+                          np.repeat(np.arange(num_regions, dtype=_I64), runs),
+                          np.tile(tpl.local_offset, num_regions),
+                          np.tile(tpl.remote_offset, num_regions),
+                          np.tile(tpl.length, num_regions)])
+        self.runs = np.concatenate([self.runs, added], axis=1)
         return tid
 
 
@@ -233,10 +246,12 @@ class PairPlanner:
     decode: EngineLayout
     max_templates: int = 4096
     _tables: list[_TemplateTable] = field(default_factory=list, init=False, repr=False)
+    _attention_groups: list[int] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
         check_compatible(self.prefill, self.decode)
         self._tables = [_TemplateTable() for _ in range(self.decode.tp_size)]
+        self._attention_groups = [g for g, group in enumerate(self.decode.groups) if group.is_attention]
 
     # ---- public API
 
@@ -285,44 +300,45 @@ class PairPlanner:
         total = int(sizes.sum())
         if not total:
             return RankPlan(decode_rank, (), naive_pages * d_page, 0)
-        slot_of_row = np.repeat(np.arange(tpl.size, dtype=_I64), sizes)
         row = np.arange(total, dtype=_I64) + np.repeat(table.start[tpl] - (np.cumsum(sizes) - sizes), sizes)
-        p_off = table.p_off[row] + np.array(slot_p, dtype=_I64)[slot_of_row] * self.prefill.ranks[0].page_bytes
-        d_off = table.d_off[row] + np.array(slot_d, dtype=_I64)[slot_of_row] * d_page
-        return self._assemble(decode_rank, table.p_rank[row], table.region[row], d_off, p_off,
-                              table.length[row], naive_pages * d_page, int(table.vllm_units[tpl].sum()))
+        p_rank, region, d_off, p_off, length = table.runs[:, row]
+        p_page = self.prefill.ranks[0].page_bytes
+        p_off += np.repeat(np.array(slot_p, dtype=_I64) * p_page, sizes)
+        d_off += np.repeat(np.array(slot_d, dtype=_I64) * d_page, sizes)
+        mergeable = bool(table.starts_pages[tpl].any() and table.ends_pages[tpl].any())
+        return self._assemble(decode_rank, p_rank, region, d_off, p_off, length, mergeable,
+                              naive_pages * d_page,
+                              int(table.vllm_units[tpl].sum()))
 
     # ---- request handling
 
     def _check_request(self, request: TransferRequest) -> None:
+        """Block ids in range, none written twice on decode, prefill holding every token.
+        A fast pass over all ids; on failure a slower one names the offending group."""
         if request.num_tokens <= 0:
             raise RequestError("num_tokens", f"must be positive, got {request.num_tokens}")
-        groups = self.decode.groups
-        seen: set[int] = set()
-        used = 0
-        for side, ids, layout in (("prefill_block_ids", request.prefill_block_ids, self.prefill),
-                                  ("decode_block_ids", request.decode_block_ids, self.decode)):
-            if len(ids) != len(groups):
-                raise RequestError(side, f"expected {len(groups)} groups, got {len(ids)}")
-            limit = layout.ranks[0].num_blocks
-            for g, group_ids in enumerate(ids):
-                if group_ids and (min(group_ids) < 0 or max(group_ids) >= limit):
-                    bad = next(b for b in group_ids if not 0 <= b < limit)
-                    raise RequestError(f"{side}[{g}]", f"block id {bad} outside [0, {limit})")
-                if side == "decode_block_ids":
-                    seen.update(group_ids)
-                    used += len(group_ids)
-        if len(seen) != used:
+        num_groups = len(self.decode.groups)
+        for side, ids in (("prefill_block_ids", request.prefill_block_ids),
+                          ("decode_block_ids", request.decode_block_ids)):
+            if len(ids) != num_groups:
+                raise RequestError(side, f"expected {num_groups} groups, got {len(ids)}")
+        p_all = list(chain.from_iterable(request.prefill_block_ids))
+        d_all = list(chain.from_iterable(request.decode_block_ids))
+        p_limit, d_limit = self.prefill.ranks[0].num_blocks, self.decode.ranks[0].num_blocks
+        if (p_all and (min(p_all) < 0 or max(p_all) >= p_limit)) or (
+                d_all and (min(d_all) < 0 or max(d_all) >= d_limit)):
+            _raise_out_of_range(request, p_limit, d_limit)
+        if len(set(d_all)) != len(d_all):
             raise RequestError("decode_block_ids", "a decode block id appears twice; "
                                "two groups would write the same page")
-        for g, group in enumerate(self.prefill.groups):
-            if group.is_attention:
-                held = len(request.prefill_block_ids[g]) * group.block_size
-                if held < request.num_tokens:
-                    raise RequestError(
-                        f"prefill_block_ids[{g}]",
-                        f"{len(request.prefill_block_ids[g])} blocks of {group.block_size} "
-                        f"tokens cannot hold num_tokens={request.num_tokens}")
+        for g in self._attention_groups:
+            block_size = self.prefill.groups[g].block_size
+            held = len(request.prefill_block_ids[g]) * block_size
+            if held < request.num_tokens:
+                raise RequestError(
+                    f"prefill_block_ids[{g}]",
+                    f"{len(request.prefill_block_ids[g])} blocks of {block_size} "
+                    f"tokens cannot hold num_tokens={request.num_tokens}")
 
     def _attention_slots(self, decode_rank: int, g: int, num_tokens: int,
                          p_ids: Sequence[int], d_ids: Sequence[int],
@@ -359,26 +375,27 @@ class PairPlanner:
                 int(np.unique(d_sel).size))
 
     def _assemble(self, decode_rank: int, p_rank: np.ndarray, region: np.ndarray,
-                  d_off: np.ndarray, p_off: np.ndarray, length: np.ndarray, naive_bytes: int,
-                  vllm_units: int) -> RankPlan:
-        num_regions = self.decode.ranks[decode_rank].num_regions
-        keys, d_off, p_off, length = coalesce(p_rank * num_regions + region, d_off, p_off, length)
-        p_rank, region = np.divmod(keys, num_regions)
-        self._check_bounds(decode_rank, d_off, p_off, length)
-        cuts = (np.flatnonzero(p_rank[1:] != p_rank[:-1]) + 1).tolist()
+                  d_off: np.ndarray, p_off: np.ndarray, length: np.ndarray, mergeable: bool,
+                  naive_bytes: int, vllm_units: int) -> RankPlan:
+        """Coalesce across block pairs (only if some could merge), group runs by source."""
+        if mergeable:
+            num_regions = self.decode.ranks[decode_rank].num_regions
+            keys, d_off, p_off, length = coalesce(p_rank * num_regions + region, d_off, p_off, length)
+            p_rank, region = np.divmod(keys, num_regions)
+        first, last = int(p_rank.min()), int(p_rank.max())
+        if first == last:
+            return RankPlan(decode_rank, (SourceReads(first, region, d_off, p_off, length),),
+                            naive_bytes, vllm_units)
+        if not mergeable:
+            order = np.argsort(p_rank, kind="stable")
+            p_rank, region, d_off, p_off, length = (
+                c[order] for c in (p_rank, region, d_off, p_off, length))
+        cuts = np.searchsorted(p_rank, np.arange(first, last + 2)).tolist()
         sources = tuple(
-            SourceReads(int(p_rank[lo]), region[lo:hi], d_off[lo:hi], p_off[lo:hi], length[lo:hi])
-            for lo, hi in zip([0, *cuts], [*cuts, p_rank.size])
+            SourceReads(first + i, region[lo:hi], d_off[lo:hi], p_off[lo:hi], length[lo:hi])
+            for i, (lo, hi) in enumerate(zip(cuts, cuts[1:])) if hi > lo
         )
         return RankPlan(decode_rank, sources, naive_bytes, vllm_units)
-
-    def _check_bounds(self, decode_rank: int, d_off: np.ndarray, p_off: np.ndarray,
-                      length: np.ndarray) -> None:
-        d_limit = self.decode.ranks[decode_rank].region_bytes
-        p_limit = self.prefill.ranks[0].region_bytes
-        if (d_off.min() < 0 or p_off.min() < 0 or (d_off + length).max() > d_limit
-                or (p_off + length).max() > p_limit):
-            raise AssertionError("planner produced a run outside a registered region")
 
     # ---- templates
 
@@ -392,7 +409,8 @@ class PairPlanner:
             if len(table.ids) >= self.max_templates:
                 table = self._tables[decode_rank] = _TemplateTable()
             tpl = self._build_template(decode_rank, g, chunk)
-            tid = table.add(key, tpl, len(self.decode.groups[g].layers))
+            tid = table.add(key, tpl, len(self.decode.groups[g].layers),
+                            self.prefill.ranks[0].page_bytes, self.decode.ranks[decode_rank].page_bytes)
         return tid
 
     def _build_template(self, decode_rank: int, g: int,
@@ -431,8 +449,19 @@ class PairPlanner:
             empty = np.zeros(0, dtype=_I64)
             return Template(empty, empty, empty, empty, 0)
         p_rank, d_off, p_off, length = coalesce(*(np.concatenate(c) for c in (ranks_out, d_out, p_out, len_out)))
-        _check_template(d_group, chunk, d_off, length, decode_rank, g)
+        _check_template(d_group, chunk, d_off, p_off, length,
+                        self.decode.ranks[decode_rank].page_bytes, self.prefill.ranks[0].page_bytes,
+                        decode_rank, g)
         return Template(p_rank, p_off, d_off, length, units)
+
+
+def _raise_out_of_range(request: TransferRequest, p_limit: int, d_limit: int) -> None:
+    for side, ids, limit in (("prefill_block_ids", request.prefill_block_ids, p_limit),
+                             ("decode_block_ids", request.decode_block_ids, d_limit)):
+        for g, group_ids in enumerate(ids):
+            for b in group_ids:
+                if not 0 <= b < limit:
+                    raise RequestError(f"{side}[{g}]", f"block id {b} outside [0, {limit})")
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -471,8 +500,14 @@ def _segment_box(d_seg: Segment, p_seg: Segment, lo: int, hi: int, d_tok: int, p
 
 
 def _check_template(d_group: GroupLayout, chunk: tuple[int, int, int] | None, d_off: np.ndarray,
-                    length: np.ndarray, decode_rank: int, g: int) -> None:
-    """A template writes each needed decode byte exactly once."""
+                    p_off: np.ndarray, length: np.ndarray, d_page: int, p_page: int,
+                    decode_rank: int, g: int) -> None:
+    """A template stays inside one page on both sides and writes each needed decode byte
+    exactly once. With block ids checked per request, every plan then stays inside its
+    regions: ``block * page_bytes + offset < num_blocks * page_bytes``."""
+    if d_off.min() < 0 or p_off.min() < 0 or (d_off + length).max() > d_page or (
+            p_off + length).max() > p_page:
+        raise AssertionError(f"template for decode rank {decode_rank} group {g} leaves its page")
     order = np.argsort(d_off)
     if np.any(d_off[order][1:] < (d_off + length)[order][:-1]):
         raise AssertionError(f"template for decode rank {decode_rank} group {g} overlaps itself")
