@@ -351,9 +351,9 @@ class PairPlanner:
         needed = -(-num_tokens // d_bs)
         skip = max(0, needed - len(d_ids))  # decode already holds a prefix of `skip` pages
         first = skip * d_bs
-        # Whole kernel blocks move (as vLLM does), but none beyond the last token's.
-        last = min(_round_up(num_tokens, d_group.kernel_block_size),
-                   _round_up(num_tokens, p_group.kernel_block_size))
+        # Decode kernel blocks holding a token below num_tokens arrive whole (as vLLM moves
+        # them), as far as prefill's pages reach.
+        last = min(_round_up(num_tokens, d_group.kernel_block_size), len(p_ids) * p_bs)
         if last <= first or not d_ids:
             return [], [], [], 0
         if p_bs == d_bs:  # chunks are whole pages but the last

@@ -45,7 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def optimal_bytes(sc: Scenario, decode_rank: int) -> int:
     """Unpadded state the decode rank needs, from its layout alone: every Mamba page of the
-    request plus the request's tokens rounded up to whole kernel blocks."""
+    request plus the request's tokens rounded up to whole decode kernel blocks."""
     total = 0
     rank = sc.decode.ranks[decode_rank]
     for g, group in enumerate(rank.groups):
