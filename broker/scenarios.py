@@ -9,7 +9,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from broker.layout import EngineLayout
-from broker.models import ModelSpec, build_engine_layout
+from broker.models import ModelSpec, build_engine_layout, hma_block_size
 from broker.planner import TransferRequest
 
 
@@ -48,7 +48,13 @@ def blocks_needed(layout: EngineLayout, num_tokens: int, stride: int = 1) -> int
 def build_scenario(model: ModelSpec, prefill_tp: int, decode_tp: int, num_tokens: int,
                    block_size: int = 0, kernel_block_size: int = 0, stride: int = 1,
                    prefill_offset: int = 0, decode_offset: int = 0) -> Scenario:
-    """Both engines sized to hold the request, with block ids from the given offsets."""
+    """Both engines sized to hold the request, with block ids from the given offsets.
+
+    ``block_size`` 0 uses one block size on both sides, the larger of their HMA choices, as
+    an operator passing ``--block-size`` to both engines does (vLLM requires it under HMA).
+    """
+    if not block_size:
+        block_size = max(hma_block_size(model, prefill_tp), hma_block_size(model, decode_tp))
     probe_p = build_engine_layout(model, prefill_tp, 1, block_size, kernel_block_size)
     probe_d = build_engine_layout(model, decode_tp, 1, block_size, kernel_block_size)
     p_blocks = prefill_offset + blocks_needed(probe_p, num_tokens, stride)
