@@ -13,6 +13,7 @@ from broker.errors import PdbrokerError
 COMMAND_MODULES = (
     "broker.commands.plan",
     "broker.commands.bench",
+    "broker.commands.layout",
 )
 
 

@@ -10,7 +10,6 @@ Every region's page is the attention page at that rank's TP (HMA makes the pages
 from __future__ import annotations
 
 import hashlib
-import math
 from dataclasses import dataclass, field
 
 from broker.errors import LayoutError
@@ -190,13 +189,17 @@ def attention_segment(attn: AttentionParams, tp: int, rank: int, kernel_block_si
 
 def hma_block_size(model: ModelSpec, tp: int, user_block_size: int = 0,
                    alignment: int = DEFAULT_BLOCK_ALIGNMENT) -> int:
-    """Block size vLLM's hybrid allocator picks: the smallest multiple of ``alignment`` whose
-    attention page holds the Mamba state, or ``user_block_size`` if larger."""
+    """Block size (tokens) vLLM 0.33's hybrid allocator settles on, as
+    ``Platform._align_hybrid_block_size`` does: with ``step = max(alignment, user_block_size)``,
+    the smallest multiple of ``step`` whose attention page holds the Mamba state, rounded up to
+    a multiple of ``alignment`` (the attention backend's smallest kernel block). A user block
+    size is thus a step, not a floor: ``--block-size 64`` yields a multiple of 64."""
     if model.attention is None or model.mamba is None:
         return user_block_size or alignment
+    step = max(alignment, user_block_size)
     per_token = fa_bytes_per_token(model.attention, tp)
-    needed = alignment * math.ceil(mamba_state_bytes(model.mamba, tp) / (alignment * per_token))
-    return max(user_block_size, needed)
+    tokens = step * -(-mamba_state_bytes(model.mamba, tp) // (step * per_token))
+    return alignment * -(-tokens // alignment)
 
 
 def build_rank_layout(model: ModelSpec, tp: int, rank: int, num_blocks: int, block_size: int,

@@ -1,0 +1,97 @@
+"""``pdbroker layout``: rank 0's KV-cache page of a model at a TP size, as vLLM 0.33 lays it out."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from broker.layout import EngineLayout, GroupLayout, RankLayout
+from broker.models import build_engine_layout, hma_block_size
+from broker.presets import model_from_hf_file, preset_names, resolve_model
+from broker.scenarios import with_kv_dtype
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("layout", help="print rank 0's page layout: groups, segments, padding")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model",
+                     help=f"a preset ({', '.join(preset_names())}) or a config.json path")
+    src.add_argument("--hf-config", type=Path, help="a Hugging Face config.json or its directory")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    p.add_argument("--block-size", type=int, default=0,
+                   help="tokens per logical block (default: vLLM's HMA choice, alignment 16)")
+    p.add_argument("--kernel-block-size", type=int, default=0, help="default: = block size")
+    p.add_argument("--kv-dtype", default=None, help="KV-cache dtype, e.g. bfloat16 or fp8")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    model = model_from_hf_file(args.hf_config) if args.hf_config else resolve_model(args.model)
+    model = with_kv_dtype(model, args.kv_dtype)
+    block_size = args.block_size or hma_block_size(model, args.tp)
+    engine = build_engine_layout(model, args.tp, 1, block_size, args.kernel_block_size)
+    summary = layout_summary(engine, block_size, args.kernel_block_size or block_size)
+    print(json.dumps(summary) if args.json else format_layout(engine, summary))
+    return 0
+
+
+def _mamba_group(rank: RankLayout) -> GroupLayout | None:
+    return next((g for g in rank.groups if not g.is_attention), None)
+
+
+def layout_summary(engine: EngineLayout, block_size: int, kernel_block_size: int) -> dict:
+    """Rank 0's page as JSON-ready data; offsets and sizes in bytes from the page start."""
+    rank = engine.ranks[0]
+    out: dict = {
+        "block_size": block_size,
+        "kernel_block_size": kernel_block_size,
+        "page_bytes": rank.page_bytes,
+        "groups": [{"type": g.kind.value, "layers": list(g.layers)} for g in rank.groups],
+        "mamba": None,
+    }
+    mamba = _mamba_group(rank)
+    if mamba is not None:
+        conv = [[s.offset, s.nbytes] for s in mamba.segments if s.tensor.startswith("conv.")]
+        ssm = mamba.segment("ssm")
+        out["mamba"] = {
+            "conv_segments": conv,
+            "ssm_offset": ssm.offset,
+            "ssm_bytes": ssm.nbytes,
+            "padding_bytes": rank.page_bytes - sum(n for _, n in conv) - ssm.nbytes,
+        }
+    return out
+
+
+def format_layout(engine: EngineLayout, summary: dict) -> str:
+    rank = engine.ranks[0]
+    lines = [
+        f"model         {engine.model} (tp={engine.tp_size}, rank 0 of {engine.tp_size})",
+        f"block size    {summary['block_size']} tokens, kernel block "
+        f"{summary['kernel_block_size']} tokens",
+        f"page bytes    {rank.page_bytes:,} (regions: {rank.num_regions})",
+        "",
+        "groups",
+    ]
+    for g, group in enumerate(rank.groups):
+        lines.append(f"  {g:>3} {group.kind.value:<9} {len(group.layers):>3} layers: "
+                     f"{', '.join(group.layers)}")
+    attention = next((g for g in rank.groups if g.is_attention), None)
+    if attention is not None:
+        kv = attention.segment("kv")
+        lines += ["", f"attention page: {attention.kernel_blocks_per_page} kernel block(s) of "
+                      f"{attention.kernel_block_bytes:,} bytes, each {kv.tensor} {kv.shape} "
+                      f"{kv.dtype} (heads {kv.shard_interval[0]}..{kv.shard_interval[1] - 1} "
+                      f"of {kv.global_extent})"]
+    mamba = _mamba_group(rank)
+    if mamba is not None:
+        lines += ["", "mamba page",
+                  f"  {'offset':>12} {'bytes':>12}  {'tensor':<8} {'shape':<16} dtype"]
+        for s in mamba.segments:
+            lines.append(f"  {s.offset:>12,} {s.nbytes:>12,}  {s.tensor:<8} {str(s.shape):<16} "
+                         f"{s.dtype}")
+        padding = summary["mamba"]["padding_bytes"]
+        lines.append(f"  {rank.page_bytes - padding:>12,} {padding:>12,}  padding "
+                     "(never transferred)")
+    return "\n".join(lines)
