@@ -7,6 +7,7 @@ import json
 import statistics
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from broker.planner import PairPlanner, RankPlan
 from broker.scenarios import Scenario, build_scenario
@@ -34,13 +35,41 @@ class PlannerResult:
     naive_bytes: int
 
 
+#: (name, preset, tp, kv dtype) of the transfer-volume sweep (seed blog's volume vs ISL).
+#: Attention kernel blocks of 16 tokens (FlashInfer-class backends): HMA inflates the logical
+#: block to thousands of tokens, a naive copy moves whole logical pages, the plan only the
+#: kernel blocks that hold tokens.
+BYTES_MODELS = (
+    ("nemotron-3-super tp4 bf16", "nemotron-3-super-120b-a12b", 4, None),
+    ("nemotron-3-super tp4 fp8", "nemotron-3-super-120b-a12b", 4, "fp8"),
+    ("qwen3.5-27b tp4", "qwen3.5-27b", 4, None),
+)
+BYTES_KERNEL_BLOCK = 16
+INPUT_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+#: (name, preset, prefill tp, decode tp) of the descriptor-count comparison.
+DESCRIPTOR_PAIRS = (
+    ("nemotron-3-nano tp2->tp2", "nemotron-3-nano-30b-a3b", 2, 2),
+    ("nemotron-3-nano tp1->tp2", "nemotron-3-nano-30b-a3b", 1, 2),
+    ("qwen3.5-27b tp1->tp8", "qwen3.5-27b", 1, 8),
+    ("qwen3.5-27b tp4->tp4", "qwen3.5-27b", 4, 4),
+)
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="run a benchmark")
     kinds = p.add_subparsers(dest="kind", required=True)
     planner = kinds.add_parser("planner", help="per-plan latency of the in-process planner")
     planner.add_argument("--iterations", type=int, default=1000)
-    planner.add_argument("--json", action="store_true", help="print one JSON object")
     planner.set_defaults(run=run_planner)
+    volume = kinds.add_parser("bytes", help="bytes per request vs input length: naive vs plan")
+    volume.set_defaults(run=run_bytes)
+    descs = kinds.add_parser("descriptors", help="descriptors per request: plan vs vLLM")
+    descs.add_argument("--tokens", type=int, default=32768)
+    descs.set_defaults(run=run_descriptors)
+    for kind in (planner, volume, descs):
+        kind.add_argument("--json", action="store_true", help="print one JSON object")
+        kind.add_argument("--out", type=Path, default=None,
+                          help="directory for the JSON result (and a PNG plot where useful)")
 
 
 def optimal_bytes(sc: Scenario, decode_rank: int) -> int:
@@ -90,13 +119,95 @@ def run_planner(args: argparse.Namespace) -> int:
         results.append(PlannerResult(name, tokens, round(warm_us, 1), None, round(cold_ms, 2),
                                      plan.num_descriptors, plan.vllm_descriptors, plan.nbytes,
                                      optimal_bytes(sc, 0), plan.naive_bytes))
-    if args.json:
-        print(json.dumps({"planner": [asdict(r) for r in results]}))
-        return 0
-    print(f"{'scenario (decode rank 0)':<36} {'warm us':>8} {'cold ms':>8} {'descs':>6} "
-          f"{'vLLM descs':>10} {'ratio':>6} {'bytes':>13} {'naive bytes':>13}")
-    for r in results:
-        print(f"{r.name:<36} {r.warm_median_us:>8.1f} {r.cold_ms:>8.2f} {r.descriptors:>6} "
+    lines = [f"{'scenario (decode rank 0)':<36} {'warm us':>8} {'cold ms':>8} {'descs':>6} "
+             f"{'vLLM descs':>10} {'ratio':>6} {'bytes':>13} {'naive bytes':>13}"]
+    lines += [f"{r.name:<36} {r.warm_median_us:>8.1f} {r.cold_ms:>8.2f} {r.descriptors:>6} "
               f"{r.vllm_descriptors:>10} {r.descriptors / r.vllm_descriptors:>6.3f} "
-              f"{r.bytes:>13,} {r.naive_bytes:>13,}")
+              f"{r.bytes:>13,} {r.naive_bytes:>13,}" for r in results]
+    _emit(args, "planner", {"planner": [asdict(r) for r in results]}, "\n".join(lines))
+    return 0
+
+
+def _emit(args: argparse.Namespace, name: str, result: dict, table: str) -> None:
+    """Print ``result`` as JSON or ``table``; write ``<out>/<name>.json`` if asked."""
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"{name}.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result) if args.json else table)
+
+
+def run_bytes(args: argparse.Namespace) -> int:
+    """All decode ranks of a homogeneous pair: naive whole padded pages vs the plan's bytes."""
+    from broker.presets import resolve_model
+    from broker.scenarios import with_kv_dtype
+
+    series = []
+    for name, preset, tp, kv_dtype in BYTES_MODELS:
+        model = with_kv_dtype(resolve_model(preset), kv_dtype)
+        points = []
+        for tokens in INPUT_LENGTHS:
+            sc = build_scenario(model, tp, tp, tokens, kernel_block_size=BYTES_KERNEL_BLOCK)
+            plan = PairPlanner(sc.prefill, sc.decode).plan(sc.request)
+            points.append({"tokens": tokens, "naive_bytes": plan.naive_bytes,
+                           "plan_bytes": plan.nbytes,
+                           "optimal_bytes": sum(optimal_bytes(sc, d) for d in range(tp))})
+        series.append({"name": name, "points": points})
+    result = {"bytes": series}
+    lines = [f"{'model':<28} {'tokens':>7} {'naive MiB':>10} {'plan MiB':>10} {'saved':>7}"]
+    for s in series:
+        for pt in s["points"]:
+            saved = 1 - pt["plan_bytes"] / pt["naive_bytes"]
+            lines.append(f"{s['name']:<28} {pt['tokens']:>7} {pt['naive_bytes'] / 2**20:>10.1f} "
+                         f"{pt['plan_bytes'] / 2**20:>10.1f} {100 * saved:>6.1f}%")
+    _emit(args, "bytes", result, "\n".join(lines))
+    if args.out:
+        _plot_bytes(series, args.out / "bytes.png")
+    return 0
+
+
+def _plot_bytes(series: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, saved) = plt.subplots(1, 2, figsize=(11, 4.5))
+    for s in series:
+        tokens = [p["tokens"] for p in s["points"]]
+        line, = ax.plot(tokens, [p["plan_bytes"] / 2**30 for p in s["points"]], "-o", ms=3,
+                        label=f"{s['name']} plan")
+        ax.plot(tokens, [p["naive_bytes"] / 2**30 for p in s["points"]], "--", color=line.get_color(),
+                label=f"{s['name']} naive")
+        saved.plot(tokens, [(p["naive_bytes"] - p["plan_bytes"]) / 2**20 for p in s["points"]], "-o",
+                   ms=3, color=line.get_color(), label=s["name"])
+    for axis in (ax, saved):
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel("input length (tokens)")
+        axis.grid(alpha=0.3)
+    ax.set_ylabel("bytes per request (GiB, all decode ranks)")
+    ax.set_title("Transfer volume vs input length")
+    ax.legend(fontsize=7)
+    saved.set_ylabel("MiB not moved (naive - plan)")
+    saved.set_title(f"Padding and empty kernel blocks skipped (kbs {BYTES_KERNEL_BLOCK})")
+    saved.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_descriptors(args: argparse.Namespace) -> int:
+    """Descriptors per request (all decode ranks), contiguous and fragmented block ids."""
+    from broker.presets import resolve_model
+
+    rows = []
+    for name, preset, p_tp, d_tp in DESCRIPTOR_PAIRS:
+        for allocation, stride in (("contiguous", 1), ("fragmented", 2)):
+            sc = build_scenario(resolve_model(preset), p_tp, d_tp, args.tokens, stride=stride)
+            plan = PairPlanner(sc.prefill, sc.decode).plan(sc.request)
+            rows.append({"name": name, "allocation": allocation, "tokens": args.tokens,
+                         "descriptors": plan.num_descriptors, "vllm_descriptors": plan.vllm_descriptors})
+    lines = [f"{'pair':<28} {'allocation':<11} {'descs':>7} {'vLLM':>7} {'ratio':>6}"]
+    lines += [f"{r['name']:<28} {r['allocation']:<11} {r['descriptors']:>7} {r['vllm_descriptors']:>7} "
+              f"{r['descriptors'] / r['vllm_descriptors']:>6.3f}" for r in rows]
+    _emit(args, "descriptors", {"descriptors": rows}, "\n".join(lines))
     return 0
