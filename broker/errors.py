@@ -26,3 +26,28 @@ class IncompatibleLayoutsError(PdbrokerError):
 
 class RequestError(PdbrokerError):
     """A transfer request does not fit the layouts (block counts, ids out of range, ...)."""
+
+
+class InvalidFieldError(PdbrokerError):
+    """A field of an API request is malformed (empty id, unknown enum value, bad size)."""
+
+
+class NotFoundError(PdbrokerError):
+    """An engine, rank, lease, transfer or plan the broker does not know (any more)."""
+
+
+class PreconditionError(PdbrokerError):
+    """The request is well-formed but the system is not in a state to serve it (transfer
+    expired or finished, engine not fully registered, rank disagrees with its engine)."""
+
+
+class AlreadyExistsError(PdbrokerError):
+    """A duplicate: a transfer id already published, a conflicting second plan request."""
+
+
+class PermissionDeniedError(PdbrokerError):
+    """The caller may not act on this object (a decode engine not allowed to read a transfer)."""
+
+
+class LimitExceededError(PdbrokerError):
+    """A repeated field or one of the broker's tables exceeds its configured limit."""

@@ -1,0 +1,192 @@
+"""What the broker keeps: rank registrations, transfers, their plans and release events.
+
+Plain data with no behaviour beyond derived properties; the rules that change them live in
+:mod:`broker.service`, their storage behind :class:`broker.state.StateStore`. Instants are
+milliseconds since the Unix epoch on the broker's clock (``*_at_ms``), sizes bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from functools import cached_property
+
+import numpy as np
+
+from broker.layout import RankLayout
+from broker.planner import RankPlan
+
+#: ``(engine_id, tp_rank)`` of one registered rank.
+RankKey = tuple[str, int]
+#: Block ids per KV-cache group.
+BlockIds = tuple[tuple[int, ...], ...]
+
+
+class Role(Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    BOTH = "both"
+
+    @property
+    def publishes(self) -> bool:
+        return self is not Role.DECODE
+
+    @property
+    def reads(self) -> bool:
+        return self is not Role.PREFILL
+
+
+class MemoryKind(Enum):
+    DRAM = "dram"
+    VRAM = "vram"
+
+
+class ReportStatus(Enum):
+    DONE = "done"
+    FAILED = "failed"
+
+
+class ReleaseReason(Enum):
+    COMPLETED = "completed"
+    EXPIRED = "expired"
+    ABORTED = "aborted"
+    CONSUMER_FAILED = "consumer_failed"
+
+
+class TransferState(Enum):
+    """``PUBLISHED -> IN_PROGRESS -> COMPLETED``; any non-terminal state may end in
+    ``FAILED``, ``EXPIRED`` or ``ABORTED``."""
+
+    PUBLISHED = "published"
+    IN_PROGRESS = "in_progress"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    EXPIRED = "expired"
+    ABORTED = "aborted"
+
+    @property
+    def terminal(self) -> bool:
+        return self not in (TransferState.PUBLISHED, TransferState.IN_PROGRESS)
+
+
+@dataclass(frozen=True)
+class MemoryRegion:
+    """One registered tensor: ``length_bytes`` from virtual address ``base_addr``."""
+
+    base_addr: int
+    length_bytes: int
+    device_id: int
+    memory_kind: MemoryKind
+
+
+@dataclass(frozen=True)
+class RankRegistration:
+    """What one TP rank declares when it registers; region *i* holds layer *i* of every
+    group and is at least ``layout.region_bytes`` long (checked by :mod:`broker.convert`)."""
+
+    engine_id: str
+    role: Role
+    tp_size: int
+    tp_rank: int
+    agent_name: str
+    agent_metadata: bytes
+    regions: tuple[MemoryRegion, ...]
+    layout: RankLayout
+    model_fingerprint: str
+
+    @property
+    def key(self) -> RankKey:
+        return (self.engine_id, self.tp_rank)
+
+    @cached_property
+    def region_table(self) -> np.ndarray:
+        """``(3, num_regions)`` int64: base address, length (bytes) and device id per region."""
+        return np.array([[r.base_addr for r in self.regions],
+                         [r.length_bytes for r in self.regions],
+                         [r.device_id for r in self.regions]], dtype=np.int64)
+
+
+@dataclass
+class RankRecord:
+    """A live registration and its lease. ``generation`` is unique broker-wide and grows
+    with every registration; an engine's generation is the largest of its ranks'."""
+
+    registration: RankRegistration
+    lease_id: str
+    lease_expires_at_ms: int
+    registered_at_ms: int
+    generation: int
+
+
+@dataclass(frozen=True)
+class TimelineEntry:
+    at_ms: int
+    event: str
+    detail: str = ""
+
+
+@dataclass
+class PlanRecord:
+    """One decode rank's plan for one transfer. ``rank_plan`` holds the region-relative runs
+    (:class:`broker.planner.RankPlan`); ``handed_out`` once that rank asked for it."""
+
+    plan_id: str
+    transfer_id: str
+    decode_rank: int
+    block_ids: BlockIds
+    rank_plan: RankPlan
+    handed_out: bool = False
+    status: ReportStatus | None = None
+    bytes_moved: int = 0
+    duration_us: int = 0
+    error: str = ""
+    #: Reported DONE while no source was released yet: only then is what it read usable.
+    intact: bool = False
+
+    @property
+    def prefill_ranks(self) -> tuple[int, ...]:
+        return self.rank_plan.prefill_ranks
+
+
+@dataclass
+class TransferRecord:
+    """A published request and everything that happened to it.
+
+    ``consumers[p]`` are the decode ranks whose plans read from prefill rank ``p`` (known
+    once a decode engine claims the transfer); ``released[p]`` is set once ``p`` may free its
+    blocks. ``prefill_generation`` is the prefill engine's generation at publish time.
+    ``deadline_ms`` is when the reaper must next look at it: its expiry while unfinished,
+    the end of its retention once finished.
+    """
+
+    transfer_id: str
+    prefill_engine_id: str
+    prefill_generation: int
+    prefill_tp_size: int
+    num_tokens: int
+    block_ids: BlockIds
+    allowed_decode_engines: frozenset[str]
+    published_at_ms: int
+    expires_at_ms: int
+    deadline_ms: int
+    state: TransferState = TransferState.PUBLISHED
+    decode_engine_id: str = ""
+    decode_generation: int = 0
+    plans: dict[int, PlanRecord] = field(default_factory=dict)
+    consumers: dict[int, frozenset[int]] = field(default_factory=dict)
+    released: dict[int, ReleaseReason] = field(default_factory=dict)
+    finished_at_ms: int | None = None
+    timeline: list[TimelineEntry] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ReleaseEvent:
+    """Prefill rank may free ``block_ids`` of ``transfer_id``. ``sequence`` grows
+    broker-wide, so it is strictly increasing (not contiguous) per rank: a resume cursor."""
+
+    sequence: int
+    transfer_id: str
+    block_ids: BlockIds
+    reason: ReleaseReason
+    detail: str
+    released_at_ms: int

@@ -1,0 +1,248 @@
+"""Where the broker's records live: the :class:`StateStore` interface and its in-memory default.
+
+Storage only: no business rules, no clocks. Records are read with ``get_*`` and written back
+with ``put_*`` after every change, so a networked store (Redis) can implement the same
+interface; :class:`InMemoryStateStore` keeps them in dicts of one process.
+"""
+
+from __future__ import annotations
+
+import heapq
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+
+from broker.records import RankKey, RankRecord, ReleaseEvent, TransferRecord
+
+
+class StateStore(ABC):
+    """Registrations, transfers (with their plans), plan index, agent contacts and release
+    queues. Methods never raise for missing keys: getters return ``None``, deletes no-op."""
+
+    # ---- counters
+
+    @abstractmethod
+    def next_counter(self, name: str) -> int:
+        """The next value (from 1) of the named, never-reset counter."""
+
+    # ---- ranks
+
+    @abstractmethod
+    def put_rank(self, record: RankRecord) -> None:
+        """Insert or replace the rank at ``record.registration.key`` and index its lease."""
+
+    @abstractmethod
+    def get_rank(self, key: RankKey) -> RankRecord | None: ...
+
+    @abstractmethod
+    def rank_by_lease(self, lease_id: str) -> RankRecord | None: ...
+
+    @abstractmethod
+    def delete_rank(self, key: RankKey) -> None:
+        """Remove the rank and its lease index entry."""
+
+    @abstractmethod
+    def ranks(self) -> list[RankRecord]:
+        """Every registered rank, by (engine id, tp rank)."""
+
+    @abstractmethod
+    def engine_ranks(self, engine_id: str) -> list[RankRecord]:
+        """The engine's registered ranks, by tp rank."""
+
+    # ---- transfers and plans
+
+    @abstractmethod
+    def put_transfer(self, record: TransferRecord) -> None:
+        """Insert or replace the transfer and index it by ``record.deadline_ms``."""
+
+    @abstractmethod
+    def get_transfer(self, transfer_id: str) -> TransferRecord | None: ...
+
+    @abstractmethod
+    def delete_transfer(self, transfer_id: str) -> None:
+        """Remove the transfer and the plan index entries of its plans."""
+
+    @abstractmethod
+    def transfers(self) -> Iterator[TransferRecord]:
+        """Every stored transfer (a snapshot: the caller may put/delete while iterating)."""
+
+    @abstractmethod
+    def due_transfers(self, now_ms: int) -> list[TransferRecord]:
+        """Transfers whose ``deadline_ms <= now_ms``, each returned once per deadline it was
+        put with (put it again with a new deadline to be returned again)."""
+
+    @abstractmethod
+    def count_transfers(self) -> int: ...
+
+    @abstractmethod
+    def index_plan(self, plan_id: str, transfer_id: str) -> None: ...
+
+    @abstractmethod
+    def transfer_of_plan(self, plan_id: str) -> str | None: ...
+
+    # ---- agent contacts (which prefill agents a decode rank already knows)
+
+    @abstractmethod
+    def add_contact(self, decode: RankKey, agent: str) -> bool:
+        """Record that ``decode`` was given ``agent``'s metadata; ``True`` if it was new."""
+
+    @abstractmethod
+    def drop_contacts(self, decode: RankKey) -> None: ...
+
+    # ---- release queues, one per prefill rank
+
+    @abstractmethod
+    def append_release(self, key: RankKey, event: ReleaseEvent) -> None:
+        """Queue ``event``; sequences appended to one key are increasing."""
+
+    @abstractmethod
+    def releases_after(self, key: RankKey, sequence: int) -> list[ReleaseEvent]:
+        """Queued events with ``event.sequence > sequence``, oldest first."""
+
+    @abstractmethod
+    def mark_delivered(self, key: RankKey, sequence: int) -> None:
+        """Events up to ``sequence`` were sent to a watcher (the cursor never goes back)."""
+
+    @abstractmethod
+    def delivered(self, key: RankKey) -> int:
+        """The largest sequence sent to any watcher of ``key`` (0 if none)."""
+
+    @abstractmethod
+    def trim_releases(self, key: RankKey, keep_delivered: int) -> None:
+        """Forget delivered events beyond the newest ``keep_delivered`` of them."""
+
+    @abstractmethod
+    def drop_releases(self, key: RankKey) -> None:
+        """Forget the queue and cursor of ``key`` (the rank is gone)."""
+
+
+class InMemoryStateStore(StateStore):
+    """Dicts in one process; the broker's default store."""
+
+    def __init__(self) -> None:
+        self._counters: dict[str, int] = {}
+        self._ranks: dict[RankKey, RankRecord] = {}
+        self._engines: dict[str, dict[int, RankRecord]] = {}
+        self._leases: dict[str, RankKey] = {}
+        self._transfers: dict[str, TransferRecord] = {}
+        # (deadline, transfer id) min-heap; an entry is live while _deadlines agrees with it.
+        self._deadline_heap: list[tuple[int, str]] = []
+        self._deadlines: dict[str, int] = {}
+        self._plans: dict[str, str] = {}
+        self._contacts: dict[RankKey, set[str]] = {}
+        self._releases: dict[RankKey, list[ReleaseEvent]] = {}
+        self._delivered: dict[RankKey, int] = {}
+
+    def next_counter(self, name: str) -> int:
+        value = self._counters.get(name, 0) + 1
+        self._counters[name] = value
+        return value
+
+    def put_rank(self, record: RankRecord) -> None:
+        key = record.registration.key
+        old = self._ranks.get(key)
+        if old is not None:
+            self._leases.pop(old.lease_id, None)
+        self._ranks[key] = record
+        self._engines.setdefault(key[0], {})[key[1]] = record
+        self._leases[record.lease_id] = key
+
+    def get_rank(self, key: RankKey) -> RankRecord | None:
+        return self._ranks.get(key)
+
+    def rank_by_lease(self, lease_id: str) -> RankRecord | None:
+        key = self._leases.get(lease_id)
+        return None if key is None else self._ranks.get(key)
+
+    def delete_rank(self, key: RankKey) -> None:
+        record = self._ranks.pop(key, None)
+        if record is not None:
+            self._leases.pop(record.lease_id, None)
+            ranks = self._engines[key[0]]
+            del ranks[key[1]]
+            if not ranks:
+                del self._engines[key[0]]
+
+    def ranks(self) -> list[RankRecord]:
+        return [self._ranks[k] for k in sorted(self._ranks)]
+
+    def engine_ranks(self, engine_id: str) -> list[RankRecord]:
+        ranks = self._engines.get(engine_id, {})
+        return [ranks[r] for r in sorted(ranks)]
+
+    def put_transfer(self, record: TransferRecord) -> None:
+        self._transfers[record.transfer_id] = record
+        if self._deadlines.get(record.transfer_id) != record.deadline_ms:
+            self._deadlines[record.transfer_id] = record.deadline_ms
+            heapq.heappush(self._deadline_heap, (record.deadline_ms, record.transfer_id))
+
+    def get_transfer(self, transfer_id: str) -> TransferRecord | None:
+        return self._transfers.get(transfer_id)
+
+    def delete_transfer(self, transfer_id: str) -> None:
+        record = self._transfers.pop(transfer_id, None)
+        self._deadlines.pop(transfer_id, None)
+        if record is not None:
+            for plan in record.plans.values():
+                self._plans.pop(plan.plan_id, None)
+
+    def transfers(self) -> Iterator[TransferRecord]:
+        return iter(list(self._transfers.values()))
+
+    def due_transfers(self, now_ms: int) -> list[TransferRecord]:
+        due = []
+        heap = self._deadline_heap
+        while heap and heap[0][0] <= now_ms:
+            deadline, transfer_id = heapq.heappop(heap)
+            if self._deadlines.get(transfer_id) == deadline:
+                del self._deadlines[transfer_id]
+                due.append(self._transfers[transfer_id])
+        return due
+
+    def count_transfers(self) -> int:
+        return len(self._transfers)
+
+    def index_plan(self, plan_id: str, transfer_id: str) -> None:
+        self._plans[plan_id] = transfer_id
+
+    def transfer_of_plan(self, plan_id: str) -> str | None:
+        return self._plans.get(plan_id)
+
+    def add_contact(self, decode: RankKey, agent: str) -> bool:
+        known = self._contacts.setdefault(decode, set())
+        if agent in known:
+            return False
+        known.add(agent)
+        return True
+
+    def drop_contacts(self, decode: RankKey) -> None:
+        self._contacts.pop(decode, None)
+
+    def append_release(self, key: RankKey, event: ReleaseEvent) -> None:
+        self._releases.setdefault(key, []).append(event)
+
+    def releases_after(self, key: RankKey, sequence: int) -> list[ReleaseEvent]:
+        queue = self._releases.get(key, [])
+        # Sequences are increasing: scan back from the newest event.
+        start = len(queue)
+        while start > 0 and queue[start - 1].sequence > sequence:
+            start -= 1
+        return queue[start:]
+
+    def mark_delivered(self, key: RankKey, sequence: int) -> None:
+        self._delivered[key] = max(self._delivered.get(key, 0), sequence)
+
+    def delivered(self, key: RankKey) -> int:
+        return self._delivered.get(key, 0)
+
+    def trim_releases(self, key: RankKey, keep_delivered: int) -> None:
+        queue = self._releases.get(key)
+        if not queue:
+            return
+        cursor = self._delivered.get(key, 0)
+        delivered = sum(1 for e in queue if e.sequence <= cursor)
+        if delivered > keep_delivered:
+            del queue[:delivered - keep_delivered]
+
+    def drop_releases(self, key: RankKey) -> None:
+        self._releases.pop(key, None)
+        self._delivered.pop(key, None)

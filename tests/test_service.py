@@ -1,0 +1,495 @@
+"""BrokerService rules with a hand-driven clock: consumers, releases, expiry, leases, abort."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from broker_helpers import (
+    MAMBA2,
+    FakeClock,
+    assert_inside_regions,
+    hybrid,
+    plan_bytes,
+    register_engine,
+    registration,
+)
+
+from broker.errors import (
+    AlreadyExistsError,
+    IncompatibleLayoutsError,
+    InvalidFieldError,
+    LimitExceededError,
+    NotFoundError,
+    PermissionDeniedError,
+    PreconditionError,
+    RequestError,
+)
+from broker.planner import PairPlanner
+from broker.records import ReleaseReason, ReportStatus, Role, TransferState
+from broker.scenarios import Scenario, build_scenario
+from broker.service import BrokerService, PlanQuery, Publication, Report, ServiceConfig
+
+TTL_MS = 5_000
+LEASE_MS = 60_000  # longer than TTL and retention: only lease tests reach it
+
+
+def make_service(**config: int) -> tuple[BrokerService, FakeClock]:
+    clock = FakeClock()
+    settings = {"default_ttl_ms": TTL_MS, "lease_ttl_ms": LEASE_MS, "retention_ms": 10_000} | config
+    return BrokerService(clock=clock, config=ServiceConfig(**settings)), clock
+
+
+def setup(p_tp: int, d_tp: int, kv_heads: int = 4, mamba: bool = True, tokens: int = 100,
+          **config: int) -> tuple[BrokerService, FakeClock, Scenario]:
+    service, clock = make_service(**config)
+    sc = build_scenario(hybrid(kv_heads, MAMBA2 if mamba else None), p_tp, d_tp, tokens)
+    register_engine(service, sc.prefill, "P", Role.PREFILL, 0)
+    register_engine(service, sc.decode, "D", Role.DECODE, 1)
+    return service, clock, sc
+
+
+def publish(service: BrokerService, sc: Scenario, transfer_id: str = "t1", **kw) -> int:
+    return service.publish(Publication(transfer_id, "P", sc.request.prefill_block_ids,
+                                       sc.request.num_tokens, **kw))
+
+
+def query(sc: Scenario, rank: int, transfer_id: str = "t1", **kw) -> PlanQuery:
+    return PlanQuery(transfer_id, "D", rank, sc.request.decode_block_ids, **kw)
+
+
+def released(service: BrokerService, p_tp: int, engine: str = "P") -> dict[int, list]:
+    """Queued release events per prefill rank: ``[(transfer_id, reason), ...]``."""
+    return {p: [(e.transfer_id, e.reason) for e in service.store.releases_after((engine, p), 0)]
+            for p in range(p_tp)}
+
+
+def done(service: BrokerService, plan_id: str, rank: int, nbytes: int = 0):
+    return service.report(Report(plan_id, "D", rank, ReportStatus.DONE, nbytes, 1000))
+
+
+# --------------------------------------------------------------------------- consumer counting
+
+
+@pytest.mark.parametrize("p_tp,d_tp,consumers", [
+    (2, 2, {0: {0}, 1: {1}}),          # homogeneous: one reader each
+    (1, 2, {0: {0, 1}}),               # D > P: both decode ranks read prefill rank 0
+    (2, 1, {0: {0}, 1: {0}}),          # P > D: decode rank 0 reads both prefill ranks
+    (2, 4, {0: {0, 1}, 1: {2, 3}}),
+    (4, 2, {0: {0}, 1: {0}, 2: {1}, 3: {1}}),
+])
+def test_prefill_rank_released_when_all_its_readers_are_done(p_tp, d_tp, consumers) -> None:
+    service, _, sc = setup(p_tp, d_tp)
+    publish(service, sc)
+    plans = {d: service.get_plan(query(sc, d)) for d in range(d_tp)}
+    record = service.get_transfer("t1")
+    assert {p: set(c) for p, c in record.consumers.items()} == consumers
+    assert record.state is TransferState.IN_PROGRESS
+    for d in range(d_tp):
+        assert {s.prefill_rank for s in plans[d].sources} == {
+            p for p, readers in consumers.items() if d in readers}
+    for d in range(d_tp):
+        outcome = done(service, plans[d].plan_id, d, plans[d].total_bytes)
+        assert outcome.intact and not outcome.duplicate
+        finished = {d2 for d2 in range(d + 1)}
+        for p, readers in consumers.items():
+            expected = [("t1", ReleaseReason.COMPLETED)] if readers <= finished else []
+            assert released(service, p_tp)[p] == expected, (d, p)
+    assert service.get_transfer("t1").state is TransferState.COMPLETED
+
+
+def test_prefill_rank_nobody_reads_is_released_when_the_transfer_is_claimed() -> None:
+    # 2 KV heads over P TP4: ranks 0,1 hold head 0, ranks 2,3 head 1; decode TP2 reads each
+    # head once, from the first rank holding it, so prefill ranks 1 and 3 have no reader.
+    service, _, sc = setup(4, 2, kv_heads=2, mamba=False)
+    publish(service, sc)
+    plan0 = service.get_plan(query(sc, 0))
+    assert [s.prefill_rank for s in plan0.sources] == [0]
+    assert released(service, 4) == {0: [], 1: [("t1", ReleaseReason.COMPLETED)], 2: [],
+                                    3: [("t1", ReleaseReason.COMPLETED)]}
+    done(service, plan0.plan_id, 0)
+    assert released(service, 4)[0] == [("t1", ReleaseReason.COMPLETED)]
+    assert released(service, 4)[2] == []
+
+
+def test_plan_matches_the_planner_at_absolute_addresses() -> None:
+    service, _, sc = setup(1, 2)
+    publish(service, sc)
+    planner = PairPlanner(sc.prefill, sc.decode)
+    for d in range(2):
+        result = service.get_plan(query(sc, d))
+        expected = planner.plan_rank(d, sc.request)
+        assert plan_bytes(result) == expected.nbytes == result.total_bytes
+        assert result.num_descriptors == expected.num_descriptors
+        assert (result.naive_bytes, result.vllm_descriptors) == (expected.naive_bytes,
+                                                                 expected.vllm_descriptors)
+        d_regions = registration(sc.decode, "D", Role.DECODE, d, 1).regions
+        p_regions = registration(sc.prefill, "P", Role.PREFILL, 0, 0).regions
+        for source, reads in zip(result.sources, expected.sources):
+            assert_inside_regions(source.local, d_regions)
+            assert_inside_regions(source.remote, p_regions)
+            bases = [r.base_addr for r in d_regions]
+            assert (source.local[:, 0] == [bases[r] + o for r, o in
+                                           zip(reads.region, reads.local_offset)]).all()
+            assert source.notification.startswith(b"pdbroker:t1:")
+
+
+# --------------------------------------------------------------------------- reports
+
+
+def test_reports_are_idempotent_and_the_first_one_wins() -> None:
+    service, _, sc = setup(2, 2)
+    publish(service, sc)
+    plan = service.get_plan(query(sc, 0))
+    first = done(service, plan.plan_id, 0)
+    again = service.report(Report(plan.plan_id, "D", 0, ReportStatus.FAILED, 0, 0, "late"))
+    assert (again.duplicate, again.intact, again.state) == (True, True, first.state)
+    assert released(service, 2)[0] == [("t1", ReleaseReason.COMPLETED)]
+    assert service.get_transfer("t1").plans[0].status is ReportStatus.DONE
+
+
+def test_failed_report_releases_every_prefill_rank_with_consumer_failed() -> None:
+    service, _, sc = setup(2, 2)
+    publish(service, sc)
+    p0, p1 = (service.get_plan(query(sc, d)) for d in range(2))
+    outcome = service.report(Report(p0.plan_id, "D", 0, ReportStatus.FAILED, 0, 10, "nixl error"))
+    assert outcome.state is TransferState.FAILED and not outcome.intact
+    assert released(service, 2) == {0: [("t1", ReleaseReason.CONSUMER_FAILED)],
+                                    1: [("t1", ReleaseReason.CONSUMER_FAILED)]}
+    # The other rank's data is unusable now: its source was freed before it reported.
+    late = done(service, p1.plan_id, 1)
+    assert (late.state, late.intact) == (TransferState.FAILED, False)
+    assert released(service, 2)[1] == [("t1", ReleaseReason.CONSUMER_FAILED)]
+
+
+def test_report_validation() -> None:
+    service, _, sc = setup(2, 2)
+    publish(service, sc)
+    plan = service.get_plan(query(sc, 0))
+    with pytest.raises(NotFoundError) as err:
+        done(service, "nope", 0)
+    assert err.value.field == "plan_id"
+    with pytest.raises(RequestError) as err:
+        done(service, plan.plan_id, 1)
+    assert err.value.field == "tp_rank"
+    with pytest.raises(RequestError) as err:
+        service.report(Report(plan.plan_id, "X", 0, ReportStatus.DONE))
+    assert err.value.field == "engine_id"
+    with pytest.raises(RequestError) as err:
+        done(service, plan.plan_id, 0, plan.total_bytes - 1)
+    assert err.value.field == "bytes_moved"
+    # A plan never handed out (decode rank 1 did not ask) is unknown to reporters.
+    other = service.get_transfer("t1").plans[1].plan_id
+    with pytest.raises(NotFoundError):
+        done(service, other, 1)
+
+
+# --------------------------------------------------------------------------- plans
+
+
+def test_plan_retry_returns_the_same_plan_and_metadata_only_on_first_contact() -> None:
+    service, _, sc = setup(2, 2)
+    publish(service, sc)
+    publish(service, sc, "t2")
+    first = service.get_plan(query(sc, 0))
+    assert first.sources[0].agent_metadata == b"metadata of P rank 0"
+    retry = service.get_plan(query(sc, 0))
+    assert retry.plan_id == first.plan_id and retry.sources[0].agent_metadata == b""
+    second = service.get_plan(query(sc, 0, "t2"))
+    assert second.plan_id != first.plan_id and second.sources[0].agent_metadata == b""
+    forced = service.get_plan(query(sc, 0, "t2", want_agent_metadata=True))
+    assert forced.sources[0].agent_metadata == b"metadata of P rank 0"
+    other_ids = tuple(tuple(b + 1 for b in g) for g in sc.request.decode_block_ids)
+    with pytest.raises(AlreadyExistsError) as err:
+        service.get_plan(PlanQuery("t1", "D", 0, other_ids))
+    assert err.value.field == "block_ids"
+
+
+def test_decode_rank_with_its_own_block_ids_is_replanned() -> None:
+    service, _, sc = setup(2, 2)
+    # Rank 1's decode engine placed the request elsewhere; both plans stay exact.
+    blocks = sc.decode.ranks[0].num_blocks
+    publish(service, sc)
+    service.get_plan(query(sc, 0))
+    shifted = tuple(tuple(blocks - 1 - b for b in g) for g in sc.request.decode_block_ids)
+    result = service.get_plan(PlanQuery("t1", "D", 1, shifted))
+    expected = PairPlanner(sc.prefill, sc.decode).plan_rank(
+        1, type(sc.request)(sc.request.num_tokens, sc.request.prefill_block_ids, shifted))
+    assert plan_bytes(result) == expected.nbytes
+    assert service.get_transfer("t1").plans[1].block_ids == shifted
+
+
+def test_plan_errors_name_their_field() -> None:
+    service, _, sc = setup(2, 2)
+    publish(service, sc, allowed_decode_engines=frozenset({"D"}))
+    cases = [
+        (PlanQuery("missing", "D", 0, sc.request.decode_block_ids), NotFoundError, "transfer_id"),
+        (PlanQuery("t1", "nobody", 0, sc.request.decode_block_ids), NotFoundError, "engine_id"),
+        (PlanQuery("t1", "P", 0, sc.request.decode_block_ids), PreconditionError, "engine_id"),
+        (PlanQuery("t1", "D", 7, sc.request.decode_block_ids), RequestError, "tp_rank"),
+        (PlanQuery("t1", "D", 0, sc.request.decode_block_ids[:2]), RequestError, "block_ids"),
+        (PlanQuery("t1", "D", 0, ((10**6,),) + sc.request.decode_block_ids[1:]), RequestError,
+         "block_ids[0]"),
+    ]
+    for q, error, field in cases:
+        with pytest.raises(error) as err:
+            service.get_plan(q)
+        assert err.value.field == field, q
+    assert service.get_transfer("t1").state is TransferState.PUBLISHED
+    register_engine(service, sc.decode, "D2", Role.DECODE, 2)
+    with pytest.raises(PermissionDeniedError):
+        service.get_plan(PlanQuery("t1", "D2", 0, sc.request.decode_block_ids))
+    publish(service, sc, "t2")
+    service.get_plan(query(sc, 0, "t2"))
+    with pytest.raises(PreconditionError, match="claimed by decode engine 'D'"):
+        service.get_plan(PlanQuery("t2", "D2", 0, sc.request.decode_block_ids))
+
+
+def test_incompatible_and_partially_registered_engines() -> None:
+    service, _, sc = setup(2, 2)
+    other = build_scenario(hybrid(kv_heads=8, name="other"), 2, 2, 100)
+    register_engine(service, other.decode, "X", Role.DECODE, 3)
+    service.register_rank(registration(sc.decode, "half", Role.DECODE, 0, 4))
+    publish(service, sc)
+    with pytest.raises(IncompatibleLayoutsError) as err:
+        service.get_plan(PlanQuery("t1", "X", 0, other.request.decode_block_ids))
+    assert err.value.field == "model_fingerprint"
+    with pytest.raises(PreconditionError, match="1 of its 2 ranks") as err:
+        service.get_plan(PlanQuery("t1", "half", 0, sc.request.decode_block_ids))
+    assert err.value.field == "engine_id"
+
+
+def test_publish_validation() -> None:
+    service, _, sc = setup(2, 2, max_transfers=2)
+    ids = sc.request.prefill_block_ids
+    limit = sc.prefill.ranks[0].num_blocks
+    cases = [
+        (Publication("a", "nobody", ids, 100), NotFoundError, "engine_id"),
+        (Publication("a", "D", ids, 100), PreconditionError, "engine_id"),
+        (Publication("a", "P", ids[:2], 100), RequestError, "block_ids"),
+        (Publication("a", "P", ((limit,),) + ids[1:], 100), RequestError, "block_ids[0]"),
+        (Publication("a", "P", (ids[1][:1],) + ids[1:], 100), RequestError, "block_ids[1]"),
+        (Publication("a", "P", ids, 10_000), RequestError, "block_ids[1]"),
+        (Publication("a", "P", ((),) + ids[1:], 100), RequestError, "block_ids[0]"),
+        (Publication("a", "P", ids, 100, ttl_ms=10**9), RequestError, "ttl_ms"),
+    ]
+    for pub, error, field in cases:
+        with pytest.raises(error) as err:
+            service.publish(pub)
+        assert err.value.field == field, pub
+    publish(service, sc)
+    with pytest.raises(AlreadyExistsError):
+        publish(service, sc)
+    publish(service, sc, "t2")
+    with pytest.raises(LimitExceededError):
+        publish(service, sc, "t3")
+
+
+# --------------------------------------------------------------------------- expiry and abort
+
+
+def test_unread_transfer_expires_and_decode_gets_a_clear_error() -> None:
+    service, clock, sc = setup(2, 2)
+    expires = publish(service, sc, ttl_ms=1_000)
+    assert expires == clock.now + 1_000
+    clock.advance(999)
+    service.reap()
+    assert released(service, 2) == {0: [], 1: []}
+    clock.advance(1)
+    service.reap()
+    assert released(service, 2) == {0: [("t1", ReleaseReason.EXPIRED)],
+                                    1: [("t1", ReleaseReason.EXPIRED)]}
+    with pytest.raises(PreconditionError, match="expired") as err:
+        service.get_plan(query(sc, 0))
+    assert err.value.field == "transfer_id"
+
+
+def test_expiry_is_checked_on_access_before_the_reaper_runs() -> None:
+    service, clock, sc = setup(2, 2)
+    publish(service, sc)  # default TTL
+    clock.advance(TTL_MS)
+    with pytest.raises(PreconditionError, match="expired"):
+        service.get_plan(query(sc, 1))
+    assert service.get_transfer("t1").state is TransferState.EXPIRED
+    assert released(service, 2)[1] == [("t1", ReleaseReason.EXPIRED)]
+
+
+def test_in_progress_transfer_expires_and_late_report_is_not_intact() -> None:
+    service, clock, sc = setup(2, 2)
+    publish(service, sc)
+    p0, p1 = (service.get_plan(query(sc, d)) for d in range(2))
+    done(service, p0.plan_id, 0)
+    clock.advance(TTL_MS)
+    service.reap()
+    assert released(service, 2) == {0: [("t1", ReleaseReason.COMPLETED)],
+                                    1: [("t1", ReleaseReason.EXPIRED)]}
+    late = done(service, p1.plan_id, 1)
+    assert (late.state, late.intact) == (TransferState.EXPIRED, False)
+
+
+def test_finished_transfers_are_forgotten_after_retention() -> None:
+    service, clock, sc = setup(2, 2)
+    publish(service, sc)
+    plan = service.get_plan(query(sc, 0))
+    service.abort("t1", "operator")
+    clock.advance(9_999)
+    service.reap()
+    assert service.get_transfer("t1").state is TransferState.ABORTED
+    clock.advance(1)
+    service.reap()
+    with pytest.raises(NotFoundError):
+        service.get_transfer("t1")
+    with pytest.raises(NotFoundError):
+        done(service, plan.plan_id, 0)
+    publish(service, sc)  # the id may be reused once forgotten
+
+
+def test_abort_releases_everything_and_is_idempotent() -> None:
+    service, _, sc = setup(2, 2)
+    publish(service, sc)
+    plan = service.get_plan(query(sc, 0))
+    assert service.abort("t1", "cancelled by user") is TransferState.ABORTED
+    assert released(service, 2) == {0: [("t1", ReleaseReason.ABORTED)],
+                                    1: [("t1", ReleaseReason.ABORTED)]}
+    assert service.abort("t1", "again") is TransferState.ABORTED
+    assert len(released(service, 2)[0]) == 1
+    with pytest.raises(PreconditionError, match="aborted"):
+        service.get_plan(query(sc, 1))
+    outcome = done(service, plan.plan_id, 0)
+    assert (outcome.state, outcome.intact) == (TransferState.ABORTED, False)
+    with pytest.raises(NotFoundError):
+        service.abort("nope", "")
+    timeline = [e.event for e in service.get_transfer("t1").timeline]
+    assert timeline[:3] == ["published", "claimed", "planned"] and "aborted" in timeline
+
+
+# --------------------------------------------------------------------------- leases
+
+
+def test_keep_alive_extends_and_expired_lease_is_gone() -> None:
+    service, clock = make_service()
+    sc = build_scenario(hybrid(), 1, 1, 100)
+    (lease,) = register_engine(service, sc.prefill, "P", Role.PREFILL)
+    clock.advance(LEASE_MS - 1)
+    assert service.keep_alive(lease.lease_id) == LEASE_MS
+    clock.advance(LEASE_MS - 1)
+    service.reap()
+    assert [e.engine_id for e in service.list_engines()] == ["P"]
+    clock.advance(1)
+    service.reap()
+    assert service.list_engines() == []
+    with pytest.raises(NotFoundError) as err:
+        service.keep_alive(lease.lease_id)
+    assert err.value.field == "lease_id"
+
+
+def test_lost_prefill_rank_fails_its_transfers() -> None:
+    service, clock, sc = setup(2, 2)
+    leases = {e.engine_id: e for e in service.list_engines()}
+    assert leases["P"].complete and leases["D"].complete
+    publish(service, sc, ttl_ms=2 * LEASE_MS)
+    publish(service, sc, "t2", ttl_ms=2 * LEASE_MS)
+    service.get_plan(query(sc, 0, "t2"))
+    # Everyone but prefill rank 1 keeps their lease alive.
+    keep = [r.lease_id for r in service.store.ranks() if r.registration.key != ("P", 1)]
+    clock.advance(LEASE_MS - 1)
+    for lease_id in keep:
+        service.keep_alive(lease_id)
+    clock.advance(1)
+    service.reap()
+    for t in ("t1", "t2"):
+        record = service.get_transfer(t)
+        assert record.state is TransferState.FAILED
+        assert record.released[0] is ReleaseReason.ABORTED
+    assert released(service, 2) == {0: [("t1", ReleaseReason.ABORTED), ("t2", ReleaseReason.ABORTED)],
+                                    1: []}
+    with pytest.raises(PreconditionError):
+        service.get_plan(query(sc, 0))
+    with pytest.raises(PreconditionError, match="1 of its 2 ranks"):
+        publish(service, sc, "t3")
+    assert released(service, 2)[0][-1] == ("t2", ReleaseReason.ABORTED)
+
+
+def test_lost_decode_rank_fails_its_claimed_transfers() -> None:
+    service, _clock, sc = setup(2, 2)
+    publish(service, sc)
+    publish(service, sc, "t2")
+    service.get_plan(query(sc, 1))
+    decode_lease = next(r.lease_id for r in service.store.ranks() if r.registration.key == ("D", 1))
+    service.deregister(decode_lease)
+    record = service.get_transfer("t1")
+    assert record.state is TransferState.FAILED
+    assert record.plans[1].status is ReportStatus.FAILED
+    assert released(service, 2) == {0: [("t1", ReleaseReason.CONSUMER_FAILED)],
+                                    1: [("t1", ReleaseReason.CONSUMER_FAILED)]}
+    # t2 was never claimed: it waits for another decode engine.
+    assert service.get_transfer("t2").state is TransferState.PUBLISHED
+
+
+def test_re_registration_fails_old_transfers_and_bumps_the_generation() -> None:
+    service, _, sc = setup(2, 2)
+    publish(service, sc)
+    before = {e.engine_id: e.generation for e in service.list_engines()}
+    lease = service.register_rank(registration(sc.prefill, "P", Role.PREFILL, 1, 0))
+    assert lease.engine_complete and lease.generation > before["P"]
+    assert service.get_transfer("t1").state is TransferState.FAILED
+    # The restarted rank never hears about blocks of its previous life.
+    assert released(service, 2) == {0: [("t1", ReleaseReason.ABORTED)], 1: []}
+    publish(service, sc, "t2")
+    plan = service.get_plan(query(sc, 1, "t2"))
+    assert plan.sources[0].agent_metadata  # a new agent generation: metadata again
+
+
+def test_registration_validation() -> None:
+    service, _, sc = setup(2, 2)
+    reg = registration(sc.prefill, "Q", Role.PREFILL, 0, 5)
+    cases = [
+        (dataclasses.replace(reg, agent_name="P-agent0"), AlreadyExistsError, "agent_name"),
+        (dataclasses.replace(reg, regions=reg.regions[:1]), InvalidFieldError, "regions"),
+        (dataclasses.replace(reg, regions=(dataclasses.replace(reg.regions[0], length_bytes=8),)
+                             + reg.regions[1:]), InvalidFieldError, "regions[0].length_bytes"),
+        (dataclasses.replace(reg, tp_rank=2), InvalidFieldError, "tp_rank"),
+    ]
+    for bad, error, field in cases:
+        with pytest.raises(error) as err:
+            service.register_rank(bad)
+        assert err.value.field == field
+    service.register_rank(reg)
+    for name, value in (("tp_size", 4), ("role", Role.DECODE), ("model_fingerprint", "x")):
+        with pytest.raises(PreconditionError) as err:
+            service.register_rank(dataclasses.replace(
+                registration(sc.prefill, "Q", Role.PREFILL, 1, 5), **{name: value}))
+        assert err.value.field == name
+    # Ranks of one engine must declare the same groups.
+    mismatched = registration(build_scenario(hybrid(mamba=None), 2, 2, 100).prefill, "Q",
+                              Role.PREFILL, 1, 5)
+    with pytest.raises(PreconditionError) as err:
+        service.register_rank(dataclasses.replace(mismatched, model_fingerprint=sc.prefill.model))
+    assert err.value.field.startswith("layout.")
+
+
+# --------------------------------------------------------------------------- release streams
+
+
+def test_release_cursor_resumes_and_new_watchers_start_after_delivered_events() -> None:
+    service, _, sc = setup(1, 1)
+    for t in ("a", "b", "c"):
+        publish(service, sc, t)
+        service.abort(t, "")
+    generation, cursor = service.release_stream("P", 0, 0)
+    events = service.releases(("P", 0), generation, cursor)
+    assert [e.transfer_id for e in events] == ["a", "b", "c"]
+    assert [e.sequence for e in events] == sorted(e.sequence for e in events)
+    service.delivered(("P", 0), events[1].sequence)
+    _, cursor = service.release_stream("P", 0, 0)
+    assert [e.transfer_id for e in service.releases(("P", 0), generation, cursor)] == ["c"]
+    _, cursor = service.release_stream("P", 0, events[0].sequence)
+    assert [e.transfer_id for e in service.releases(("P", 0), generation, cursor)] == ["b", "c"]
+    with pytest.raises(NotFoundError) as err:
+        service.release_stream("P", 3, 0)
+    assert err.value.field == "tp_rank"
+    with pytest.raises(PreconditionError):
+        service.release_stream("D", 0, 0)
+    lease = service.store.get_rank(("P", 0)).lease_id
+    service.deregister(lease)
+    assert service.releases(("P", 0), generation, 0) is None
