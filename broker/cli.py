@@ -14,6 +14,8 @@ COMMAND_MODULES = (
     "broker.commands.plan",
     "broker.commands.bench",
     "broker.commands.layout",
+    "broker.commands.serve",
+    "broker.commands.demo",
 )
 
 

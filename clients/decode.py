@@ -1,0 +1,168 @@
+"""Decode side: ask for a transfer's plan, read it with NIXL, report.
+
+For each hosted rank :meth:`AsyncDecodeClient.fetch` runs ``GetTransferPlan``, loads the
+metadata of prefill agents it meets for the first time, posts one READ per source prefill rank
+(all sources at once), polls them to completion within the timeout and reports DONE or FAILED
+with the bytes moved and the read time. Hosted ranks fetch concurrently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from broker.layout import EngineLayout
+from broker.v1 import broker_pb2 as pb
+from clients.nixl_transport import DRAM, VRAM, Transfer, TransferError, descriptor_array, inside
+from clients.session import AsyncEngineClient, BlockingEngineClient, RankSession, call
+
+_KINDS = {pb.MEMORY_KIND_DRAM: DRAM, pb.MEMORY_KIND_VRAM: VRAM}
+
+
+@dataclass(frozen=True)
+class RankFetch:
+    """One decode rank's part of a fetch. Durations in seconds; ``reported_at`` is
+    ``time.monotonic()`` just before the report was sent."""
+
+    tp_rank: int
+    plan_id: str
+    prefill_ranks: tuple[int, ...]
+    nbytes: int
+    num_descriptors: int
+    naive_bytes: int
+    vllm_descriptors: int
+    plan_s: float
+    read_s: float
+    report_s: float
+    reported_at: float
+
+
+@dataclass(frozen=True)
+class Fetch:
+    """A completed fetch: every hosted rank read its plan and the broker confirmed it intact."""
+
+    transfer_id: str
+    ranks: tuple[RankFetch, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.nbytes for r in self.ranks)
+
+    @property
+    def num_descriptors(self) -> int:
+        return sum(r.num_descriptors for r in self.ranks)
+
+
+class FetchError(RuntimeError):
+    """Some hosted ranks failed a fetch; ``errors`` maps each to its exception. Ranks that
+    read their plan reported DONE, the others FAILED (unless the plan itself was refused)."""
+
+    def __init__(self, transfer_id: str, errors: Mapping[int, BaseException]) -> None:
+        detail = "; ".join(f"rank {r}: {e}" for r, e in sorted(errors.items()))
+        super().__init__(f"fetch of {transfer_id} failed: {detail}")
+        self.transfer_id = transfer_id
+        self.errors = dict(errors)
+
+
+class AsyncDecodeClient(AsyncEngineClient):
+    """Hosts decode ranks of one engine (see :class:`~clients.session.AsyncEngineClient` for
+    ``memory``). Use as ``async with AsyncDecodeClient(...) as client``."""
+
+    role = pb.ROLE_DECODE
+
+    def __init__(self, target: str, engine_id: str, layout: EngineLayout,
+                 memory: Mapping[int, Sequence[object]], *, read_timeout_s: float = 30.0,
+                 call_timeout_s: float = 10.0) -> None:
+        super().__init__(target, engine_id, layout, memory, call_timeout_s=call_timeout_s)
+        self.read_timeout_s = read_timeout_s
+
+    async def fetch(self, transfer_id: str, block_ids: Sequence[Sequence[int]],
+                    timeout_s: float | None = None) -> Fetch:
+        """Move ``transfer_id``'s state into ``block_ids`` (this engine's, per group) on every
+        hosted rank. Raises :class:`FetchError` unless every rank's data is usable."""
+        deadline = time.monotonic() + (timeout_s or self.read_timeout_s)
+        ids = [pb.BlockIds(ids=list(g)) for g in block_ids]
+        sessions = list(self.sessions.values())
+        results = await asyncio.gather(*(self._fetch_rank(s, transfer_id, ids, deadline)
+                                         for s in sessions), return_exceptions=True)
+        errors = {s.tp_rank: r for s, r in zip(sessions, results) if isinstance(r, BaseException)}
+        if errors:
+            raise FetchError(transfer_id, errors)
+        return Fetch(transfer_id, tuple(r for r in results if isinstance(r, RankFetch)))
+
+    async def _fetch_rank(self, session: RankSession, transfer_id: str, block_ids: list[pb.BlockIds],
+                          deadline: float) -> RankFetch:
+        started = time.perf_counter()
+        request = pb.GetTransferPlanRequest(transfer_id=transfer_id, engine_id=self.engine_id,
+                                            tp_rank=session.tp_rank, block_ids=block_ids)
+        plan = await call(self.stub, "GetTransferPlan", request, self.call_timeout_s)
+        if any(not s.remote_agent_metadata and not session.agent.knows(s.remote_agent_name)
+               for s in plan.sources):  # this process lost agents the broker thinks it knows
+            request.want_agent_metadata = True
+            plan = await call(self.stub, "GetTransferPlan", request, self.call_timeout_s)
+        planned = time.perf_counter()
+        error = ""
+        try:
+            await self._read(session, plan, deadline)
+        except TransferError as exc:
+            error = str(exc)
+        read = time.perf_counter()
+        reported_at = time.monotonic()
+        outcome = await call(self.stub, "ReportTransfer", pb.ReportTransferRequest(
+            plan_id=plan.plan_id, engine_id=self.engine_id, tp_rank=session.tp_rank,
+            status=pb.REPORT_STATUS_FAILED if error else pb.REPORT_STATUS_DONE,
+            bytes_moved=0 if error else plan.total_bytes,
+            duration_us=int((read - planned) * 1e6), error=error), self.call_timeout_s)
+        if error:
+            raise TransferError(error)
+        if not outcome.intact:
+            raise TransferError(f"a source of plan {plan.plan_id} was released before the report "
+                                f"(transfer {pb.TransferState.Name(outcome.state)}); the data is unusable")
+        return RankFetch(session.tp_rank, plan.plan_id, tuple(s.prefill_rank for s in plan.sources),
+                         plan.total_bytes, plan.num_descriptors, plan.naive_bytes,
+                         plan.vllm_descriptors, planned - started, read - planned,
+                         time.perf_counter() - read, reported_at)
+
+    @staticmethod
+    async def _read(session: RankSession, plan: pb.GetTransferPlanResponse, deadline: float) -> None:
+        """Post every source's READ, then wait for all; raises :class:`TransferError`."""
+        transfers: list[Transfer] = []
+        try:
+            for source in plan.sources:
+                if source.remote_agent_metadata:
+                    session.agent.add_remote(source.remote_agent_name, source.remote_agent_metadata)
+                local = descriptor_array(source.local_descriptors)
+                if not inside(local, session.regions):
+                    raise TransferError(f"plan {plan.plan_id} writes outside rank "
+                                        f"{session.tp_rank}'s registered regions")
+                transfers.append(session.agent.read(
+                    source.remote_agent_name, local, source.remote_descriptors,
+                    _KINDS[source.local_memory_kind], _KINDS[source.remote_memory_kind],
+                    source.notification))
+            if sum(t.nbytes for t in transfers) != plan.total_bytes:
+                raise TransferError(f"plan {plan.plan_id}'s descriptors do not add up to its "
+                                    f"{plan.total_bytes} bytes")
+            for transfer in transfers:  # polling one progresses them all
+                await transfer.wait_async(max(0.0, deadline - time.monotonic()))
+        finally:
+            for transfer in transfers:
+                transfer.release()
+
+
+class DecodeClient(BlockingEngineClient):
+    """Blocking :class:`AsyncDecodeClient`; use as ``with DecodeClient(...) as client``."""
+
+    _async: AsyncDecodeClient
+
+    def __init__(self, target: str, engine_id: str, layout: EngineLayout,
+                 memory: Mapping[int, Sequence[object]], *, read_timeout_s: float = 30.0,
+                 call_timeout_s: float = 10.0) -> None:
+        super().__init__(AsyncDecodeClient(target, engine_id, layout, memory,
+                                           read_timeout_s=read_timeout_s,
+                                           call_timeout_s=call_timeout_s))
+
+    def fetch(self, transfer_id: str, block_ids: Sequence[Sequence[int]],
+              timeout_s: float | None = None) -> Fetch:
+        return self._run(self._async.fetch(transfer_id, block_ids, timeout_s))

@@ -1,0 +1,296 @@
+"""What the prefill and decode clients share: the broker channel, one registered rank (its
+NIXL agent, regions and lease), the base engine client, and the event-loop thread behind the
+blocking clients.
+
+An engine client hosts some ranks of one engine (all of them, or the one of a worker process);
+each hosted rank gets its own NIXL agent, registration and lease. Protobuf layouts come from
+:func:`broker.convert.rank_layout_to_proto`, the broker's own translation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import threading
+from collections.abc import Coroutine, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+
+import grpc
+
+from broker.convert import rank_layout_to_proto
+from broker.layout import EngineLayout, RankLayout
+from broker.v1 import broker_pb2 as pb
+from broker.v1 import broker_pb2_grpc as pb_grpc
+from clients.nixl_transport import DRAM, NixlAgent, Region, describe_region
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_MEMORY_KINDS = {DRAM: pb.MEMORY_KIND_DRAM, "VRAM": pb.MEMORY_KIND_VRAM}
+#: Pause before retrying a broken release stream or a failed lease renewal (seconds).
+RETRY_DELAY_S = 0.2
+
+
+class BrokerCallError(RuntimeError):
+    """A broker RPC failed: ``code`` is the gRPC status, ``field`` the offending field path
+    the broker names at the start of its message (empty when it names none)."""
+
+    def __init__(self, method: str, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{method}: {code.name}: {details}")
+        self.method = method
+        self.code = code
+        self.details = details
+        head = details.split(":", 1)[0]
+        self.field = head if ":" in details and " " not in head else ""
+
+
+async def call(stub: pb_grpc.BrokerStub, method: str, request: Any, timeout_s: float) -> Any:
+    """One unary RPC; a failure raises :class:`BrokerCallError`."""
+    try:
+        return await getattr(stub, method)(request, timeout=timeout_s)
+    except grpc.aio.AioRpcError as exc:
+        raise BrokerCallError(method, exc.code(), exc.details() or "") from None
+
+
+def open_channel(target: str) -> grpc.aio.Channel:
+    """An insecure channel to the broker at ``HOST:PORT`` (plans of long requests are large)."""
+    return grpc.aio.insecure_channel(target, options=[("grpc.max_receive_message_length", -1),
+                                                      ("grpc.max_send_message_length", -1)])
+
+
+class RankSession:
+    """One hosted rank: its NIXL agent and registered regions, its broker registration and
+    lease. Region *i* holds layer *i* of every group, as the layout declares."""
+
+    def __init__(self, stub: pb_grpc.BrokerStub, engine_id: str, role: int, tp_size: int,
+                 layout: RankLayout, fingerprint: str, agent: NixlAgent,
+                 regions: tuple[Region, ...]) -> None:
+        self.stub = stub
+        self.engine_id = engine_id
+        self.role = role
+        self.tp_size = tp_size
+        self.layout = layout
+        self.fingerprint = fingerprint
+        self.agent = agent
+        self.regions = regions
+        self.lease_id = ""
+        self.ttl_ms = 0
+        self.generation = 0
+
+    @property
+    def tp_rank(self) -> int:
+        return self.layout.tp_rank
+
+    def registration(self) -> pb.RegisterRankRequest:
+        return pb.RegisterRankRequest(
+            engine_id=self.engine_id, role=self.role, tp_size=self.tp_size, tp_rank=self.tp_rank,
+            agent_name=self.agent.name, agent_metadata=self.agent.metadata,
+            regions=[pb.Region(base_addr=r.base_addr, length_bytes=r.length_bytes,
+                               device_id=r.device_id, memory_kind=_MEMORY_KINDS[r.kind])
+                     for r in self.regions],
+            layout=rank_layout_to_proto(self.layout), model_fingerprint=self.fingerprint)
+
+    async def register(self, timeout_s: float) -> None:
+        lease = await call(self.stub, "RegisterRank", self.registration(), timeout_s)
+        self.lease_id, self.ttl_ms, self.generation = lease.lease_id, lease.ttl_ms, lease.generation
+
+    async def keep_alive_forever(self, timeout_s: float) -> None:
+        """Renew the lease every third of its TTL; register again if it was lost (the
+        broker then failed this rank's transfers; new ones work again)."""
+        while True:
+            await asyncio.sleep(self.ttl_ms / 3000)
+            try:
+                self.ttl_ms = (await call(self.stub, "KeepAlive",
+                                          pb.KeepAliveRequest(lease_id=self.lease_id), timeout_s)).ttl_ms
+            except BrokerCallError as exc:
+                if exc.code is not grpc.StatusCode.NOT_FOUND:
+                    log.warning("rank %s/%d: lease renewal failed: %s", self.engine_id, self.tp_rank, exc)
+                    await asyncio.sleep(RETRY_DELAY_S)
+                    continue
+                log.warning("rank %s/%d: lease lost, registering again", self.engine_id, self.tp_rank)
+                try:
+                    await self.register(timeout_s)
+                except BrokerCallError as again:
+                    log.warning("rank %s/%d: registering again failed: %s",
+                                self.engine_id, self.tp_rank, again)
+
+    async def deregister(self, timeout_s: float) -> None:
+        """Leave the broker; a lease that already expired is not an error."""
+        try:
+            await call(self.stub, "Deregister", pb.DeregisterRequest(lease_id=self.lease_id), timeout_s)
+        except BrokerCallError as exc:
+            if exc.code is not grpc.StatusCode.NOT_FOUND:
+                raise
+
+
+class AsyncEngineClient:
+    """Base of the async clients: hosts ``memory``'s ranks of one engine.
+
+    ``memory[tp_rank]`` lists that rank's regions (tensors, arrays or
+    :class:`~clients.nixl_transport.Region`), one per ``layout`` region, each at least
+    ``num_blocks * page_bytes`` long; the caller keeps them alive until :meth:`close`.
+    :meth:`start` creates one NIXL agent per rank, registers the memory with it and the rank
+    with the broker at ``target``, and keeps the leases alive.
+    """
+
+    role: ClassVar[int] = pb.ROLE_UNSPECIFIED
+
+    def __init__(self, target: str, engine_id: str, layout: EngineLayout,
+                 memory: Mapping[int, Sequence[object]], *, call_timeout_s: float = 10.0) -> None:
+        if not memory:
+            raise ValueError("memory: host at least one rank")
+        for tp_rank, regions in memory.items():
+            if not 0 <= tp_rank < layout.tp_size:
+                raise ValueError(f"memory: rank {tp_rank} outside [0, {layout.tp_size})")
+            if len(regions) != layout.ranks[tp_rank].num_regions:
+                raise ValueError(f"memory[{tp_rank}]: {len(regions)} regions, the layout declares "
+                                 f"{layout.ranks[tp_rank].num_regions}")
+        self.target = target
+        self.engine_id = engine_id
+        self.layout = layout
+        self.call_timeout_s = call_timeout_s
+        self._memory = {r: tuple(memory[r]) for r in sorted(memory)}
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: pb_grpc.BrokerStub | None = None
+        self.sessions: dict[int, RankSession] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """The hosted tp ranks."""
+        return tuple(self._memory)
+
+    @property
+    def stub(self) -> pb_grpc.BrokerStub:
+        if self._stub is None:
+            raise RuntimeError("start() the client first")
+        return self._stub
+
+    async def start(self) -> None:
+        """Create the agents, register memory and ranks, start the background tasks. On
+        failure everything created so far is closed again."""
+        self._channel = open_channel(self.target)
+        self._stub = pb_grpc.BrokerStub(self._channel)
+        try:
+            for tp_rank, memory in self._memory.items():
+                rank_layout = self.layout.ranks[tp_rank]
+                regions = tuple(describe_region(m) for m in memory)
+                for i, region in enumerate(regions):
+                    if region.length_bytes < rank_layout.region_bytes:
+                        raise ValueError(f"memory[{tp_rank}][{i}]: {region.length_bytes} bytes, the "
+                                         f"layout needs {rank_layout.region_bytes}")
+                agent = NixlAgent(f"{self.engine_id}.rank{tp_rank}.{secrets.token_hex(4)}")
+                self.sessions[tp_rank] = RankSession(self._stub, self.engine_id, self.role,
+                                                     self.layout.tp_size, rank_layout,
+                                                     self.layout.model, agent, regions)
+                agent.register(regions)
+            outcomes = await asyncio.gather(*(s.register(self.call_timeout_s)
+                                              for s in self.sessions.values()), return_exceptions=True)
+            for outcome in outcomes:
+                if isinstance(outcome, BaseException):
+                    raise outcome
+            for session in self.sessions.values():
+                self._spawn(session.keep_alive_forever(self.call_timeout_s))
+            self._started()
+        except BaseException:
+            await self.close()
+            raise
+
+    def _started(self) -> None:
+        """Hook: start role-specific background tasks with :meth:`_spawn`."""
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        self._tasks.append(asyncio.get_running_loop().create_task(coro))
+
+    async def close(self) -> None:
+        """Stop background tasks, deregister every rank, close the agents and the channel.
+        Idempotent; the ranks are gone from the broker when it returns."""
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        sessions = [s for s in self.sessions.values() if s.lease_id]
+        errors = await asyncio.gather(*(s.deregister(self.call_timeout_s) for s in sessions),
+                                      return_exceptions=True)
+        for session in self.sessions.values():
+            session.agent.close()
+        self.sessions.clear()
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = self._stub = None
+        for error in errors:
+            if isinstance(error, BaseException):
+                raise error
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+class LoopThread:
+    """An asyncio event loop in a daemon thread, for the blocking clients: :meth:`run`
+    submits a coroutine to it and waits for the result."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join()
+        self.loop.close()
+
+
+class BlockingEngineClient:
+    """Base of the blocking clients: runs an :class:`AsyncEngineClient` on a private
+    :class:`LoopThread` (callbacks given to the client run on that thread)."""
+
+    def __init__(self, client: AsyncEngineClient) -> None:
+        self._async = client
+        self._loop = LoopThread(f"pdbroker-{client.engine_id}")
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return self._async.ranks
+
+    @property
+    def sessions(self) -> dict[int, RankSession]:
+        return self._async.sessions
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return self._loop.run(coro)
+
+    def start(self) -> Self:
+        try:
+            self._run(self._async.start())
+        except BaseException:
+            self._loop.close()  # the async client already closed what it had opened
+            raise
+        return self
+
+    def close(self) -> None:
+        """Close the client and stop the loop thread. Idempotent."""
+        if self._loop.loop.is_closed():
+            return
+        try:
+            self._run(self._async.close())
+        finally:
+            self._loop.close()
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,157 @@
+"""End to end with real processes: a ``pdbroker serve`` process, prefill and decode engine
+processes whose ranks each own a NIXL agent (UCX over loopback, DRAM), requests moved by real
+reads. Every byte of decode memory is compared with what decode's own layout says the request
+must have left there (:mod:`clients.pattern`, independent of the plan); every prefill rank
+must receive its release; nothing may stay registered. Nothing is mocked."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("nixl")
+
+from broker.layout import GroupKind
+from broker.models import AttentionParams, MambaParams, ModelSpec
+from broker.records import ReleaseReason
+from clients.loopback import BrokerProcess, FleetReport, PairSpec, block_counts, run_fleet
+from clients.pattern import POISON, Contents, check_decode, decode_token_limit, fill_prefill
+
+REQUESTS_PER_PAIR = 3
+MAMBA2 = MambaParams("mamba2", conv_kernel=4, intermediate_size=128, num_heads=8, head_dim=16,
+                     n_groups=2, state_size=16)
+GDN = MambaParams("gdn", conv_kernel=4, num_k_heads=4, num_v_heads=8, head_k_dim=16, head_v_dim=16)
+
+
+def hybrid(name: str, mamba: MambaParams, kv_heads: int) -> ModelSpec:
+    """Two Mamba groups around one attention group, three regions per rank."""
+    return ModelSpec(name, ((GroupKind.MAMBA, ("m0", "m1", "m3")),
+                            (GroupKind.ATTENTION, ("a2", "a5", "a8")),
+                            (GroupKind.MAMBA, ("m4", "m6"))),
+                     AttentionParams(kv_heads, 32), mamba)
+
+
+PAIRS = (
+    PairSpec("FA+Mamba2 P2->D2 (homogeneous)", hybrid("m2", MAMBA2, 4), 2, 2, 40, 300),
+    PairSpec("FA+Mamba2 P1->D2 (D>P)", hybrid("m2", MAMBA2, 4), 1, 2, 40, 300),
+    PairSpec("FA+Mamba2 P4->D2 (P>D)", hybrid("m2", MAMBA2, 4), 4, 2, 40, 300),
+    PairSpec("FA+GDN P2->D1 (P>D)", hybrid("gdn", GDN, 2), 2, 1, 40, 300),
+    PairSpec("FA+GDN P1->D2 (D>P, kernel blocks of 16)", hybrid("gdn", GDN, 2), 1, 2, 40, 300, 16),
+    PairSpec("FA+Mamba2 P1->D4 (replicated KV heads and B/C groups)", hybrid("m2", MAMBA2, 2), 1, 4, 40, 300),
+)
+
+
+@pytest.fixture(scope="module")
+def fleet() -> FleetReport:
+    """One run over every pair: one broker, twelve engine processes, 24 NIXL agents."""
+    return run_fleet(PAIRS, REQUESTS_PER_PAIR * len(PAIRS), inflight=2, seed=11)
+
+
+def test_the_run_has_no_problems(fleet: FleetReport) -> None:
+    assert fleet.problems() == []
+    assert fleet.ok and fleet.completed == len(fleet.requests)
+
+
+@pytest.mark.parametrize("pair", range(len(PAIRS)), ids=[p.label for p in PAIRS])
+def test_every_decode_byte_matches_the_expected_layout(fleet: FleetReport, pair: int) -> None:
+    requests = [r for r in fleet.requests if r.pair == pair]
+    spec = PAIRS[pair]
+    assert len(requests) == REQUESTS_PER_PAIR
+    for r in requests:
+        assert r.fetched and not r.error
+        assert r.mismatches == 0
+        assert r.nbytes == r.expected_bytes > 0  # the plan moved exactly the state decode needs
+        assert sorted(rank["tp_rank"] for rank in r.ranks) == list(range(spec.decode_tp))
+        decode_memory = sum(rank.region_bytes * rank.num_regions for rank in fleet.layouts[pair][1].ranks)
+        assert r.checked_bytes == decode_memory  # every byte of every decode region, every request
+        sources = [list(rank["prefill_ranks"]) for rank in sorted(r.ranks, key=lambda x: x["tp_rank"])]
+        if spec.prefill_tp > spec.decode_tp:  # each decode rank gathers from k prefill ranks
+            k = spec.prefill_tp // spec.decode_tp
+            assert [sorted(s) for s in sources] == [list(range(d * k, d * k + k)) for d in range(spec.decode_tp)]
+        else:  # each decode rank reads from its one vLLM partner
+            assert sources == [[d * spec.prefill_tp // spec.decode_tp] for d in range(spec.decode_tp)]
+
+
+def test_prefill_receives_its_release_for_every_transfer(fleet: FleetReport) -> None:
+    for r in fleet.requests:
+        p_tp = PAIRS[r.pair].prefill_tp
+        assert {p: why for p, (why, _) in r.releases.items()} == {p: "completed" for p in range(p_tp)}
+        last_report = max(rank["reported_at"] for rank in r.ranks)
+        assert all(r.published_at < at < last_report + 30 for _, at in r.releases.values())
+
+
+def test_nixl_notifications_reach_prefill(fleet: FleetReport) -> None:
+    assert fleet.notifications == fleet.expected_notifications > 0
+
+
+def test_nothing_left_registered(fleet: FleetReport) -> None:
+    assert fleet.leftover_engines == ()
+
+
+def test_demo_command_verifies_real_models() -> None:
+    """``pdbroker demo``: Nemotron-3-Nano P2→D2 and Qwen3.5-0.8B P1→D2, real preset layouts."""
+    done = subprocess.run([sys.executable, "-m", "broker.cli", "demo", "--requests", "2"],
+                          check=False, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    last = done.stdout.strip().splitlines()[-1]
+    match = re.fullmatch(r"demo: 2 transfers, (\d+) bytes verified, 0 mismatches", last)
+    assert match and int(match.group(1)) > 0, last
+    assert "releases: 3/3 completed" in done.stdout
+
+
+def test_async_clients_and_expiry() -> None:
+    """The async clients in one process against a broker process: a hetero-TP transfer moves
+    real bytes; a transfer nobody reads is released EXPIRED and then refused."""
+    from clients.decode import AsyncDecodeClient, FetchError
+    from clients.prefill import AsyncPrefillClient, Release
+    from clients.session import BrokerCallError
+
+    spec = PAIRS[3]  # FA+GDN P2 -> D1
+    prefill, decode = spec.layouts(inflight=2)
+    contents_p, contents_d = Contents(prefill), Contents(decode)
+    p_mem = {r.tp_rank: [np.zeros(r.region_bytes, np.uint8) for _ in range(r.num_regions)] for r in prefill.ranks}
+    d_mem = {r.tp_rank: [np.full(r.region_bytes, POISON, np.uint8) for _ in range(r.num_regions)]
+             for r in decode.ranks}
+    tokens = 200
+    counts = block_counts(prefill, tokens)
+    blocks = [list(range(sum(counts[:g]), sum(counts[:g + 1]))) for g in range(len(counts))]
+    releases: list[Release] = []
+    broker = BrokerProcess()
+
+    async def scenario() -> None:
+        async with AsyncPrefillClient(broker.address, "p", prefill, p_mem, on_release=releases.append) as p, \
+                AsyncDecodeClient(broker.address, "d", decode, d_mem) as d:
+            for rank in prefill.ranks:
+                fill_prefill(contents_p, rank, p_mem[rank.tp_rank], blocks, salt=5)
+            await p.publish("moved", blocks, tokens)
+            fetch = await d.fetch("moved", blocks)
+            assert [r.prefill_ranks for r in fetch.ranks] == [(0, 1)]
+            limits = [decode_token_limit(pg, dg, tokens, len(ids)) if dg.is_attention else None
+                      for pg, dg, ids in zip(prefill.groups, decode.groups, blocks)]
+            assert check_decode(contents_d, decode.ranks[0], d_mem[0], blocks, 5, limits) == (0, fetch.nbytes)
+
+            await p.publish("ignored", blocks, tokens, ttl_ms=300)
+            deadline = time.monotonic() + 10
+            while len(releases) < 4:
+                assert time.monotonic() < deadline, releases
+                await asyncio.sleep(0.01)
+            with pytest.raises(FetchError) as refused:
+                await d.fetch("ignored", blocks)
+            error = refused.value.errors[0]
+            assert isinstance(error, BrokerCallError)
+            assert (error.code.name, error.field) == ("FAILED_PRECONDITION", "transfer_id")
+
+    try:
+        asyncio.run(scenario())
+        assert broker.list_engines() == ()
+    finally:
+        broker.stop()
+    assert sorted((r.transfer_id, r.tp_rank, r.reason) for r in releases) == [
+        ("ignored", 0, ReleaseReason.EXPIRED), ("ignored", 1, ReleaseReason.EXPIRED),
+        ("moved", 0, ReleaseReason.COMPLETED), ("moved", 1, ReleaseReason.COMPLETED)]
