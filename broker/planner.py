@@ -245,6 +245,9 @@ class PairPlanner:
     prefill: EngineLayout
     decode: EngineLayout
     max_templates: int = 4096
+    #: False keeps vLLM's granularity (one run per segment per kernel block per source);
+    #: benchmarks use it to compare against vLLM's descriptor scheme.
+    coalesce: bool = True
     _tables: list[_TemplateTable] = field(default_factory=list, init=False, repr=False)
     _attention_groups: list[int] = field(default_factory=list, init=False, repr=False)
 
@@ -305,7 +308,7 @@ class PairPlanner:
         p_page = self.prefill.ranks[0].page_bytes
         p_off += np.repeat(np.array(slot_p, dtype=_I64) * p_page, sizes)
         d_off += np.repeat(np.array(slot_d, dtype=_I64) * d_page, sizes)
-        mergeable = bool(table.starts_pages[tpl].any() and table.ends_pages[tpl].any())
+        mergeable = self.coalesce and bool(table.starts_pages[tpl].any() and table.ends_pages[tpl].any())
         return self._assemble(decode_rank, p_rank, region, d_off, p_off, length, mergeable,
                               naive_pages * d_page,
                               int(table.vllm_units[tpl].sum()))
@@ -448,7 +451,11 @@ class PairPlanner:
         if not d_out:
             empty = np.zeros(0, dtype=_I64)
             return Template(empty, empty, empty, empty, 0)
-        p_rank, d_off, p_off, length = coalesce(*(np.concatenate(c) for c in (ranks_out, d_out, p_out, len_out)))
+        columns = [np.concatenate(c) for c in (ranks_out, d_out, p_out, len_out)]
+        if self.coalesce:
+            p_rank, d_off, p_off, length = coalesce(*columns)
+        else:
+            p_rank, d_off, p_off, length = columns
         _check_template(d_group, chunk, d_off, p_off, length,
                         self.decode.ranks[decode_rank].page_bytes, self.prefill.ranks[0].page_bytes,
                         decode_rank, g)

@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from broker.cases import load_case
 from broker.cli import main
+from broker.planner import PairPlanner
 
 VECTORS = Path(__file__).parent / "data" / "testvectors"
 CASES = sorted((VECTORS / "cases").glob("*.json"))
@@ -69,3 +71,13 @@ def test_unplannable_case_names_the_field(tmp_path: Path) -> None:
                          capture_output=True, text=True)
     assert out.returncode != 0
     assert "total_num_kv_heads" in out.stderr and "tp=3" in out.stderr
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda p: p.stem)
+def test_uncoalesced_plan_has_vllm_granularity(case: Path) -> None:
+    """Without coalescing the planner issues exactly vLLM's descriptors, same bytes."""
+    expected = json.loads((VECTORS / "expected" / case.name).read_text())
+    loaded = load_case(json.loads(case.read_text()))
+    plan = PairPlanner(loaded.prefill, loaded.decode, coalesce=False).plan(loaded.request)
+    assert plan.num_descriptors == expected["vllm_descriptors"]
+    assert merge_runs(plan.rows().tolist()) == merge_runs(expected["runs"])

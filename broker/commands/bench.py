@@ -66,7 +66,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     descs = kinds.add_parser("descriptors", help="descriptors per request: plan vs vLLM")
     descs.add_argument("--tokens", type=int, default=32768)
     descs.set_defaults(run=run_descriptors)
-    for kind in (planner, volume, descs):
+    transfer = kinds.add_parser("transfer", help="NIXL throughput of real plans between two processes")
+    transfer.add_argument("--model", default="nemotron-3-nano-30b-a3b")
+    transfer.add_argument("--prefill-tp", type=int, default=1)
+    transfer.add_argument("--decode-tp", type=int, default=1)
+    transfer.add_argument("--tokens", type=int, default=32768)
+    transfer.add_argument("--kernel-block-size", type=int, default=0)
+    transfer.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    transfer.add_argument("--prefill-device", type=int, default=0, help="GPU of the prefill process")
+    transfer.add_argument("--decode-device", type=int, default=0, help="GPU of the decode process")
+    transfer.add_argument("--repeats", type=int, default=5)
+    transfer.set_defaults(run=run_transfer)
+    for kind in (planner, volume, descs, transfer):
         kind.add_argument("--json", action="store_true", help="print one JSON object")
         kind.add_argument("--out", type=Path, default=None,
                           help="directory for the JSON result (and a PNG plot where useful)")
@@ -210,4 +221,28 @@ def run_descriptors(args: argparse.Namespace) -> int:
     lines += [f"{r['name']:<28} {r['allocation']:<11} {r['descriptors']:>7} {r['vllm_descriptors']:>7} "
               f"{r['descriptors'] / r['vllm_descriptors']:>6.3f}" for r in rows]
     _emit(args, "descriptors", {"descriptors": rows}, "\n".join(lines))
+    return 0
+
+
+def run_transfer(args: argparse.Namespace) -> int:
+    """Real plans through NIXL vs per-block descriptors, one descriptor and memcpy."""
+    from broker.presets import resolve_model
+    from clients.transfer_bench import run_transfer_bench
+
+    sc = build_scenario(resolve_model(args.model), args.prefill_tp, args.decode_tp, args.tokens,
+                        kernel_block_size=args.kernel_block_size)
+    figures = run_transfer_bench(sc, args.device, args.prefill_device, args.decode_device,
+                                 args.repeats)
+    f = figures
+    table = "\n".join([
+        f"{args.model} {args.tokens} tokens tp{args.prefill_tp}->tp{args.decode_tp}, decode rank 0, "
+        f"{f.device}: {f.bytes / 2**20:.1f} MiB",
+        f"  coalesced plan   {f.coalesced_descriptors:>7} descriptors  {f.coalesced_gbps:>8.2f} GB/s",
+        f"  per-block (vLLM) {f.per_block_descriptors:>7} descriptors  {f.per_block_gbps:>8.2f} GB/s",
+        f"  one descriptor   {1:>7} descriptor   {f.single_desc_gbps:>8.2f} GB/s",
+        f"  memcpy (1 proc)  {'':>7}              {f.memcpy_gbps:>8.2f} GB/s",
+        f"  coalesced / one descriptor = {f.coalesced_gbps / f.single_desc_gbps:.2f}, "
+        f"coalesced / per-block = {f.coalesced_gbps / f.per_block_gbps:.2f}",
+    ])
+    _emit(args, "transfer", {"transfer": f.as_dict()}, table)
     return 0
