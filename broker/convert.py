@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 
+from broker.api import EngineView, Lease, PlanQuery, PlanResult, Publication, Report
 from broker.descriptors import pack
 from broker.errors import InvalidFieldError, LayoutError, LimitExceededError
 from broker.layout import GroupKind, GroupLayout, RankLayout, Segment
@@ -26,7 +27,6 @@ from broker.records import (
     TransferRecord,
     TransferState,
 )
-from broker.service import EngineView, Lease, PlanQuery, PlanResult, Publication, Report
 from broker.v1 import broker_pb2 as pb
 
 #: Limits on inbound messages; exceeding one is RESOURCE_EXHAUSTED naming the field.
@@ -46,8 +46,10 @@ MAX_ERROR_CHARS = 4096
 _ROLES = {pb.ROLE_PREFILL: Role.PREFILL, pb.ROLE_DECODE: Role.DECODE, pb.ROLE_BOTH: Role.BOTH}
 _MEMORY_KINDS = {pb.MEMORY_KIND_DRAM: MemoryKind.DRAM, pb.MEMORY_KIND_VRAM: MemoryKind.VRAM}
 _GROUP_KINDS = {pb.GROUP_KIND_ATTENTION: GroupKind.ATTENTION, pb.GROUP_KIND_MAMBA: GroupKind.MAMBA}
-_REPORT_STATUSES = {pb.REPORT_STATUS_DONE: ReportStatus.DONE,
-                    pb.REPORT_STATUS_FAILED: ReportStatus.FAILED}
+_REPORT_STATUSES = {
+    pb.REPORT_STATUS_DONE: ReportStatus.DONE,
+    pb.REPORT_STATUS_FAILED: ReportStatus.FAILED,
+}
 _ROLE_TO_PB = {v: k for k, v in _ROLES.items()}
 _MEMORY_KIND_TO_PB = {v: k for k, v in _MEMORY_KINDS.items()}
 _REPORT_STATUS_TO_PB = {v: k for k, v in _REPORT_STATUSES.items()}
@@ -83,8 +85,9 @@ def _enum(value: int, table: dict, field: str, enum_name: str):
     try:
         return table[value]
     except KeyError:
-        raise InvalidFieldError(field, f"{enum_name} {value} is not one of "
-                                       f"{sorted(table)}") from None
+        raise InvalidFieldError(
+            field, f"{enum_name} {value} is not one of {sorted(table)}"
+        ) from None
 
 
 def _count(items: Sequence, limit: int, field: str) -> None:
@@ -112,15 +115,25 @@ def _block_ids_to_proto(ids: BlockIds) -> list[pb.BlockIds]:
 def _segment_from_proto(msg: pb.Segment, where: str) -> Segment:
     _ident(msg.tensor, f"{where}.tensor")
     if len(msg.shape) > MAX_DIMS:
-        raise LimitExceededError(f"{where}.shape", f"{len(msg.shape)} dimensions, at most {MAX_DIMS}")
+        raise LimitExceededError(
+            f"{where}.shape", f"{len(msg.shape)} dimensions, at most {MAX_DIMS}"
+        )
     if len(msg.shape) != len(msg.strides):
-        raise InvalidFieldError(f"{where}.strides", f"{len(msg.strides)} strides for "
-                                                    f"{len(msg.shape)} dimensions")
+        raise InvalidFieldError(
+            f"{where}.strides", f"{len(msg.strides)} strides for {len(msg.shape)} dimensions"
+        )
     try:
-        return Segment(msg.tensor, msg.offset, tuple(msg.shape), tuple(msg.strides), msg.dtype,
-                       msg.shard_axis if msg.HasField("shard_axis") else None,
-                       msg.shard_start, msg.global_extent,
-                       msg.token_axis if msg.HasField("token_axis") else None)
+        return Segment(
+            msg.tensor,
+            msg.offset,
+            tuple(msg.shape),
+            tuple(msg.strides),
+            msg.dtype,
+            msg.shard_axis if msg.HasField("shard_axis") else None,
+            msg.shard_start,
+            msg.global_extent,
+            msg.token_axis if msg.HasField("token_axis") else None,
+        )
     except LayoutError as exc:  # fields named "segment 'kv'.strides"
         raise LayoutError(f"{where}.{exc.field.rsplit('.', 1)[-1]}", exc.detail) from None
 
@@ -129,16 +142,25 @@ def _group_from_proto(msg: pb.GroupLayout, where: str) -> GroupLayout:
     kind = _enum(msg.kind, _GROUP_KINDS, f"{where}.kind", "GroupKind")
     _count(msg.layers, MAX_LAYERS_PER_GROUP, f"{where}.layers")
     _count(msg.segments, MAX_SEGMENTS_PER_GROUP, f"{where}.segments")
-    segments = tuple(_segment_from_proto(s, f"{where}.segments[{i}]")
-                     for i, s in enumerate(msg.segments))
-    return GroupLayout(kind, tuple(msg.layers), segments, msg.block_size, msg.kernel_block_size,
-                       msg.kernel_block_bytes)
+    segments = tuple(
+        _segment_from_proto(s, f"{where}.segments[{i}]") for i, s in enumerate(msg.segments)
+    )
+    return GroupLayout(
+        kind,
+        tuple(msg.layers),
+        segments,
+        msg.block_size,
+        msg.kernel_block_size,
+        msg.kernel_block_bytes,
+    )
 
 
 def rank_layout_from_proto(msg: pb.RankLayout, tp_rank: int, where: str = "layout") -> RankLayout:
     _count(msg.groups, MAX_GROUPS, f"{where}.groups")
     if msg.num_regions > MAX_REGIONS:
-        raise LimitExceededError(f"{where}.num_regions", f"{msg.num_regions}, at most {MAX_REGIONS}")
+        raise LimitExceededError(
+            f"{where}.num_regions", f"{msg.num_regions}, at most {MAX_REGIONS}"
+        )
     groups = tuple(_group_from_proto(g, f"{where}.groups[{i}]") for i, g in enumerate(msg.groups))
     try:
         return RankLayout(tp_rank, msg.num_regions, msg.num_blocks, msg.page_bytes, groups)
@@ -151,15 +173,34 @@ def rank_layout_to_proto(layout: RankLayout) -> pb.RankLayout:
     """The inverse of :func:`rank_layout_from_proto` (clients use it to register)."""
     kinds = {v: k for k, v in _GROUP_KINDS.items()}
     return pb.RankLayout(
-        num_regions=layout.num_regions, num_blocks=layout.num_blocks, page_bytes=layout.page_bytes,
-        groups=[pb.GroupLayout(
-            kind=kinds[g.kind], layers=g.layers, block_size=g.block_size,
-            kernel_block_size=g.kernel_block_size, kernel_block_bytes=g.kernel_block_bytes,
-            segments=[pb.Segment(tensor=s.tensor, offset=s.offset, shape=s.shape, strides=s.strides,
-                                 dtype=s.dtype, shard_axis=s.shard_axis, shard_start=s.shard_start,
-                                 global_extent=s.global_extent, token_axis=s.token_axis)
-                      for s in g.segments])
-            for g in layout.groups])
+        num_regions=layout.num_regions,
+        num_blocks=layout.num_blocks,
+        page_bytes=layout.page_bytes,
+        groups=[
+            pb.GroupLayout(
+                kind=kinds[g.kind],
+                layers=g.layers,
+                block_size=g.block_size,
+                kernel_block_size=g.kernel_block_size,
+                kernel_block_bytes=g.kernel_block_bytes,
+                segments=[
+                    pb.Segment(
+                        tensor=s.tensor,
+                        offset=s.offset,
+                        shape=s.shape,
+                        strides=s.strides,
+                        dtype=s.dtype,
+                        shard_axis=s.shard_axis,
+                        shard_start=s.shard_start,
+                        global_extent=s.global_extent,
+                        token_axis=s.token_axis,
+                    )
+                    for s in g.segments
+                ],
+            )
+            for g in layout.groups
+        ],
+    )
 
 
 def registration_from_proto(msg: pb.RegisterRankRequest) -> RankRegistration:
@@ -171,13 +212,19 @@ def registration_from_proto(msg: pb.RegisterRankRequest) -> RankRegistration:
         raise InvalidFieldError("tp_rank", f"{msg.tp_rank} outside [0, {msg.tp_size})")
     agent_name = _ident(msg.agent_name, "agent_name")
     if len(msg.agent_metadata) > MAX_AGENT_METADATA_BYTES:
-        raise LimitExceededError("agent_metadata", f"{len(msg.agent_metadata)} bytes, at most "
-                                                   f"{MAX_AGENT_METADATA_BYTES}")
+        raise LimitExceededError(
+            "agent_metadata", f"{len(msg.agent_metadata)} bytes, at most {MAX_AGENT_METADATA_BYTES}"
+        )
     _count(msg.regions, MAX_REGIONS, "regions")
     regions = tuple(
-        MemoryRegion(r.base_addr, r.length_bytes, r.device_id,
-                     _enum(r.memory_kind, _MEMORY_KINDS, f"regions[{i}].memory_kind", "MemoryKind"))
-        for i, r in enumerate(msg.regions))
+        MemoryRegion(
+            r.base_addr,
+            r.length_bytes,
+            r.device_id,
+            _enum(r.memory_kind, _MEMORY_KINDS, f"regions[{i}].memory_kind", "MemoryKind"),
+        )
+        for i, r in enumerate(msg.regions)
+    )
     for i, r in enumerate(regions):
         if r.length_bytes == 0:
             raise InvalidFieldError(f"regions[{i}].length_bytes", "must be positive")
@@ -185,29 +232,54 @@ def registration_from_proto(msg: pb.RegisterRankRequest) -> RankRegistration:
         raise InvalidFieldError("layout", "missing")
     layout = rank_layout_from_proto(msg.layout, msg.tp_rank)
     fingerprint = _ident(msg.model_fingerprint, "model_fingerprint")
-    return RankRegistration(engine_id, role, msg.tp_size, msg.tp_rank, agent_name,
-                            msg.agent_metadata, regions, layout, fingerprint)
+    return RankRegistration(
+        engine_id,
+        role,
+        msg.tp_size,
+        msg.tp_rank,
+        agent_name,
+        msg.agent_metadata,
+        regions,
+        layout,
+        fingerprint,
+    )
 
 
 def lease_to_proto(lease: Lease) -> pb.RegisterRankResponse:
-    return pb.RegisterRankResponse(lease_id=lease.lease_id, ttl_ms=lease.ttl_ms,
-                                   generation=lease.generation,
-                                   engine_complete=lease.engine_complete)
+    return pb.RegisterRankResponse(
+        lease_id=lease.lease_id,
+        ttl_ms=lease.ttl_ms,
+        generation=lease.generation,
+        engine_complete=lease.engine_complete,
+    )
 
 
 def engines_to_proto(views: Iterable[EngineView]) -> pb.ListEnginesResponse:
-    return pb.ListEnginesResponse(engines=[
-        pb.EngineInfo(
-            engine_id=v.engine_id, role=_ROLE_TO_PB[v.role], tp_size=v.tp_size,
-            model_fingerprint=v.model_fingerprint, generation=v.generation, complete=v.complete,
-            ranks=[pb.RankInfo(tp_rank=r.registration.tp_rank, agent_name=r.registration.agent_name,
-                               lease_expires_at_ms=r.lease_expires_at_ms,
-                               num_regions=r.registration.layout.num_regions,
-                               num_blocks=r.registration.layout.num_blocks,
-                               page_bytes=r.registration.layout.page_bytes,
-                               registered_at_ms=r.registered_at_ms)
-                   for r in v.ranks])
-        for v in views])
+    return pb.ListEnginesResponse(
+        engines=[
+            pb.EngineInfo(
+                engine_id=v.engine_id,
+                role=_ROLE_TO_PB[v.role],
+                tp_size=v.tp_size,
+                model_fingerprint=v.model_fingerprint,
+                generation=v.generation,
+                complete=v.complete,
+                ranks=[
+                    pb.RankInfo(
+                        tp_rank=r.registration.tp_rank,
+                        agent_name=r.registration.agent_name,
+                        lease_expires_at_ms=r.lease_expires_at_ms,
+                        num_regions=r.registration.layout.num_regions,
+                        num_blocks=r.registration.layout.num_blocks,
+                        page_bytes=r.registration.layout.page_bytes,
+                        registered_at_ms=r.registered_at_ms,
+                    )
+                    for r in v.ranks
+                ],
+            )
+            for v in views
+        ]
+    )
 
 
 # --------------------------------------------------------------------------- transfers
@@ -219,37 +291,65 @@ def publication_from_proto(msg: pb.PublishBlocksRequest) -> Publication:
     if msg.num_tokens == 0:
         raise InvalidFieldError("num_tokens", "must be positive")
     _count(msg.allowed_decode_engines, MAX_ALLOWED_DECODE_ENGINES, "allowed_decode_engines")
-    allowed = frozenset(_ident(e, f"allowed_decode_engines[{i}]")
-                        for i, e in enumerate(msg.allowed_decode_engines))
-    return Publication(transfer_id, engine_id, block_ids_from_proto(msg.block_ids),
-                       msg.num_tokens, msg.ttl_ms, allowed)
+    allowed = frozenset(
+        _ident(e, f"allowed_decode_engines[{i}]") for i, e in enumerate(msg.allowed_decode_engines)
+    )
+    return Publication(
+        transfer_id,
+        engine_id,
+        block_ids_from_proto(msg.block_ids),
+        msg.num_tokens,
+        msg.ttl_ms,
+        allowed,
+    )
 
 
 def plan_query_from_proto(msg: pb.GetTransferPlanRequest) -> PlanQuery:
-    return PlanQuery(_ident(msg.transfer_id, "transfer_id"), _ident(msg.engine_id, "engine_id"),
-                     msg.tp_rank, block_ids_from_proto(msg.block_ids), msg.want_agent_metadata)
+    return PlanQuery(
+        _ident(msg.transfer_id, "transfer_id"),
+        _ident(msg.engine_id, "engine_id"),
+        msg.tp_rank,
+        block_ids_from_proto(msg.block_ids),
+        msg.want_agent_metadata,
+    )
 
 
 def plan_to_proto(plan: PlanResult) -> pb.GetTransferPlanResponse:
     return pb.GetTransferPlanResponse(
         plan_id=plan.plan_id,
-        sources=[pb.SourcePlan(
-            prefill_rank=s.prefill_rank, remote_agent_name=s.agent_name,
-            remote_agent_metadata=s.agent_metadata, local_descriptors=pack(s.local),
-            remote_descriptors=pack(s.remote), num_descriptors=s.num_descriptors,
-            total_bytes=s.total_bytes, notification=s.notification,
-            local_memory_kind=_MEMORY_KIND_TO_PB[s.local_memory_kind],
-            remote_memory_kind=_MEMORY_KIND_TO_PB[s.remote_memory_kind])
-            for s in plan.sources],
-        total_bytes=plan.total_bytes, num_descriptors=plan.num_descriptors,
-        naive_bytes=plan.naive_bytes, vllm_descriptors=plan.vllm_descriptors,
-        expires_at_ms=plan.expires_at_ms)
+        sources=[
+            pb.SourcePlan(
+                prefill_rank=s.prefill_rank,
+                remote_agent_name=s.agent_name,
+                remote_agent_metadata=s.agent_metadata,
+                local_descriptors=pack(s.local),
+                remote_descriptors=pack(s.remote),
+                num_descriptors=s.num_descriptors,
+                total_bytes=s.total_bytes,
+                notification=s.notification,
+                local_memory_kind=_MEMORY_KIND_TO_PB[s.local_memory_kind],
+                remote_memory_kind=_MEMORY_KIND_TO_PB[s.remote_memory_kind],
+            )
+            for s in plan.sources
+        ],
+        total_bytes=plan.total_bytes,
+        num_descriptors=plan.num_descriptors,
+        naive_bytes=plan.naive_bytes,
+        vllm_descriptors=plan.vllm_descriptors,
+        expires_at_ms=plan.expires_at_ms,
+    )
 
 
 def report_from_proto(msg: pb.ReportTransferRequest) -> Report:
-    return Report(_ident(msg.plan_id, "plan_id"), _ident(msg.engine_id, "engine_id"), msg.tp_rank,
-                  _enum(msg.status, _REPORT_STATUSES, "status", "ReportStatus"),
-                  msg.bytes_moved, msg.duration_us, msg.error[:MAX_ERROR_CHARS])
+    return Report(
+        _ident(msg.plan_id, "plan_id"),
+        _ident(msg.engine_id, "engine_id"),
+        msg.tp_rank,
+        _enum(msg.status, _REPORT_STATUSES, "status", "ReportStatus"),
+        msg.bytes_moved,
+        msg.duration_us,
+        msg.error[:MAX_ERROR_CHARS],
+    )
 
 
 def state_to_proto(state: TransferState) -> int:
@@ -257,30 +357,53 @@ def state_to_proto(state: TransferState) -> int:
 
 
 def release_to_proto(event: ReleaseEvent) -> pb.ReleaseEvent:
-    return pb.ReleaseEvent(sequence=event.sequence, transfer_id=event.transfer_id,
-                           block_ids=_block_ids_to_proto(event.block_ids),
-                           reason=_REASON_TO_PB[event.reason], detail=event.detail,
-                           released_at_ms=event.released_at_ms)
+    return pb.ReleaseEvent(
+        sequence=event.sequence,
+        transfer_id=event.transfer_id,
+        block_ids=_block_ids_to_proto(event.block_ids),
+        reason=_REASON_TO_PB[event.reason],
+        detail=event.detail,
+        released_at_ms=event.released_at_ms,
+    )
 
 
 def transfer_to_proto(t: TransferRecord) -> pb.GetTransferResponse:
     return pb.GetTransferResponse(
-        transfer_id=t.transfer_id, state=_STATE_TO_PB[t.state],
-        prefill_engine_id=t.prefill_engine_id, decode_engine_id=t.decode_engine_id,
-        num_tokens=t.num_tokens, block_ids=_block_ids_to_proto(t.block_ids),
-        published_at_ms=t.published_at_ms, expires_at_ms=t.expires_at_ms,
+        transfer_id=t.transfer_id,
+        state=_STATE_TO_PB[t.state],
+        prefill_engine_id=t.prefill_engine_id,
+        decode_engine_id=t.decode_engine_id,
+        num_tokens=t.num_tokens,
+        block_ids=_block_ids_to_proto(t.block_ids),
+        published_at_ms=t.published_at_ms,
+        expires_at_ms=t.expires_at_ms,
         finished_at_ms=t.finished_at_ms or 0,
-        plans=[pb.PlanInfo(
-            plan_id=p.plan_id, decode_rank=p.decode_rank, prefill_ranks=p.prefill_ranks,
-            total_bytes=p.rank_plan.nbytes, num_descriptors=p.rank_plan.num_descriptors,
-            handed_out=p.handed_out,
-            status=_REPORT_STATUS_TO_PB[p.status] if p.status else pb.REPORT_STATUS_UNSPECIFIED,
-            bytes_moved=p.bytes_moved, duration_us=p.duration_us, error=p.error)
-            for _, p in sorted(t.plans.items())],
-        releases=[pb.PrefillRankRelease(
-            tp_rank=p,
-            reason=_REASON_TO_PB[t.released[p]] if p in t.released else pb.RELEASE_REASON_UNSPECIFIED,
-            consumers=sorted(t.consumers.get(p, ())))
-            for p in range(t.prefill_tp_size)],
-        timeline=[pb.TimelineEvent(at_ms=e.at_ms, event=e.event, detail=e.detail)
-                  for e in t.timeline])
+        plans=[
+            pb.PlanInfo(
+                plan_id=p.plan_id,
+                decode_rank=p.decode_rank,
+                prefill_ranks=p.prefill_ranks,
+                total_bytes=p.rank_plan.nbytes,
+                num_descriptors=p.rank_plan.num_descriptors,
+                handed_out=p.handed_out,
+                status=_REPORT_STATUS_TO_PB[p.status] if p.status else pb.REPORT_STATUS_UNSPECIFIED,
+                bytes_moved=p.bytes_moved,
+                duration_us=p.duration_us,
+                error=p.error,
+            )
+            for _, p in sorted(t.plans.items())
+        ],
+        releases=[
+            pb.PrefillRankRelease(
+                tp_rank=p,
+                reason=_REASON_TO_PB[t.released[p]]
+                if p in t.released
+                else pb.RELEASE_REASON_UNSPECIFIED,
+                consumers=sorted(t.consumers.get(p, ())),
+            )
+            for p in range(t.prefill_tp_size)
+        ],
+        timeline=[
+            pb.TimelineEvent(at_ms=e.at_ms, event=e.event, detail=e.detail) for e in t.timeline
+        ],
+    )

@@ -16,8 +16,9 @@ class OutOfRegionError(AssertionError):
     """A run reaches outside its region: a planner or registration bug, never user input."""
 
 
-def absolute_descriptors(region_table: np.ndarray, region: np.ndarray, offset: np.ndarray,
-                         length: np.ndarray, side: str) -> np.ndarray:
+def absolute_descriptors(
+    region_table: np.ndarray, region: np.ndarray, offset: np.ndarray, length: np.ndarray, side: str
+) -> np.ndarray:
     """``(n, 3)`` int64 rows ``(base[region] + offset, length, device[region])``.
 
     ``region_table`` is ``(3, num_regions)``: base address, length (bytes) and device id
@@ -31,12 +32,14 @@ def absolute_descriptors(region_table: np.ndarray, region: np.ndarray, offset: n
     try:
         base, device = region_table[0][region], region_table[2][region]
     except IndexError:
-        raise OutOfRegionError(f"{side}: region index outside the {region_table.shape[1]} "
-                               "registered") from None
+        raise OutOfRegionError(
+            f"{side}: region index outside the {region_table.shape[1]} registered"
+        ) from None
     end = offset + length
     # Ending within the shortest region is enough; only otherwise look up each one's length.
-    if int(offset.min()) < 0 or (int(end.max()) > int(region_table[1].min())
-                                 and bool((end > region_table[1][region]).any())):
+    if int(offset.min()) < 0 or (
+        int(end.max()) > int(region_table[1].min()) and bool((end > region_table[1][region]).any())
+    ):
         raise OutOfRegionError(f"{side}: a descriptor leaves its registered region")
     np.add(base, offset, out=out[:, 0])
     out[:, 1] = length
@@ -52,5 +55,7 @@ def pack(descriptors: np.ndarray) -> bytes:
 def unpack(data: bytes) -> np.ndarray:
     """Inverse of :func:`pack`; raises ``ValueError`` unless ``len(data)`` is a multiple of 24."""
     if len(data) % DESCRIPTOR_BYTES:
-        raise ValueError(f"{len(data)} bytes is not a whole number of {DESCRIPTOR_BYTES}-byte descriptors")
+        raise ValueError(
+            f"{len(data)} bytes is not a whole number of {DESCRIPTOR_BYTES}-byte descriptors"
+        )
     return np.frombuffer(data, dtype="<i8").reshape(-1, 3).astype(np.int64)

@@ -101,9 +101,14 @@ class RankRegistration:
     @cached_property
     def region_table(self) -> np.ndarray:
         """``(3, num_regions)`` int64: base address, length (bytes) and device id per region."""
-        return np.array([[r.base_addr for r in self.regions],
-                         [r.length_bytes for r in self.regions],
-                         [r.device_id for r in self.regions]], dtype=np.int64)
+        return np.array(
+            [
+                [r.base_addr for r in self.regions],
+                [r.length_bytes for r in self.regions],
+                [r.device_id for r in self.regions],
+            ],
+            dtype=np.int64,
+        )
 
 
 @dataclass

@@ -68,8 +68,9 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> NoReturn:
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
 
 
-def _unary(method: Callable[[Any, Req], Resp]
-           ) -> Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]:
+def _unary(
+    method: Callable[[Any, Req], Resp],
+) -> Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]:
     """Run a synchronous translate-and-call method, turning exceptions into statuses."""
 
     @wraps(method)
@@ -97,7 +98,8 @@ class BrokerServicer(pb_grpc.BrokerServicer):
     @_unary
     def RegisterRank(self, request: pb.RegisterRankRequest) -> pb.RegisterRankResponse:
         return convert.lease_to_proto(
-            self.service.register_rank(convert.registration_from_proto(request)))
+            self.service.register_rank(convert.registration_from_proto(request))
+        )
 
     @_unary
     def KeepAlive(self, request: pb.KeepAliveRequest) -> pb.KeepAliveResponse:
@@ -120,8 +122,11 @@ class BrokerServicer(pb_grpc.BrokerServicer):
     @_unary
     def ReportTransfer(self, request: pb.ReportTransferRequest) -> pb.ReportTransferResponse:
         outcome = self.service.report(convert.report_from_proto(request))
-        return pb.ReportTransferResponse(duplicate=outcome.duplicate, intact=outcome.intact,
-                                         state=convert.state_to_proto(outcome.state))
+        return pb.ReportTransferResponse(
+            duplicate=outcome.duplicate,
+            intact=outcome.intact,
+            state=convert.state_to_proto(outcome.state),
+        )
 
     @_unary
     def AbortTransfer(self, request: pb.AbortTransferRequest) -> pb.AbortTransferResponse:
@@ -136,8 +141,9 @@ class BrokerServicer(pb_grpc.BrokerServicer):
     def GetTransfer(self, request: pb.GetTransferRequest) -> pb.GetTransferResponse:
         return convert.transfer_to_proto(self.service.get_transfer(request.transfer_id))
 
-    async def WatchReleases(self, request: pb.WatchReleasesRequest,
-                            context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ReleaseEvent]:
+    async def WatchReleases(
+        self, request: pb.WatchReleasesRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ReleaseEvent]:
         """Stream the rank's releases until the client cancels or the rank goes away
         (deregistered, lease expired, re-registered): then the stream ends with OK."""
         try:
@@ -172,8 +178,9 @@ class BrokerServer:
     ``listen`` is ``HOST:PORT`` (port 0 picks a free one; :attr:`port` is the bound one).
     """
 
-    def __init__(self, service: BrokerService, listen: str = "127.0.0.1:0",
-                 reap_interval_ms: int = 100) -> None:
+    def __init__(
+        self, service: BrokerService, listen: str = "127.0.0.1:0", reap_interval_ms: int = 100
+    ) -> None:
         self.service = service
         self.listen = listen
         self.reap_interval_ms = reap_interval_ms
@@ -188,14 +195,19 @@ class BrokerServer:
         return f"{self.listen.rsplit(':', 1)[0]}:{self.port}"
 
     async def start(self) -> None:
-        server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),
-                                          ("grpc.max_send_message_length", -1),
-                                          ("grpc.so_reuseport", 0)])
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),
+                ("grpc.max_send_message_length", -1),
+                ("grpc.so_reuseport", 0),
+            ]
+        )
         pb_grpc.add_BrokerServicer_to_server(BrokerServicer(self.service), server)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
         self.port = server.add_insecure_port(self.listen)
         if not self.port:
             raise OSError(f"cannot listen on {self.listen}")

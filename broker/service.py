@@ -26,11 +26,21 @@ from __future__ import annotations
 import secrets
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import chain
 
 import numpy as np
 
+from broker.api import (
+    EngineView,
+    Lease,
+    PlanQuery,
+    PlanResult,
+    Publication,
+    Report,
+    ReportOutcome,
+    SourceDescriptors,
+)
 from broker.clock import Clock, SystemClock
 from broker.descriptors import absolute_descriptors
 from broker.errors import (
@@ -48,7 +58,6 @@ from broker.layout import EngineLayout
 from broker.planner import PairPlanner, RankPlan, TransferRequest
 from broker.records import (
     BlockIds,
-    MemoryKind,
     PlanRecord,
     RankKey,
     RankRecord,
@@ -79,113 +88,18 @@ class ServiceConfig:
     release_resume_window: int = 1024
 
 
-# --------------------------------------------------------------------------- API values
-
-
-@dataclass(frozen=True)
-class Lease:
-    lease_id: str
-    ttl_ms: int
-    generation: int
-    engine_complete: bool
-
-
-@dataclass(frozen=True)
-class Publication:
-    transfer_id: str
-    engine_id: str
-    block_ids: BlockIds
-    num_tokens: int
-    ttl_ms: int = 0
-    allowed_decode_engines: frozenset[str] = frozenset()
-
-
-@dataclass(frozen=True)
-class PlanQuery:
-    transfer_id: str
-    engine_id: str
-    tp_rank: int
-    block_ids: BlockIds
-    want_agent_metadata: bool = False
-
-
-@dataclass(frozen=True)
-class SourceDescriptors:
-    """Reads from one prefill rank: ``local``/``remote`` are ``(n, 3)`` int64 rows
-    ``(addr, len, dev_id)``; row *i* of ``local`` is filled from row *i* of ``remote``."""
-
-    prefill_rank: int
-    agent_name: str
-    agent_metadata: bytes
-    local: np.ndarray
-    remote: np.ndarray
-    total_bytes: int
-    notification: bytes
-    local_memory_kind: MemoryKind
-    remote_memory_kind: MemoryKind
-
-    @property
-    def num_descriptors(self) -> int:
-        return int(self.local.shape[0])
-
-
-@dataclass(frozen=True)
-class PlanResult:
-    plan_id: str
-    sources: tuple[SourceDescriptors, ...]
-    naive_bytes: int
-    vllm_descriptors: int
-    expires_at_ms: int
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(s.total_bytes for s in self.sources)
-
-    @property
-    def num_descriptors(self) -> int:
-        return sum(s.num_descriptors for s in self.sources)
-
-
-@dataclass(frozen=True)
-class Report:
-    plan_id: str
-    engine_id: str
-    tp_rank: int
-    status: ReportStatus
-    bytes_moved: int = 0
-    duration_us: int = 0
-    error: str = ""
-
-
-@dataclass(frozen=True)
-class ReportOutcome:
-    duplicate: bool
-    state: TransferState
-    intact: bool
-
-
-@dataclass(frozen=True)
-class EngineView:
-    engine_id: str
-    role: Role
-    tp_size: int
-    model_fingerprint: str
-    generation: int
-    ranks: tuple[RankRecord, ...] = field(default=())
-
-    @property
-    def complete(self) -> bool:
-        return len(self.ranks) == self.tp_size
-
-
 # --------------------------------------------------------------------------- service
 
 
 class BrokerService:
     """Registrations, publications, plans, reports and releases; see the module docstring."""
 
-    def __init__(self, store: StateStore | None = None, clock: Clock | None = None,
-                 config: ServiceConfig | None = None) -> None:
+    def __init__(
+        self,
+        store: StateStore | None = None,
+        clock: Clock | None = None,
+        config: ServiceConfig | None = None,
+    ) -> None:
         self.store = store if store is not None else InMemoryStateStore()
         self.clock = clock if clock is not None else SystemClock()
         self.config = config if config is not None else ServiceConfig()
@@ -204,28 +118,50 @@ class BrokerService:
         """Register (or re-register, failing the old registration's transfers) one rank."""
         now = self.clock.now_ms()
         _check_regions(reg)
-        siblings = [r for r in self.store.engine_ranks(reg.engine_id) if r.registration.tp_rank != reg.tp_rank]
+        siblings = [
+            r
+            for r in self.store.engine_ranks(reg.engine_id)
+            if r.registration.tp_rank != reg.tp_rank
+        ]
         for name in ("tp_size", "role", "model_fingerprint"):
             if siblings and getattr(siblings[0].registration, name) != getattr(reg, name):
                 theirs = getattr(siblings[0].registration, name)
-                raise PreconditionError(name, f"engine {reg.engine_id!r} registered its other ranks "
-                                              f"with {name}={_show(theirs)}, got {_show(getattr(reg, name))}")
+                raise PreconditionError(
+                    name,
+                    f"engine {reg.engine_id!r} registered its other ranks "
+                    f"with {name}={_show(theirs)}, got {_show(getattr(reg, name))}",
+                )
         for other in self.store.ranks():
-            if other.registration.agent_name == reg.agent_name and other.registration.key != reg.key:
-                raise AlreadyExistsError("agent_name", f"{reg.agent_name!r} is already registered by "
-                                                       f"engine {other.registration.engine_id!r} rank "
-                                                       f"{other.registration.tp_rank}")
+            if (
+                other.registration.agent_name == reg.agent_name
+                and other.registration.key != reg.key
+            ):
+                raise AlreadyExistsError(
+                    "agent_name",
+                    f"{reg.agent_name!r} is already registered by "
+                    f"engine {other.registration.engine_id!r} rank "
+                    f"{other.registration.tp_rank}",
+                )
         complete = len(siblings) + 1 == reg.tp_size
         if complete:
             self._assemble_layout([s.registration for s in siblings] + [reg])
         old = self.store.get_rank(reg.key)
         if old is not None:
             self._remove_rank(old, "re-registered")
-        record = RankRecord(reg, secrets.token_hex(16), now + self.config.lease_ttl_ms, now,
-                            self.store.next_counter("generation"))
+        record = RankRecord(
+            reg,
+            secrets.token_hex(16),
+            now + self.config.lease_ttl_ms,
+            now,
+            self.store.next_counter("generation"),
+        )
         self.store.put_rank(record)
-        return Lease(record.lease_id, self.config.lease_ttl_ms,
-                     max([record.generation] + [s.generation for s in siblings]), complete)
+        return Lease(
+            record.lease_id,
+            self.config.lease_ttl_ms,
+            max([record.generation] + [s.generation for s in siblings]),
+            complete,
+        )
 
     def keep_alive(self, lease_id: str) -> int:
         """Renew a lease; returns its TTL (ms). NOT_FOUND once expired."""
@@ -249,8 +185,16 @@ class BrokerService:
         for engine_id in sorted(engines):
             ranks = engines[engine_id]
             first = ranks[0].registration
-            views.append(EngineView(engine_id, first.role, first.tp_size, first.model_fingerprint,
-                                    max(r.generation for r in ranks), tuple(ranks)))
+            views.append(
+                EngineView(
+                    engine_id,
+                    first.role,
+                    first.tp_size,
+                    first.model_fingerprint,
+                    max(r.generation for r in ranks),
+                    tuple(ranks),
+                )
+            )
         return views
 
     # ------------------------------------------------------------------ transfers
@@ -259,22 +203,39 @@ class BrokerService:
         """Accept a prefill engine's blocks; returns the expiry instant (ms since epoch)."""
         now = self.clock.now_ms()
         if self.store.get_transfer(pub.transfer_id) is not None:
-            raise AlreadyExistsError("transfer_id", f"transfer {pub.transfer_id!r} was already published")
+            raise AlreadyExistsError(
+                "transfer_id", f"transfer {pub.transfer_id!r} was already published"
+            )
         if self.store.count_transfers() >= self.config.max_transfers:
-            raise LimitExceededError("transfer_id", f"the broker already holds "
-                                                    f"{self.config.max_transfers} transfers")
+            raise LimitExceededError(
+                "transfer_id", f"the broker already holds {self.config.max_transfers} transfers"
+            )
         ranks, layout, generation = self._engine(pub.engine_id)
         if not ranks[0].registration.role.publishes:
             raise PreconditionError("engine_id", f"engine {pub.engine_id!r} is a decode engine")
         ttl = pub.ttl_ms or self.config.default_ttl_ms
         if ttl > self.config.max_ttl_ms:
-            raise RequestError("ttl_ms", f"{ttl} exceeds the broker's maximum {self.config.max_ttl_ms}")
+            raise RequestError(
+                "ttl_ms", f"{ttl} exceeds the broker's maximum {self.config.max_ttl_ms}"
+            )
         _check_published_blocks(layout, pub)
-        record = TransferRecord(pub.transfer_id, pub.engine_id, generation, layout.tp_size,
-                                pub.num_tokens, pub.block_ids, pub.allowed_decode_engines,
-                                now, now + ttl, now + ttl)
-        record.timeline.append(TimelineEntry(now, "published", f"by {pub.engine_id}, "
-                                             f"{pub.num_tokens} tokens, ttl {ttl} ms"))
+        record = TransferRecord(
+            pub.transfer_id,
+            pub.engine_id,
+            generation,
+            layout.tp_size,
+            pub.num_tokens,
+            pub.block_ids,
+            pub.allowed_decode_engines,
+            now,
+            now + ttl,
+            now + ttl,
+        )
+        record.timeline.append(
+            TimelineEntry(
+                now, "published", f"by {pub.engine_id}, {pub.num_tokens} tokens, ttl {ttl} ms"
+            )
+        )
         self.store.put_transfer(record)
         return record.expires_at_ms
 
@@ -284,38 +245,66 @@ class BrokerService:
         now = self.clock.now_ms()
         transfer = self._transfer(query.transfer_id, now)
         if transfer.state.terminal:
-            raise PreconditionError("transfer_id", f"transfer {transfer.transfer_id!r} is "
-                                                   f"{transfer.state.value}; its blocks are released")
+            raise PreconditionError(
+                "transfer_id",
+                f"transfer {transfer.transfer_id!r} is "
+                f"{transfer.state.value}; its blocks are released",
+            )
         d_ranks, d_layout, d_generation = self._engine(query.engine_id)
         if not d_ranks[0].registration.role.reads:
             raise PreconditionError("engine_id", f"engine {query.engine_id!r} is a prefill engine")
         if not 0 <= query.tp_rank < d_layout.tp_size:
             raise RequestError("tp_rank", f"{query.tp_rank} outside [0, {d_layout.tp_size})")
-        if transfer.allowed_decode_engines and query.engine_id not in transfer.allowed_decode_engines:
-            raise PermissionDeniedError("engine_id", f"transfer {transfer.transfer_id!r} may only be "
-                                                     f"read by {sorted(transfer.allowed_decode_engines)}")
+        if (
+            transfer.allowed_decode_engines
+            and query.engine_id not in transfer.allowed_decode_engines
+        ):
+            raise PermissionDeniedError(
+                "engine_id",
+                f"transfer {transfer.transfer_id!r} may only be "
+                f"read by {sorted(transfer.allowed_decode_engines)}",
+            )
         if transfer.decode_engine_id and transfer.decode_engine_id != query.engine_id:
-            raise PreconditionError("transfer_id", f"transfer {transfer.transfer_id!r} was claimed by "
-                                                   f"decode engine {transfer.decode_engine_id!r}")
+            raise PreconditionError(
+                "transfer_id",
+                f"transfer {transfer.transfer_id!r} was claimed by "
+                f"decode engine {transfer.decode_engine_id!r}",
+            )
         p_ranks, p_layout, p_generation = self._engine(transfer.prefill_engine_id, "transfer_id")
         if p_generation != transfer.prefill_generation:
-            raise PreconditionError("transfer_id", "the prefill engine re-registered since publishing")
-        planner = self._planner(transfer.prefill_engine_id, p_generation, p_layout,
-                                query.engine_id, d_generation, d_layout)
+            raise PreconditionError(
+                "transfer_id", "the prefill engine re-registered since publishing"
+            )
+        planner = self._planner(
+            transfer.prefill_engine_id,
+            p_generation,
+            p_layout,
+            query.engine_id,
+            d_generation,
+            d_layout,
+        )
         if transfer.state is TransferState.PUBLISHED:
             self._claim(transfer, planner, query, d_generation, now)
         plan = transfer.plans[query.tp_rank]
         if plan.block_ids != query.block_ids:
             if plan.handed_out:
-                raise AlreadyExistsError("block_ids", f"decode rank {query.tp_rank} already holds plan "
-                                                      f"{plan.plan_id} for other block ids")
+                raise AlreadyExistsError(
+                    "block_ids",
+                    f"decode rank {query.tp_rank} already holds plan "
+                    f"{plan.plan_id} for other block ids",
+                )
             self._replan(transfer, plan, planner, query.block_ids)
         result = self._plan_result(transfer, plan, p_ranks, d_ranks[query.tp_rank], query)
         if not plan.handed_out:
             plan.handed_out = True
-            transfer.timeline.append(TimelineEntry(
-                now, "planned", f"decode rank {plan.decode_rank}: {result.num_descriptors} "
-                                f"descriptors, {result.total_bytes} bytes"))
+            transfer.timeline.append(
+                TimelineEntry(
+                    now,
+                    "planned",
+                    f"decode rank {plan.decode_rank}: {result.num_descriptors} "
+                    f"descriptors, {result.total_bytes} bytes",
+                )
+            )
         self.store.put_transfer(transfer)
         return result
 
@@ -325,32 +314,55 @@ class BrokerService:
         now = self.clock.now_ms()
         transfer_id = self.store.transfer_of_plan(report.plan_id)
         transfer = None if transfer_id is None else self.store.get_transfer(transfer_id)
-        plan = None if transfer is None else next(
-            (p for p in transfer.plans.values() if p.plan_id == report.plan_id), None)
+        plan = (
+            None
+            if transfer is None
+            else next((p for p in transfer.plans.values() if p.plan_id == report.plan_id), None)
+        )
         if transfer is None or plan is None or not plan.handed_out:
             raise NotFoundError("plan_id", f"no plan {report.plan_id!r}")
         if report.engine_id != transfer.decode_engine_id:
-            raise RequestError("engine_id", f"plan {plan.plan_id} belongs to decode engine "
-                                            f"{transfer.decode_engine_id!r}")
+            raise RequestError(
+                "engine_id",
+                f"plan {plan.plan_id} belongs to decode engine {transfer.decode_engine_id!r}",
+            )
         if report.tp_rank != plan.decode_rank:
-            raise RequestError("tp_rank", f"plan {plan.plan_id} belongs to decode rank {plan.decode_rank}")
+            raise RequestError(
+                "tp_rank", f"plan {plan.plan_id} belongs to decode rank {plan.decode_rank}"
+            )
         if plan.status is not None:
             return ReportOutcome(True, transfer.state, plan.intact)
-        if report.status is ReportStatus.DONE and report.bytes_moved not in (0, plan.rank_plan.nbytes):
-            raise RequestError("bytes_moved", f"{report.bytes_moved} differs from the plan's "
-                                              f"{plan.rank_plan.nbytes} bytes")
+        if report.status is ReportStatus.DONE and report.bytes_moved not in (
+            0,
+            plan.rank_plan.nbytes,
+        ):
+            raise RequestError(
+                "bytes_moved",
+                f"{report.bytes_moved} differs from the plan's {plan.rank_plan.nbytes} bytes",
+            )
         self._expire_if_due(transfer, now)
         plan.status, plan.bytes_moved = report.status, report.bytes_moved
         plan.duration_us, plan.error = report.duration_us, report.error
         plan.intact = report.status is ReportStatus.DONE and not any(
-            p in transfer.released for p in plan.prefill_ranks)
-        transfer.timeline.append(TimelineEntry(
-            now, "reported", f"decode rank {plan.decode_rank}: {report.status.value}"
-                             + (f" ({report.error})" if report.error else "")))
+            p in transfer.released for p in plan.prefill_ranks
+        )
+        transfer.timeline.append(
+            TimelineEntry(
+                now,
+                "reported",
+                f"decode rank {plan.decode_rank}: {report.status.value}"
+                + (f" ({report.error})" if report.error else ""),
+            )
+        )
         if not transfer.state.terminal:
             if report.status is ReportStatus.FAILED:
-                self._finish(transfer, TransferState.FAILED, ReleaseReason.CONSUMER_FAILED,
-                             f"decode rank {plan.decode_rank} failed: {report.error}", now)
+                self._finish(
+                    transfer,
+                    TransferState.FAILED,
+                    ReleaseReason.CONSUMER_FAILED,
+                    f"decode rank {plan.decode_rank} failed: {report.error}",
+                    now,
+                )
             else:
                 self._settle(transfer, now)
         self.store.put_transfer(transfer)
@@ -361,8 +373,9 @@ class BrokerService:
         now = self.clock.now_ms()
         transfer = self._transfer(transfer_id, now)
         if not transfer.state.terminal:
-            self._finish(transfer, TransferState.ABORTED, ReleaseReason.ABORTED,
-                         reason or "aborted", now)
+            self._finish(
+                transfer, TransferState.ABORTED, ReleaseReason.ABORTED, reason or "aborted", now
+            )
             self.store.put_transfer(transfer)
         return transfer.state
 
@@ -378,7 +391,9 @@ class BrokerService:
         record = self.store.get_rank((engine_id, tp_rank))
         if record is None:
             field_name = "tp_rank" if self.store.engine_ranks(engine_id) else "engine_id"
-            raise NotFoundError(field_name, f"engine {engine_id!r} has no registered rank {tp_rank}")
+            raise NotFoundError(
+                field_name, f"engine {engine_id!r} has no registered rank {tp_rank}"
+            )
         if not record.registration.role.publishes:
             raise PreconditionError("engine_id", f"engine {engine_id!r} is a decode engine")
         return record.generation, after_sequence or self.store.delivered((engine_id, tp_rank))
@@ -427,16 +442,21 @@ class BrokerService:
             self.store.put_transfer(transfer)
         return transfer
 
-    def _engine(self, engine_id: str, field_name: str = "engine_id",
-                ) -> tuple[list[RankRecord], EngineLayout, int]:
+    def _engine(
+        self,
+        engine_id: str,
+        field_name: str = "engine_id",
+    ) -> tuple[list[RankRecord], EngineLayout, int]:
         """The engine's ranks, layout and generation; it must be fully registered."""
         ranks = self.store.engine_ranks(engine_id)
         if not ranks:
             raise NotFoundError(field_name, f"no engine {engine_id!r} is registered")
         tp_size = ranks[0].registration.tp_size
         if len(ranks) != tp_size:
-            raise PreconditionError(field_name, f"engine {engine_id!r} has {len(ranks)} of its "
-                                                f"{tp_size} ranks registered")
+            raise PreconditionError(
+                field_name,
+                f"engine {engine_id!r} has {len(ranks)} of its {tp_size} ranks registered",
+            )
         generation = max(r.generation for r in ranks)
         layout = self._layouts.get((engine_id, generation))
         if layout is None:
@@ -448,23 +468,37 @@ class BrokerService:
     def _assemble_layout(registrations: list[RankRegistration]) -> EngineLayout:
         regs = sorted(registrations, key=lambda r: r.tp_rank)
         try:
-            return EngineLayout(regs[0].model_fingerprint, regs[0].tp_size,
-                                tuple(r.layout for r in regs))
+            return EngineLayout(
+                regs[0].model_fingerprint, regs[0].tp_size, tuple(r.layout for r in regs)
+            )
         except LayoutError as exc:
             raise PreconditionError(f"layout.{exc.field}", exc.detail) from None
 
-    def _planner(self, p_engine: str, p_generation: int, p_layout: EngineLayout,
-                 d_engine: str, d_generation: int, d_layout: EngineLayout) -> PairPlanner:
+    def _planner(
+        self,
+        p_engine: str,
+        p_generation: int,
+        p_layout: EngineLayout,
+        d_engine: str,
+        d_generation: int,
+        d_layout: EngineLayout,
+    ) -> PairPlanner:
         key = (p_engine, p_generation, d_engine, d_generation)
         planner = self._planners.get(key)
         if planner is None:
             try:
                 planner = PairPlanner(p_layout, d_layout)
             except IncompatibleLayoutsError as exc:
-                name = "model_fingerprint" if exc.field == "model" else (
-                    exc.field if exc.field == "tp_size" else f"layout.{exc.field}")
-                raise IncompatibleLayoutsError(name, f"decode engine {d_engine!r} cannot read from "
-                                                     f"prefill engine {p_engine!r}: {exc.detail}") from None
+                name = (
+                    "model_fingerprint"
+                    if exc.field == "model"
+                    else (exc.field if exc.field == "tp_size" else f"layout.{exc.field}")
+                )
+                raise IncompatibleLayoutsError(
+                    name,
+                    f"decode engine {d_engine!r} cannot read from "
+                    f"prefill engine {p_engine!r}: {exc.detail}",
+                ) from None
             self._planners[key] = planner
             if len(self._planners) > self.config.planner_cache_size:
                 self._planners.popitem(last=False)
@@ -472,36 +506,52 @@ class BrokerService:
             self._planners.move_to_end(key)
         return planner
 
-    def _rank_plan(self, planner: PairPlanner, transfer: TransferRecord, decode_rank: int,
-                   block_ids: BlockIds) -> RankPlan:
+    def _rank_plan(
+        self, planner: PairPlanner, transfer: TransferRecord, decode_rank: int, block_ids: BlockIds
+    ) -> RankPlan:
         request = TransferRequest(transfer.num_tokens, transfer.block_ids, block_ids)
         try:
             return planner.plan_rank(decode_rank, request)
         except RequestError as exc:
             if exc.field.startswith("decode_block_ids"):
-                raise RequestError("block_ids" + exc.field.removeprefix("decode_block_ids"),
-                                   exc.detail) from None
-            raise PreconditionError("transfer_id", f"published request cannot be planned: {exc}") from None
+                raise RequestError(
+                    "block_ids" + exc.field.removeprefix("decode_block_ids"), exc.detail
+                ) from None
+            raise PreconditionError(
+                "transfer_id", f"published request cannot be planned: {exc}"
+            ) from None
 
-    def _claim(self, transfer: TransferRecord, planner: PairPlanner, query: PlanQuery,
-               d_generation: int, now: int) -> None:
+    def _claim(
+        self,
+        transfer: TransferRecord,
+        planner: PairPlanner,
+        query: PlanQuery,
+        d_generation: int,
+        now: int,
+    ) -> None:
         """Plan every decode rank with the asker's block ids (decode ranks of one engine
         share block ids); this fixes the consumers of each prefill rank."""
         plans = {}
+        claim = secrets.token_hex(10)  # plan ids: unguessable, unique per claim and rank
         for d in range(planner.decode.tp_size):
             rank_plan = self._rank_plan(planner, transfer, d, query.block_ids)
-            plans[d] = PlanRecord(secrets.token_hex(12), transfer.transfer_id, d, query.block_ids, rank_plan)
+            plans[d] = PlanRecord(
+                f"{claim}-{d}", transfer.transfer_id, d, query.block_ids, rank_plan
+            )
         transfer.plans = plans
         for plan in plans.values():
             self.store.index_plan(plan.plan_id, transfer.transfer_id)
         transfer.decode_engine_id, transfer.decode_generation = query.engine_id, d_generation
         transfer.state = TransferState.IN_PROGRESS
         self._count_consumers(transfer)
-        transfer.timeline.append(TimelineEntry(now, "claimed", f"by decode engine {query.engine_id}"))
+        transfer.timeline.append(
+            TimelineEntry(now, "claimed", f"by decode engine {query.engine_id}")
+        )
         self._settle(transfer, now)
 
-    def _replan(self, transfer: TransferRecord, plan: PlanRecord, planner: PairPlanner,
-                block_ids: BlockIds) -> None:
+    def _replan(
+        self, transfer: TransferRecord, plan: PlanRecord, planner: PairPlanner, block_ids: BlockIds
+    ) -> None:
         """A decode rank asks with block ids other than those its plan was made with."""
         rank_plan = self._rank_plan(planner, transfer, plan.decode_rank, block_ids)
         released = [p for p in rank_plan.prefill_ranks if p in transfer.released]
@@ -514,14 +564,16 @@ class BrokerService:
     def _count_consumers(transfer: TransferRecord) -> None:
         transfer.consumers = {
             p: frozenset(d for d, plan in transfer.plans.items() if p in plan.prefill_ranks)
-            for p in range(transfer.prefill_tp_size)}
+            for p in range(transfer.prefill_tp_size)
+        }
 
     def _settle(self, transfer: TransferRecord, now: int) -> None:
         """Release every prefill rank whose consumers all reported DONE; complete the
         transfer when every plan is DONE."""
         for p, readers in transfer.consumers.items():
             if p not in transfer.released and all(
-                    transfer.plans[d].status is ReportStatus.DONE for d in readers):
+                transfer.plans[d].status is ReportStatus.DONE for d in readers
+            ):
                 self._release(transfer, p, ReleaseReason.COMPLETED, "all readers done", now)
         if all(plan.status is ReportStatus.DONE for plan in transfer.plans.values()):
             self._finished(transfer, TransferState.COMPLETED, now)
@@ -538,8 +590,14 @@ class BrokerService:
         self._finish(transfer, TransferState.EXPIRED, ReleaseReason.EXPIRED, "ttl elapsed", now)
         return True
 
-    def _finish(self, transfer: TransferRecord, state: TransferState, reason: ReleaseReason,
-                detail: str, now: int) -> None:
+    def _finish(
+        self,
+        transfer: TransferRecord,
+        state: TransferState,
+        reason: ReleaseReason,
+        detail: str,
+        now: int,
+    ) -> None:
         """Enter a terminal state and release every prefill rank not yet released."""
         self._finished(transfer, state, now)
         transfer.timeline.append(TimelineEntry(now, state.value, detail))
@@ -548,20 +606,31 @@ class BrokerService:
                 continue
             readers = transfer.consumers.get(p, frozenset())
             failed = any(transfer.plans[d].status is ReportStatus.FAILED for d in readers)
-            self._release(transfer, p, ReleaseReason.CONSUMER_FAILED if failed else reason, detail, now)
+            self._release(
+                transfer, p, ReleaseReason.CONSUMER_FAILED if failed else reason, detail, now
+            )
 
-    def _release(self, transfer: TransferRecord, p: int, reason: ReleaseReason, detail: str,
-                 now: int) -> None:
+    def _release(
+        self, transfer: TransferRecord, p: int, reason: ReleaseReason, detail: str, now: int
+    ) -> None:
         """Mark prefill rank ``p`` released and queue its event, unless that rank is gone or
         re-registered since publishing (its blocks no longer exist)."""
         transfer.released[p] = reason
-        transfer.timeline.append(TimelineEntry(now, "released", f"prefill rank {p}: {reason.value}"))
+        transfer.timeline.append(
+            TimelineEntry(now, "released", f"prefill rank {p}: {reason.value}")
+        )
         key = (transfer.prefill_engine_id, p)
         record = self.store.get_rank(key)
         if record is None or record.generation > transfer.prefill_generation:
             return
-        event = ReleaseEvent(self.store.next_counter("release"), transfer.transfer_id,
-                             transfer.block_ids, reason, detail, now)
+        event = ReleaseEvent(
+            self.store.next_counter("release"),
+            transfer.transfer_id,
+            transfer.block_ids,
+            reason,
+            detail,
+            now,
+        )
         self.store.append_release(key, event)
         self._notify(key)
 
@@ -578,17 +647,31 @@ class BrokerService:
         for transfer in self.store.transfers():
             if transfer.state.terminal:
                 continue
-            if (transfer.prefill_engine_id == engine_id
-                    and record.generation <= transfer.prefill_generation):
-                self._finish(transfer, TransferState.FAILED, ReleaseReason.ABORTED,
-                             f"prefill rank {tp_rank} {why}", now)
-            elif (transfer.decode_engine_id == engine_id
-                  and record.generation <= transfer.decode_generation):
+            if (
+                transfer.prefill_engine_id == engine_id
+                and record.generation <= transfer.prefill_generation
+            ):
+                self._finish(
+                    transfer,
+                    TransferState.FAILED,
+                    ReleaseReason.ABORTED,
+                    f"prefill rank {tp_rank} {why}",
+                    now,
+                )
+            elif (
+                transfer.decode_engine_id == engine_id
+                and record.generation <= transfer.decode_generation
+            ):
                 plan = transfer.plans[tp_rank]
                 if plan.handed_out and plan.status is None:
                     plan.status, plan.error = ReportStatus.FAILED, f"decode rank {why}"
-                self._finish(transfer, TransferState.FAILED, ReleaseReason.CONSUMER_FAILED,
-                             f"decode rank {tp_rank} {why}", now)
+                self._finish(
+                    transfer,
+                    TransferState.FAILED,
+                    ReleaseReason.CONSUMER_FAILED,
+                    f"decode rank {tp_rank} {why}",
+                    now,
+                )
             else:
                 continue
             self.store.put_transfer(transfer)
@@ -598,26 +681,48 @@ class BrokerService:
         for listener in self._listeners:
             listener(key)
 
-    def _plan_result(self, transfer: TransferRecord, plan: PlanRecord, p_ranks: list[RankRecord],
-                     d_rank: RankRecord, query: PlanQuery) -> PlanResult:
+    def _plan_result(
+        self,
+        transfer: TransferRecord,
+        plan: PlanRecord,
+        p_ranks: list[RankRecord],
+        d_rank: RankRecord,
+        query: PlanQuery,
+    ) -> PlanResult:
         d_reg = d_rank.registration
         sources = []
         for reads in plan.rank_plan.sources:
             p_rank = p_ranks[reads.prefill_rank]
             p_reg = p_rank.registration
             first = self.store.add_contact(d_reg.key, f"{p_reg.agent_name}#{p_rank.generation}")
-            sources.append(SourceDescriptors(
-                reads.prefill_rank, p_reg.agent_name,
-                p_reg.agent_metadata if first or query.want_agent_metadata else b"",
-                absolute_descriptors(d_reg.region_table, reads.region, reads.local_offset,
-                                     reads.length, "local"),
-                absolute_descriptors(p_reg.region_table, reads.region, reads.remote_offset,
-                                     reads.length, "remote"),
-                reads.nbytes,
-                f"pdbroker:{transfer.transfer_id}:{plan.plan_id}:{reads.prefill_rank}".encode(),
-                d_reg.regions[0].memory_kind, p_reg.regions[0].memory_kind))
-        return PlanResult(plan.plan_id, tuple(sources), plan.rank_plan.naive_bytes,
-                          plan.rank_plan.vllm_descriptors, transfer.expires_at_ms)
+            sources.append(
+                SourceDescriptors(
+                    reads.prefill_rank,
+                    p_reg.agent_name,
+                    p_reg.agent_metadata if first or query.want_agent_metadata else b"",
+                    absolute_descriptors(
+                        d_reg.region_table, reads.region, reads.local_offset, reads.length, "local"
+                    ),
+                    absolute_descriptors(
+                        p_reg.region_table,
+                        reads.region,
+                        reads.remote_offset,
+                        reads.length,
+                        "remote",
+                    ),
+                    reads.nbytes,
+                    f"pdbroker:{transfer.transfer_id}:{plan.plan_id}:{reads.prefill_rank}".encode(),
+                    d_reg.regions[0].memory_kind,
+                    p_reg.regions[0].memory_kind,
+                )
+            )
+        return PlanResult(
+            plan.plan_id,
+            tuple(sources),
+            plan.rank_plan.naive_bytes,
+            plan.rank_plan.vllm_descriptors,
+            transfer.expires_at_ms,
+        )
 
 
 def _check_published_blocks(layout: EngineLayout, pub: Publication) -> None:
@@ -627,10 +732,14 @@ def _check_published_blocks(layout: EngineLayout, pub: Publication) -> None:
     if pub.num_tokens <= 0:
         raise RequestError("num_tokens", "must be positive")
     if len(pub.block_ids) != len(layout.groups):
-        raise RequestError("block_ids", f"expected {len(layout.groups)} groups, got {len(pub.block_ids)}")
+        raise RequestError(
+            "block_ids", f"expected {len(layout.groups)} groups, got {len(pub.block_ids)}"
+        )
     limit = layout.ranks[0].num_blocks
     ids = np.fromiter(chain.from_iterable(pub.block_ids), dtype=np.int64)
-    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= limit or np.unique(ids).size != ids.size):
+    if ids.size and (
+        int(ids.min()) < 0 or int(ids.max()) >= limit or np.unique(ids).size != ids.size
+    ):
         seen: set[int] = set()
         for g, group_ids in enumerate(pub.block_ids):
             for b in group_ids:
@@ -641,8 +750,11 @@ def _check_published_blocks(layout: EngineLayout, pub: Publication) -> None:
                 seen.add(b)
     for g, (group, group_ids) in enumerate(zip(layout.groups, pub.block_ids)):
         if group.is_attention and len(group_ids) * group.block_size < pub.num_tokens:
-            raise RequestError(f"block_ids[{g}]", f"{len(group_ids)} blocks of {group.block_size} "
-                                                  f"tokens cannot hold num_tokens={pub.num_tokens}")
+            raise RequestError(
+                f"block_ids[{g}]",
+                f"{len(group_ids)} blocks of {group.block_size} "
+                f"tokens cannot hold num_tokens={pub.num_tokens}",
+            )
         if not group.is_attention and not group_ids:
             raise RequestError(f"block_ids[{g}]", "a Mamba group needs its state block")
 
@@ -653,18 +765,24 @@ def _check_regions(reg: RankRegistration) -> None:
     if not 0 <= reg.tp_rank < reg.tp_size:
         raise InvalidFieldError("tp_rank", f"{reg.tp_rank} outside [0, {reg.tp_size})")
     if len(reg.regions) != reg.layout.num_regions:
-        raise InvalidFieldError("regions", f"{len(reg.regions)} regions registered, "
-                                           f"layout.num_regions is {reg.layout.num_regions}")
+        raise InvalidFieldError(
+            "regions",
+            f"{len(reg.regions)} regions registered, "
+            f"layout.num_regions is {reg.layout.num_regions}",
+        )
     for i, region in enumerate(reg.regions):
         if region.length_bytes < reg.layout.region_bytes:
-            raise InvalidFieldError(f"regions[{i}].length_bytes",
-                                    f"{region.length_bytes} is less than num_blocks * page_bytes "
-                                    f"= {reg.layout.region_bytes}")
+            raise InvalidFieldError(
+                f"regions[{i}].length_bytes",
+                f"{region.length_bytes} is less than num_blocks * page_bytes "
+                f"= {reg.layout.region_bytes}",
+            )
         if region.base_addr + region.length_bytes >= 1 << 63:
             raise InvalidFieldError(f"regions[{i}].base_addr", "region ends past 2**63")
         if region.memory_kind is not reg.regions[0].memory_kind:
-            raise InvalidFieldError(f"regions[{i}].memory_kind",
-                                    "all regions of a rank need the same memory kind")
+            raise InvalidFieldError(
+                f"regions[{i}].memory_kind", "all regions of a rank need the same memory kind"
+            )
 
 
 def _show(value: object) -> str:

@@ -241,7 +241,7 @@ class InMemoryStateStore(StateStore):
         cursor = self._delivered.get(key, 0)
         delivered = sum(1 for e in queue if e.sequence <= cursor)
         if delivered > keep_delivered:
-            del queue[:delivered - keep_delivered]
+            del queue[: delivered - keep_delivered]
 
     def drop_releases(self, key: RankKey) -> None:
         self._releases.pop(key, None)

@@ -5,15 +5,23 @@ from __future__ import annotations
 
 import numpy as np
 
+from broker.api import Lease, PlanResult
 from broker.convert import rank_layout_to_proto
 from broker.layout import EngineLayout, GroupKind
 from broker.models import AttentionParams, MambaParams, ModelSpec
 from broker.records import MemoryKind, MemoryRegion, RankRegistration, Role
-from broker.service import BrokerService, Lease, PlanResult
+from broker.service import BrokerService
 from broker.v1 import broker_pb2 as pb
 
-MAMBA2 = MambaParams("mamba2", conv_kernel=4, intermediate_size=64, num_heads=16, head_dim=4,
-                     n_groups=2, state_size=8)
+MAMBA2 = MambaParams(
+    "mamba2",
+    conv_kernel=4,
+    intermediate_size=64,
+    num_heads=16,
+    head_dim=4,
+    n_groups=2,
+    state_size=8,
+)
 
 #: First fake address; engines and ranks get disjoint, page-aligned address ranges above it.
 BASE_ADDR = 0x7F00_0000_0000
@@ -36,48 +44,82 @@ class FakeClock:
 def hybrid(kv_heads: int = 4, mamba: MambaParams | None = MAMBA2, name: str = "tiny") -> ModelSpec:
     """Mamba2 + attention in three groups (Mamba, attention, Mamba) over two regions."""
     if mamba is None:
-        return ModelSpec(name, ((GroupKind.ATTENTION, ("a0", "a1")),),
-                         AttentionParams(kv_heads, 8), None)
-    return ModelSpec(name, ((GroupKind.MAMBA, ("m0", "m2")), (GroupKind.ATTENTION, ("a1", "a3")),
-                            (GroupKind.MAMBA, ("m4", "m5"))),
-                     AttentionParams(kv_heads, 8), mamba)
+        return ModelSpec(
+            name, ((GroupKind.ATTENTION, ("a0", "a1")),), AttentionParams(kv_heads, 8), None
+        )
+    return ModelSpec(
+        name,
+        (
+            (GroupKind.MAMBA, ("m0", "m2")),
+            (GroupKind.ATTENTION, ("a1", "a3")),
+            (GroupKind.MAMBA, ("m4", "m5")),
+        ),
+        AttentionParams(kv_heads, 8),
+        mamba,
+    )
 
 
-def fake_regions(layout: EngineLayout, engine_index: int, tp_rank: int,
-                 kind: MemoryKind = MemoryKind.DRAM) -> tuple[MemoryRegion, ...]:
+def fake_regions(
+    layout: EngineLayout, engine_index: int, tp_rank: int, kind: MemoryKind = MemoryKind.DRAM
+) -> tuple[MemoryRegion, ...]:
     """Disjoint fake regions of exactly ``num_blocks * page_bytes`` for one rank."""
     rank = layout.ranks[tp_rank]
     size = rank.region_bytes
     stride = size + REGION_GAP
     first = BASE_ADDR + (engine_index * 64 + tp_rank) * rank.num_regions * stride
-    return tuple(MemoryRegion(first + i * stride, size, tp_rank, kind) for i in range(rank.num_regions))
+    return tuple(
+        MemoryRegion(first + i * stride, size, tp_rank, kind) for i in range(rank.num_regions)
+    )
 
 
-def registration(layout: EngineLayout, engine_id: str, role: Role, tp_rank: int,
-                 engine_index: int = 0) -> RankRegistration:
-    return RankRegistration(engine_id, role, layout.tp_size, tp_rank, f"{engine_id}-agent{tp_rank}",
-                            f"metadata of {engine_id} rank {tp_rank}".encode(),
-                            fake_regions(layout, engine_index, tp_rank), layout.ranks[tp_rank],
-                            layout.model)
+def registration(
+    layout: EngineLayout, engine_id: str, role: Role, tp_rank: int, engine_index: int = 0
+) -> RankRegistration:
+    return RankRegistration(
+        engine_id,
+        role,
+        layout.tp_size,
+        tp_rank,
+        f"{engine_id}-agent{tp_rank}",
+        f"metadata of {engine_id} rank {tp_rank}".encode(),
+        fake_regions(layout, engine_index, tp_rank),
+        layout.ranks[tp_rank],
+        layout.model,
+    )
 
 
-def register_engine(service: BrokerService, layout: EngineLayout, engine_id: str, role: Role,
-                    engine_index: int = 0) -> list[Lease]:
-    return [service.register_rank(registration(layout, engine_id, role, r, engine_index))
-            for r in range(layout.tp_size)]
+def register_engine(
+    service: BrokerService, layout: EngineLayout, engine_id: str, role: Role, engine_index: int = 0
+) -> list[Lease]:
+    return [
+        service.register_rank(registration(layout, engine_id, role, r, engine_index))
+        for r in range(layout.tp_size)
+    ]
 
 
-def register_request(layout: EngineLayout, engine_id: str, role: int, tp_rank: int,
-                     engine_index: int = 0) -> pb.RegisterRankRequest:
+def register_request(
+    layout: EngineLayout, engine_id: str, role: int, tp_rank: int, engine_index: int = 0
+) -> pb.RegisterRankRequest:
     """The protobuf form of :func:`registration`."""
     return pb.RegisterRankRequest(
-        engine_id=engine_id, role=role, tp_size=layout.tp_size, tp_rank=tp_rank,
+        engine_id=engine_id,
+        role=role,
+        tp_size=layout.tp_size,
+        tp_rank=tp_rank,
         agent_name=f"{engine_id}-agent{tp_rank}",
         agent_metadata=f"metadata of {engine_id} rank {tp_rank}".encode(),
-        regions=[pb.Region(base_addr=r.base_addr, length_bytes=r.length_bytes,
-                           device_id=r.device_id, memory_kind=pb.MEMORY_KIND_DRAM)
-                 for r in fake_regions(layout, engine_index, tp_rank)],
-        layout=rank_layout_to_proto(layout.ranks[tp_rank]), model_fingerprint=layout.model)
+        regions=[
+            pb.Region(
+                base_addr=r.base_addr,
+                length_bytes=r.length_bytes,
+                device_id=r.device_id,
+                memory_kind=pb.MEMORY_KIND_DRAM,
+            )
+            for r in fake_regions(layout, engine_index, tp_rank)
+        ],
+        layout=rank_layout_to_proto(layout.ranks[tp_rank]),
+        model_fingerprint=layout.model,
+    )
 
 
 def assert_inside_regions(descriptors: np.ndarray, regions: tuple[MemoryRegion, ...]) -> None:

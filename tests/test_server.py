@@ -46,8 +46,12 @@ class Broker:
 def broker() -> Iterator[Broker]:
     """A real ``grpc.aio`` broker on an ephemeral port, its event loop in a thread."""
     clock = FakeClock()
-    service = BrokerService(clock=clock, config=ServiceConfig(
-        default_ttl_ms=TTL_MS, lease_ttl_ms=LEASE_MS, retention_ms=60_000, max_transfers=50))
+    service = BrokerService(
+        clock=clock,
+        config=ServiceConfig(
+            default_ttl_ms=TTL_MS, lease_ttl_ms=LEASE_MS, retention_ms=60_000, max_transfers=50
+        ),
+    )
     server = BrokerServer(service, "127.0.0.1:0", reap_interval_ms=REAP_MS)
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
@@ -64,10 +68,13 @@ def broker() -> Iterator[Broker]:
         loop.close()
 
 
-def register(stub: pb_grpc.BrokerStub, layout: EngineLayout, engine_id: str, role: int,
-             engine_index: int) -> list[pb.RegisterRankResponse]:
-    return [stub.RegisterRank(register_request(layout, engine_id, role, r, engine_index))
-            for r in range(layout.tp_size)]
+def register(
+    stub: pb_grpc.BrokerStub, layout: EngineLayout, engine_id: str, role: int, engine_index: int
+) -> list[pb.RegisterRankResponse]:
+    return [
+        stub.RegisterRank(register_request(layout, engine_id, role, r, engine_index))
+        for r in range(layout.tp_size)
+    ]
 
 
 def block_ids(ids: tuple[tuple[int, ...], ...]) -> list[pb.BlockIds]:
@@ -75,15 +82,24 @@ def block_ids(ids: tuple[tuple[int, ...], ...]) -> list[pb.BlockIds]:
 
 
 def publish_request(transfer_id: str, request: TransferRequest, **kw) -> pb.PublishBlocksRequest:
-    return pb.PublishBlocksRequest(transfer_id=transfer_id, engine_id="P",
-                                   block_ids=block_ids(request.prefill_block_ids),
-                                   num_tokens=request.num_tokens, **kw)
+    return pb.PublishBlocksRequest(
+        transfer_id=transfer_id,
+        engine_id="P",
+        block_ids=block_ids(request.prefill_block_ids),
+        num_tokens=request.num_tokens,
+        **kw,
+    )
 
 
-def plan_request(transfer_id: str, rank: int, request: TransferRequest,
-                 engine_id: str = "D") -> pb.GetTransferPlanRequest:
-    return pb.GetTransferPlanRequest(transfer_id=transfer_id, engine_id=engine_id, tp_rank=rank,
-                                     block_ids=block_ids(request.decode_block_ids))
+def plan_request(
+    transfer_id: str, rank: int, request: TransferRequest, engine_id: str = "D"
+) -> pb.GetTransferPlanRequest:
+    return pb.GetTransferPlanRequest(
+        transfer_id=transfer_id,
+        engine_id=engine_id,
+        tp_rank=rank,
+        block_ids=block_ids(request.decode_block_ids),
+    )
 
 
 def expect_error(call, request, code: grpc.StatusCode, field: str) -> str:
@@ -110,8 +126,10 @@ def test_publish_plan_report_release_over_grpc(broker: Broker) -> None:
     d_leases = register(stub, sc.decode, "D", pb.ROLE_DECODE, 1)
     assert [lease.engine_complete for lease in p_leases] == [False, True]
     assert all(lease.ttl_ms == LEASE_MS for lease in p_leases + d_leases)
-    streams = [stub.WatchReleases(pb.WatchReleasesRequest(engine_id="P", tp_rank=p), timeout=WAIT_S)
-               for p in range(2)]
+    streams = [
+        stub.WatchReleases(pb.WatchReleasesRequest(engine_id="P", tp_rank=p), timeout=WAIT_S)
+        for p in range(2)
+    ]
     published = stub.PublishBlocks(publish_request("t1", sc.request))
     assert published.expires_at_ms == broker.clock.now + TTL_MS
 
@@ -134,22 +152,34 @@ def test_publish_plan_report_release_over_grpc(broker: Broker) -> None:
         assert source.notification == f"pdbroker:t1:{plan.plan_id}:{d}".encode()
 
     for d, plan in enumerate(plans):
-        reply = stub.ReportTransfer(pb.ReportTransferRequest(
-            plan_id=plan.plan_id, engine_id="D", tp_rank=d, status=pb.REPORT_STATUS_DONE,
-            bytes_moved=plan.total_bytes, duration_us=1234))
+        reply = stub.ReportTransfer(
+            pb.ReportTransferRequest(
+                plan_id=plan.plan_id,
+                engine_id="D",
+                tp_rank=d,
+                status=pb.REPORT_STATUS_DONE,
+                bytes_moved=plan.total_bytes,
+                duration_us=1234,
+            )
+        )
         assert reply.intact and not reply.duplicate
         event = next_release(streams[d])
         assert (event.transfer_id, event.reason) == ("t1", pb.RELEASE_REASON_COMPLETED)
         assert [tuple(g.ids) for g in event.block_ids] == list(sc.request.prefill_block_ids)
     assert reply.state == pb.TRANSFER_STATE_COMPLETED
-    again = stub.ReportTransfer(pb.ReportTransferRequest(
-        plan_id=plans[0].plan_id, engine_id="D", tp_rank=0, status=pb.REPORT_STATUS_FAILED))
+    again = stub.ReportTransfer(
+        pb.ReportTransferRequest(
+            plan_id=plans[0].plan_id, engine_id="D", tp_rank=0, status=pb.REPORT_STATUS_FAILED
+        )
+    )
     assert again.duplicate and again.state == pb.TRANSFER_STATE_COMPLETED
 
     info = stub.GetTransfer(pb.GetTransferRequest(transfer_id="t1"))
     assert info.state == pb.TRANSFER_STATE_COMPLETED and info.decode_engine_id == "D"
     assert [(r.tp_rank, r.reason, list(r.consumers)) for r in info.releases] == [
-        (0, pb.RELEASE_REASON_COMPLETED, [0]), (1, pb.RELEASE_REASON_COMPLETED, [1])]
+        (0, pb.RELEASE_REASON_COMPLETED, [0]),
+        (1, pb.RELEASE_REASON_COMPLETED, [1]),
+    ]
     assert [p.status for p in info.plans] == [pb.REPORT_STATUS_DONE] * 2
     assert info.plans[0].duration_us == 1234
     assert (info.timeline[0].event, info.timeline[-1].event) == ("published", "completed")
@@ -157,7 +187,9 @@ def test_publish_plan_report_release_over_grpc(broker: Broker) -> None:
 
     engines = stub.ListEngines(pb.ListEnginesRequest()).engines
     assert [(e.engine_id, e.role, e.complete, len(e.ranks)) for e in engines] == [
-        ("D", pb.ROLE_DECODE, True, 2), ("P", pb.ROLE_PREFILL, True, 2)]
+        ("D", pb.ROLE_DECODE, True, 2),
+        ("P", pb.ROLE_PREFILL, True, 2),
+    ]
     for lease in p_leases + d_leases:
         assert stub.KeepAlive(pb.KeepAliveRequest(lease_id=lease.lease_id)).ttl_ms == LEASE_MS
         stub.Deregister(pb.DeregisterRequest(lease_id=lease.lease_id))
@@ -182,7 +214,9 @@ def test_descriptors_stay_inside_registered_regions(broker: Broker, case: str) -
             assert_inside_regions(local, fake_regions(c.decode, 1, d))
             assert_inside_regions(remote, fake_regions(c.prefill, 0, source.prefill_rank))
             # Back to region-relative offsets: exactly the planner's runs.
-            p_bases = np.array([r.base_addr for r in fake_regions(c.prefill, 0, source.prefill_rank)])
+            p_bases = np.array(
+                [r.base_addr for r in fake_regions(c.prefill, 0, source.prefill_rank)]
+            )
             assert (remote[:, 0] - p_bases[reads.region] == reads.remote_offset).all()
         assert plan.total_bytes == expected.nbytes
 
@@ -191,14 +225,19 @@ def test_unread_transfer_expires_with_a_release_and_a_clear_error(broker: Broker
     sc = build_scenario(hybrid(), 1, 1, 100)
     register(broker.stub, sc.prefill, "P", pb.ROLE_PREFILL, 0)
     register(broker.stub, sc.decode, "D", pb.ROLE_DECODE, 1)
-    stream = broker.stub.WatchReleases(pb.WatchReleasesRequest(engine_id="P", tp_rank=0),
-                                       timeout=WAIT_S)
+    stream = broker.stub.WatchReleases(
+        pb.WatchReleasesRequest(engine_id="P", tp_rank=0), timeout=WAIT_S
+    )
     broker.stub.PublishBlocks(publish_request("t", sc.request, ttl_ms=1_000))
     broker.clock.advance(1_000)  # the reaper notices within REAP_MS
     event = next_release(stream)
     assert (event.transfer_id, event.reason) == ("t", pb.RELEASE_REASON_EXPIRED)
-    details = expect_error(broker.stub.GetTransferPlan, plan_request("t", 0, sc.request),
-                           grpc.StatusCode.FAILED_PRECONDITION, "transfer_id")
+    details = expect_error(
+        broker.stub.GetTransferPlan,
+        plan_request("t", 0, sc.request),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "transfer_id",
+    )
     assert "expired" in details
     info = broker.stub.GetTransfer(pb.GetTransferRequest(transfer_id="t"))
     assert info.state == pb.TRANSFER_STATE_EXPIRED and not info.plans
@@ -210,8 +249,9 @@ def test_expired_lease_fails_transfers_and_ends_the_stream(broker: Broker) -> No
     (decode_lease,) = register(broker.stub, sc.decode, "D", pb.ROLE_DECODE, 1)
     broker.stub.PublishBlocks(publish_request("t", sc.request, ttl_ms=10 * LEASE_MS))
     plan = broker.stub.GetTransferPlan(plan_request("t", 0, sc.request))
-    stream = broker.stub.WatchReleases(pb.WatchReleasesRequest(engine_id="P", tp_rank=0),
-                                       timeout=WAIT_S)
+    stream = broker.stub.WatchReleases(
+        pb.WatchReleasesRequest(engine_id="P", tp_rank=0), timeout=WAIT_S
+    )
     broker.clock.advance(LEASE_MS - 1)
     broker.stub.KeepAlive(pb.KeepAliveRequest(lease_id=decode_lease.lease_id))
     broker.clock.advance(1)  # prefill's lease runs out; decode's was renewed
@@ -220,8 +260,11 @@ def test_expired_lease_fails_transfers_and_ends_the_stream(broker: Broker) -> No
     info = broker.stub.GetTransfer(pb.GetTransferRequest(transfer_id="t"))
     assert info.state == pb.TRANSFER_STATE_FAILED
     assert "prefill rank 0 lease expired" in info.timeline[-2].detail
-    report = broker.stub.ReportTransfer(pb.ReportTransferRequest(
-        plan_id=plan.plan_id, engine_id="D", tp_rank=0, status=pb.REPORT_STATUS_DONE))
+    report = broker.stub.ReportTransfer(
+        pb.ReportTransferRequest(
+            plan_id=plan.plan_id, engine_id="D", tp_rank=0, status=pb.REPORT_STATUS_DONE
+        )
+    )
     assert not report.intact and report.state == pb.TRANSFER_STATE_FAILED
 
 
@@ -233,8 +276,9 @@ def test_abort_over_grpc(broker: Broker) -> None:
     reply = broker.stub.AbortTransfer(pb.AbortTransferRequest(transfer_id="t", reason="user left"))
     assert reply.state == pb.TRANSFER_STATE_ABORTED
     for p in range(2):
-        stream = broker.stub.WatchReleases(pb.WatchReleasesRequest(engine_id="P", tp_rank=p),
-                                           timeout=WAIT_S)
+        stream = broker.stub.WatchReleases(
+            pb.WatchReleasesRequest(engine_id="P", tp_rank=p), timeout=WAIT_S
+        )
         event = next_release(stream)
         assert (event.reason, event.detail) == (pb.RELEASE_REASON_ABORTED, "user left")
         stream.cancel()
@@ -247,7 +291,8 @@ def test_health_and_reflection(broker: Broker) -> None:
         assert status == health_pb2.HealthCheckResponse.SERVING
     reflect = reflection_pb2_grpc.ServerReflectionStub(broker.channel)
     replies = reflect.ServerReflectionInfo(
-        iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=WAIT_S)
+        iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=WAIT_S
+    )
     names = {s.name for s in next(replies).list_services_response.service}
     assert {"pdbroker.v1.Broker", "grpc.health.v1.Health"} <= names
 
@@ -285,10 +330,16 @@ REGISTER_ERRORS = [
     (lambda r: setattr(r, "tp_rank", 5), grpc.StatusCode.INVALID_ARGUMENT, "tp_rank"),
     (lambda r: setattr(r, "tp_size", 0), grpc.StatusCode.INVALID_ARGUMENT, "tp_size"),
     (lambda r: r.ClearField("layout"), grpc.StatusCode.INVALID_ARGUMENT, "layout"),
-    (lambda r: setattr(r, "model_fingerprint", ""), grpc.StatusCode.INVALID_ARGUMENT,
-     "model_fingerprint"),
-    (_segment_strides_mismatch, grpc.StatusCode.INVALID_ARGUMENT,
-     "layout.groups[0].segments[0].strides"),
+    (
+        lambda r: setattr(r, "model_fingerprint", ""),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "model_fingerprint",
+    ),
+    (
+        _segment_strides_mismatch,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "layout.groups[0].segments[0].strides",
+    ),
     (_unknown_dtype, grpc.StatusCode.INVALID_ARGUMENT, "layout.groups[1].segments[0].dtype"),
     (_segment_past_page, grpc.StatusCode.INVALID_ARGUMENT, "layout.groups[0].segments['conv.x']"),
     (_short_region, grpc.StatusCode.INVALID_ARGUMENT, "regions[0].length_bytes"),
@@ -299,8 +350,9 @@ REGISTER_ERRORS = [
 ]
 
 
-@pytest.mark.parametrize("mutate,code,field", REGISTER_ERRORS,
-                         ids=[f"{c.name}-{f}" for _, c, f in REGISTER_ERRORS])
+@pytest.mark.parametrize(
+    "mutate,code,field", REGISTER_ERRORS, ids=[f"{c.name}-{f}" for _, c, f in REGISTER_ERRORS]
+)
 def test_register_rank_bad_input(broker: Broker, mutate, code, field) -> None:
     sc = build_scenario(hybrid(), 2, 4, 100)
     register(broker.stub, sc.prefill, "P", pb.ROLE_PREFILL, 0)
@@ -328,62 +380,144 @@ def test_every_other_rpc_bad_input(broker: Broker) -> None:
         (stub.KeepAlive, pb.KeepAliveRequest(lease_id="nope"), codes.NOT_FOUND, "lease_id"),
         (stub.Deregister, pb.DeregisterRequest(lease_id="nope"), codes.NOT_FOUND, "lease_id"),
         (stub.PublishBlocks, publish_request("t", sc.request), codes.ALREADY_EXISTS, "transfer_id"),
-        (stub.PublishBlocks, pb.PublishBlocksRequest(transfer_id="u", engine_id="nobody",
-                                                     num_tokens=1), codes.NOT_FOUND, "engine_id"),
-        (stub.PublishBlocks, pb.PublishBlocksRequest(transfer_id="u", engine_id="P"),
-         codes.INVALID_ARGUMENT, "num_tokens"),
-        (stub.PublishBlocks, pb.PublishBlocksRequest(transfer_id="u", engine_id="P", num_tokens=100,
-                                                     block_ids=block_ids(bad_ids)),
-         codes.INVALID_ARGUMENT, "block_ids"),
-        (stub.PublishBlocks, pb.PublishBlocksRequest(transfer_id="u", engine_id="P", num_tokens=100,
-                                                     block_ids=huge),
-         codes.RESOURCE_EXHAUSTED, "block_ids"),
-        (stub.PublishBlocks, pb.PublishBlocksRequest(transfer_id="u", engine_id="D", num_tokens=100,
-                                                     block_ids=block_ids(sc.request.prefill_block_ids)),
-         codes.FAILED_PRECONDITION, "engine_id"),
-        (stub.GetTransferPlan, plan_request("missing", 0, sc.request), codes.NOT_FOUND,
-         "transfer_id"),
-        (stub.GetTransferPlan, plan_request("t", 1, sc.request, "nobody"), codes.NOT_FOUND,
-         "engine_id"),
-        (stub.GetTransferPlan, pb.GetTransferPlanRequest(transfer_id="t", engine_id="D", tp_rank=1,
-                                                         block_ids=block_ids(bad_ids)),
-         codes.INVALID_ARGUMENT, "block_ids"),
-        (stub.GetTransferPlan, plan_request("t", 0, sc.request, "half"), codes.FAILED_PRECONDITION,
-         "engine_id"),
-        (stub.ReportTransfer, pb.ReportTransferRequest(plan_id="nope", engine_id="D",
-                                                       status=pb.REPORT_STATUS_DONE),
-         codes.NOT_FOUND, "plan_id"),
-        (stub.ReportTransfer, pb.ReportTransferRequest(plan_id=plan.plan_id, engine_id="D"),
-         codes.INVALID_ARGUMENT, "status"),
-        (stub.ReportTransfer, pb.ReportTransferRequest(plan_id=plan.plan_id, engine_id="D",
-                                                       status=pb.REPORT_STATUS_DONE, bytes_moved=1),
-         codes.INVALID_ARGUMENT, "bytes_moved"),
-        (stub.WatchReleases, pb.WatchReleasesRequest(engine_id="nobody"), codes.NOT_FOUND,
-         "engine_id"),
-        (stub.WatchReleases, pb.WatchReleasesRequest(engine_id="P", tp_rank=9), codes.NOT_FOUND,
-         "tp_rank"),
-        (stub.WatchReleases, pb.WatchReleasesRequest(engine_id="D"), codes.FAILED_PRECONDITION,
-         "engine_id"),
-        (stub.AbortTransfer, pb.AbortTransferRequest(transfer_id="missing"), codes.NOT_FOUND,
-         "transfer_id"),
-        (stub.GetTransfer, pb.GetTransferRequest(transfer_id="missing"), codes.NOT_FOUND,
-         "transfer_id"),
+        (
+            stub.PublishBlocks,
+            pb.PublishBlocksRequest(transfer_id="u", engine_id="nobody", num_tokens=1),
+            codes.NOT_FOUND,
+            "engine_id",
+        ),
+        (
+            stub.PublishBlocks,
+            pb.PublishBlocksRequest(transfer_id="u", engine_id="P"),
+            codes.INVALID_ARGUMENT,
+            "num_tokens",
+        ),
+        (
+            stub.PublishBlocks,
+            pb.PublishBlocksRequest(
+                transfer_id="u", engine_id="P", num_tokens=100, block_ids=block_ids(bad_ids)
+            ),
+            codes.INVALID_ARGUMENT,
+            "block_ids",
+        ),
+        (
+            stub.PublishBlocks,
+            pb.PublishBlocksRequest(transfer_id="u", engine_id="P", num_tokens=100, block_ids=huge),
+            codes.RESOURCE_EXHAUSTED,
+            "block_ids",
+        ),
+        (
+            stub.PublishBlocks,
+            pb.PublishBlocksRequest(
+                transfer_id="u",
+                engine_id="D",
+                num_tokens=100,
+                block_ids=block_ids(sc.request.prefill_block_ids),
+            ),
+            codes.FAILED_PRECONDITION,
+            "engine_id",
+        ),
+        (
+            stub.GetTransferPlan,
+            plan_request("missing", 0, sc.request),
+            codes.NOT_FOUND,
+            "transfer_id",
+        ),
+        (
+            stub.GetTransferPlan,
+            plan_request("t", 1, sc.request, "nobody"),
+            codes.NOT_FOUND,
+            "engine_id",
+        ),
+        (
+            stub.GetTransferPlan,
+            pb.GetTransferPlanRequest(
+                transfer_id="t", engine_id="D", tp_rank=1, block_ids=block_ids(bad_ids)
+            ),
+            codes.INVALID_ARGUMENT,
+            "block_ids",
+        ),
+        (
+            stub.GetTransferPlan,
+            plan_request("t", 0, sc.request, "half"),
+            codes.FAILED_PRECONDITION,
+            "engine_id",
+        ),
+        (
+            stub.ReportTransfer,
+            pb.ReportTransferRequest(plan_id="nope", engine_id="D", status=pb.REPORT_STATUS_DONE),
+            codes.NOT_FOUND,
+            "plan_id",
+        ),
+        (
+            stub.ReportTransfer,
+            pb.ReportTransferRequest(plan_id=plan.plan_id, engine_id="D"),
+            codes.INVALID_ARGUMENT,
+            "status",
+        ),
+        (
+            stub.ReportTransfer,
+            pb.ReportTransferRequest(
+                plan_id=plan.plan_id, engine_id="D", status=pb.REPORT_STATUS_DONE, bytes_moved=1
+            ),
+            codes.INVALID_ARGUMENT,
+            "bytes_moved",
+        ),
+        (
+            stub.WatchReleases,
+            pb.WatchReleasesRequest(engine_id="nobody"),
+            codes.NOT_FOUND,
+            "engine_id",
+        ),
+        (
+            stub.WatchReleases,
+            pb.WatchReleasesRequest(engine_id="P", tp_rank=9),
+            codes.NOT_FOUND,
+            "tp_rank",
+        ),
+        (
+            stub.WatchReleases,
+            pb.WatchReleasesRequest(engine_id="D"),
+            codes.FAILED_PRECONDITION,
+            "engine_id",
+        ),
+        (
+            stub.AbortTransfer,
+            pb.AbortTransferRequest(transfer_id="missing"),
+            codes.NOT_FOUND,
+            "transfer_id",
+        ),
+        (
+            stub.GetTransfer,
+            pb.GetTransferRequest(transfer_id="missing"),
+            codes.NOT_FOUND,
+            "transfer_id",
+        ),
     ]
     for call, request, code, field in cases:
         expect_error(call, request, code, field)
         # The broker keeps serving after every bad call.
         assert stub.GetTransfer(pb.GetTransferRequest(transfer_id="t")).state == (
-            pb.TRANSFER_STATE_IN_PROGRESS)
+            pb.TRANSFER_STATE_IN_PROGRESS
+        )
     # Layout mismatch: a decode engine of another model.
     stub.PublishBlocks(publish_request("m", sc.request))
-    details = expect_error(stub.GetTransferPlan, plan_request("m", 0, other.request, "X"),
-                           codes.FAILED_PRECONDITION, "model_fingerprint")
+    details = expect_error(
+        stub.GetTransferPlan,
+        plan_request("m", 0, other.request, "X"),
+        codes.FAILED_PRECONDITION,
+        "model_fingerprint",
+    )
     assert "cannot read from prefill engine 'P'" in details
     # Too many transfers.
     for i in range(48):
         stub.PublishBlocks(publish_request(f"fill{i}", sc.request))
-    expect_error(stub.PublishBlocks, publish_request("over", sc.request),
-                 codes.RESOURCE_EXHAUSTED, "transfer_id")
+    expect_error(
+        stub.PublishBlocks,
+        publish_request("over", sc.request),
+        codes.RESOURCE_EXHAUSTED,
+        "transfer_id",
+    )
     assert stub.GetTransferPlan(plan_request("t", 1, sc.request)).plan_id
 
 
@@ -397,4 +531,6 @@ def test_memory_kind_reaches_the_plan(broker: Broker) -> None:
     broker.stub.PublishBlocks(publish_request("t", sc.request))
     (source,) = broker.stub.GetTransferPlan(plan_request("t", 0, sc.request)).sources
     assert (source.local_memory_kind, source.remote_memory_kind) == (
-        pb.MEMORY_KIND_VRAM, pb.MEMORY_KIND_DRAM)
+        pb.MEMORY_KIND_VRAM,
+        pb.MEMORY_KIND_DRAM,
+    )

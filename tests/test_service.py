@@ -15,6 +15,7 @@ from broker_helpers import (
     registration,
 )
 
+from broker.api import PlanQuery, Publication, Report
 from broker.errors import (
     AlreadyExistsError,
     IncompatibleLayoutsError,
@@ -28,7 +29,7 @@ from broker.errors import (
 from broker.planner import PairPlanner
 from broker.records import ReleaseReason, ReportStatus, Role, TransferState
 from broker.scenarios import Scenario, build_scenario
-from broker.service import BrokerService, PlanQuery, Publication, Report, ServiceConfig
+from broker.service import BrokerService, ServiceConfig
 
 TTL_MS = 5_000
 LEASE_MS = 60_000  # longer than TTL and retention: only lease tests reach it
@@ -40,8 +41,9 @@ def make_service(**config: int) -> tuple[BrokerService, FakeClock]:
     return BrokerService(clock=clock, config=ServiceConfig(**settings)), clock
 
 
-def setup(p_tp: int, d_tp: int, kv_heads: int = 4, mamba: bool = True, tokens: int = 100,
-          **config: int) -> tuple[BrokerService, FakeClock, Scenario]:
+def setup(
+    p_tp: int, d_tp: int, kv_heads: int = 4, mamba: bool = True, tokens: int = 100, **config: int
+) -> tuple[BrokerService, FakeClock, Scenario]:
     service, clock = make_service(**config)
     sc = build_scenario(hybrid(kv_heads, MAMBA2 if mamba else None), p_tp, d_tp, tokens)
     register_engine(service, sc.prefill, "P", Role.PREFILL, 0)
@@ -50,8 +52,9 @@ def setup(p_tp: int, d_tp: int, kv_heads: int = 4, mamba: bool = True, tokens: i
 
 
 def publish(service: BrokerService, sc: Scenario, transfer_id: str = "t1", **kw) -> int:
-    return service.publish(Publication(transfer_id, "P", sc.request.prefill_block_ids,
-                                       sc.request.num_tokens, **kw))
+    return service.publish(
+        Publication(transfer_id, "P", sc.request.prefill_block_ids, sc.request.num_tokens, **kw)
+    )
 
 
 def query(sc: Scenario, rank: int, transfer_id: str = "t1", **kw) -> PlanQuery:
@@ -60,8 +63,10 @@ def query(sc: Scenario, rank: int, transfer_id: str = "t1", **kw) -> PlanQuery:
 
 def released(service: BrokerService, p_tp: int, engine: str = "P") -> dict[int, list]:
     """Queued release events per prefill rank: ``[(transfer_id, reason), ...]``."""
-    return {p: [(e.transfer_id, e.reason) for e in service.store.releases_after((engine, p), 0)]
-            for p in range(p_tp)}
+    return {
+        p: [(e.transfer_id, e.reason) for e in service.store.releases_after((engine, p), 0)]
+        for p in range(p_tp)
+    }
 
 
 def done(service: BrokerService, plan_id: str, rank: int, nbytes: int = 0):
@@ -71,13 +76,16 @@ def done(service: BrokerService, plan_id: str, rank: int, nbytes: int = 0):
 # --------------------------------------------------------------------------- consumer counting
 
 
-@pytest.mark.parametrize("p_tp,d_tp,consumers", [
-    (2, 2, {0: {0}, 1: {1}}),          # homogeneous: one reader each
-    (1, 2, {0: {0, 1}}),               # D > P: both decode ranks read prefill rank 0
-    (2, 1, {0: {0}, 1: {0}}),          # P > D: decode rank 0 reads both prefill ranks
-    (2, 4, {0: {0, 1}, 1: {2, 3}}),
-    (4, 2, {0: {0}, 1: {0}, 2: {1}, 3: {1}}),
-])
+@pytest.mark.parametrize(
+    "p_tp,d_tp,consumers",
+    [
+        (2, 2, {0: {0}, 1: {1}}),  # homogeneous: one reader each
+        (1, 2, {0: {0, 1}}),  # D > P: both decode ranks read prefill rank 0
+        (2, 1, {0: {0}, 1: {0}}),  # P > D: decode rank 0 reads both prefill ranks
+        (2, 4, {0: {0, 1}, 1: {2, 3}}),
+        (4, 2, {0: {0}, 1: {0}, 2: {1}, 3: {1}}),
+    ],
+)
 def test_prefill_rank_released_when_all_its_readers_are_done(p_tp, d_tp, consumers) -> None:
     service, _, sc = setup(p_tp, d_tp)
     publish(service, sc)
@@ -87,7 +95,8 @@ def test_prefill_rank_released_when_all_its_readers_are_done(p_tp, d_tp, consume
     assert record.state is TransferState.IN_PROGRESS
     for d in range(d_tp):
         assert {s.prefill_rank for s in plans[d].sources} == {
-            p for p, readers in consumers.items() if d in readers}
+            p for p, readers in consumers.items() if d in readers
+        }
     for d in range(d_tp):
         outcome = done(service, plans[d].plan_id, d, plans[d].total_bytes)
         assert outcome.intact and not outcome.duplicate
@@ -105,8 +114,12 @@ def test_prefill_rank_nobody_reads_is_released_when_the_transfer_is_claimed() ->
     publish(service, sc)
     plan0 = service.get_plan(query(sc, 0))
     assert [s.prefill_rank for s in plan0.sources] == [0]
-    assert released(service, 4) == {0: [], 1: [("t1", ReleaseReason.COMPLETED)], 2: [],
-                                    3: [("t1", ReleaseReason.COMPLETED)]}
+    assert released(service, 4) == {
+        0: [],
+        1: [("t1", ReleaseReason.COMPLETED)],
+        2: [],
+        3: [("t1", ReleaseReason.COMPLETED)],
+    }
     done(service, plan0.plan_id, 0)
     assert released(service, 4)[0] == [("t1", ReleaseReason.COMPLETED)]
     assert released(service, 4)[2] == []
@@ -121,16 +134,20 @@ def test_plan_matches_the_planner_at_absolute_addresses() -> None:
         expected = planner.plan_rank(d, sc.request)
         assert plan_bytes(result) == expected.nbytes == result.total_bytes
         assert result.num_descriptors == expected.num_descriptors
-        assert (result.naive_bytes, result.vllm_descriptors) == (expected.naive_bytes,
-                                                                 expected.vllm_descriptors)
+        assert (result.naive_bytes, result.vllm_descriptors) == (
+            expected.naive_bytes,
+            expected.vllm_descriptors,
+        )
         d_regions = registration(sc.decode, "D", Role.DECODE, d, 1).regions
         p_regions = registration(sc.prefill, "P", Role.PREFILL, 0, 0).regions
         for source, reads in zip(result.sources, expected.sources):
             assert_inside_regions(source.local, d_regions)
             assert_inside_regions(source.remote, p_regions)
             bases = [r.base_addr for r in d_regions]
-            assert (source.local[:, 0] == [bases[r] + o for r, o in
-                                           zip(reads.region, reads.local_offset)]).all()
+            assert (
+                source.local[:, 0]
+                == [bases[r] + o for r, o in zip(reads.region, reads.local_offset)]
+            ).all()
             assert source.notification.startswith(b"pdbroker:t1:")
 
 
@@ -154,8 +171,10 @@ def test_failed_report_releases_every_prefill_rank_with_consumer_failed() -> Non
     p0, p1 = (service.get_plan(query(sc, d)) for d in range(2))
     outcome = service.report(Report(p0.plan_id, "D", 0, ReportStatus.FAILED, 0, 10, "nixl error"))
     assert outcome.state is TransferState.FAILED and not outcome.intact
-    assert released(service, 2) == {0: [("t1", ReleaseReason.CONSUMER_FAILED)],
-                                    1: [("t1", ReleaseReason.CONSUMER_FAILED)]}
+    assert released(service, 2) == {
+        0: [("t1", ReleaseReason.CONSUMER_FAILED)],
+        1: [("t1", ReleaseReason.CONSUMER_FAILED)],
+    }
     # The other rank's data is unusable now: its source was freed before it reported.
     late = done(service, p1.plan_id, 1)
     assert (late.state, late.intact) == (TransferState.FAILED, False)
@@ -214,7 +233,8 @@ def test_decode_rank_with_its_own_block_ids_is_replanned() -> None:
     shifted = tuple(tuple(blocks - 1 - b for b in g) for g in sc.request.decode_block_ids)
     result = service.get_plan(PlanQuery("t1", "D", 1, shifted))
     expected = PairPlanner(sc.prefill, sc.decode).plan_rank(
-        1, type(sc.request)(sc.request.num_tokens, sc.request.prefill_block_ids, shifted))
+        1, type(sc.request)(sc.request.num_tokens, sc.request.prefill_block_ids, shifted)
+    )
     assert plan_bytes(result) == expected.nbytes
     assert service.get_transfer("t1").plans[1].block_ids == shifted
 
@@ -228,8 +248,11 @@ def test_plan_errors_name_their_field() -> None:
         (PlanQuery("t1", "P", 0, sc.request.decode_block_ids), PreconditionError, "engine_id"),
         (PlanQuery("t1", "D", 7, sc.request.decode_block_ids), RequestError, "tp_rank"),
         (PlanQuery("t1", "D", 0, sc.request.decode_block_ids[:2]), RequestError, "block_ids"),
-        (PlanQuery("t1", "D", 0, ((10**6,),) + sc.request.decode_block_ids[1:]), RequestError,
-         "block_ids[0]"),
+        (
+            PlanQuery("t1", "D", 0, ((10**6,),) + sc.request.decode_block_ids[1:]),
+            RequestError,
+            "block_ids[0]",
+        ),
     ]
     for q, error, field in cases:
         with pytest.raises(error) as err:
@@ -297,8 +320,10 @@ def test_unread_transfer_expires_and_decode_gets_a_clear_error() -> None:
     assert released(service, 2) == {0: [], 1: []}
     clock.advance(1)
     service.reap()
-    assert released(service, 2) == {0: [("t1", ReleaseReason.EXPIRED)],
-                                    1: [("t1", ReleaseReason.EXPIRED)]}
+    assert released(service, 2) == {
+        0: [("t1", ReleaseReason.EXPIRED)],
+        1: [("t1", ReleaseReason.EXPIRED)],
+    }
     with pytest.raises(PreconditionError, match="expired") as err:
         service.get_plan(query(sc, 0))
     assert err.value.field == "transfer_id"
@@ -321,8 +346,10 @@ def test_in_progress_transfer_expires_and_late_report_is_not_intact() -> None:
     done(service, p0.plan_id, 0)
     clock.advance(TTL_MS)
     service.reap()
-    assert released(service, 2) == {0: [("t1", ReleaseReason.COMPLETED)],
-                                    1: [("t1", ReleaseReason.EXPIRED)]}
+    assert released(service, 2) == {
+        0: [("t1", ReleaseReason.COMPLETED)],
+        1: [("t1", ReleaseReason.EXPIRED)],
+    }
     late = done(service, p1.plan_id, 1)
     assert (late.state, late.intact) == (TransferState.EXPIRED, False)
 
@@ -349,8 +376,10 @@ def test_abort_releases_everything_and_is_idempotent() -> None:
     publish(service, sc)
     plan = service.get_plan(query(sc, 0))
     assert service.abort("t1", "cancelled by user") is TransferState.ABORTED
-    assert released(service, 2) == {0: [("t1", ReleaseReason.ABORTED)],
-                                    1: [("t1", ReleaseReason.ABORTED)]}
+    assert released(service, 2) == {
+        0: [("t1", ReleaseReason.ABORTED)],
+        1: [("t1", ReleaseReason.ABORTED)],
+    }
     assert service.abort("t1", "again") is TransferState.ABORTED
     assert len(released(service, 2)[0]) == 1
     with pytest.raises(PreconditionError, match="aborted"):
@@ -401,8 +430,10 @@ def test_lost_prefill_rank_fails_its_transfers() -> None:
         record = service.get_transfer(t)
         assert record.state is TransferState.FAILED
         assert record.released[0] is ReleaseReason.ABORTED
-    assert released(service, 2) == {0: [("t1", ReleaseReason.ABORTED), ("t2", ReleaseReason.ABORTED)],
-                                    1: []}
+    assert released(service, 2) == {
+        0: [("t1", ReleaseReason.ABORTED), ("t2", ReleaseReason.ABORTED)],
+        1: [],
+    }
     with pytest.raises(PreconditionError):
         service.get_plan(query(sc, 0))
     with pytest.raises(PreconditionError, match="1 of its 2 ranks"):
@@ -420,8 +451,10 @@ def test_lost_decode_rank_fails_its_claimed_transfers() -> None:
     record = service.get_transfer("t1")
     assert record.state is TransferState.FAILED
     assert record.plans[1].status is ReportStatus.FAILED
-    assert released(service, 2) == {0: [("t1", ReleaseReason.CONSUMER_FAILED)],
-                                    1: [("t1", ReleaseReason.CONSUMER_FAILED)]}
+    assert released(service, 2) == {
+        0: [("t1", ReleaseReason.CONSUMER_FAILED)],
+        1: [("t1", ReleaseReason.CONSUMER_FAILED)],
+    }
     # t2 was never claimed: it waits for another decode engine.
     assert service.get_transfer("t2").state is TransferState.PUBLISHED
 
@@ -446,8 +479,14 @@ def test_registration_validation() -> None:
     cases = [
         (dataclasses.replace(reg, agent_name="P-agent0"), AlreadyExistsError, "agent_name"),
         (dataclasses.replace(reg, regions=reg.regions[:1]), InvalidFieldError, "regions"),
-        (dataclasses.replace(reg, regions=(dataclasses.replace(reg.regions[0], length_bytes=8),)
-                             + reg.regions[1:]), InvalidFieldError, "regions[0].length_bytes"),
+        (
+            dataclasses.replace(
+                reg,
+                regions=(dataclasses.replace(reg.regions[0], length_bytes=8),) + reg.regions[1:],
+            ),
+            InvalidFieldError,
+            "regions[0].length_bytes",
+        ),
         (dataclasses.replace(reg, tp_rank=2), InvalidFieldError, "tp_rank"),
     ]
     for bad, error, field in cases:
@@ -457,12 +496,16 @@ def test_registration_validation() -> None:
     service.register_rank(reg)
     for name, value in (("tp_size", 4), ("role", Role.DECODE), ("model_fingerprint", "x")):
         with pytest.raises(PreconditionError) as err:
-            service.register_rank(dataclasses.replace(
-                registration(sc.prefill, "Q", Role.PREFILL, 1, 5), **{name: value}))
+            service.register_rank(
+                dataclasses.replace(
+                    registration(sc.prefill, "Q", Role.PREFILL, 1, 5), **{name: value}
+                )
+            )
         assert err.value.field == name
     # Ranks of one engine must declare the same groups.
-    mismatched = registration(build_scenario(hybrid(mamba=None), 2, 2, 100).prefill, "Q",
-                              Role.PREFILL, 1, 5)
+    mismatched = registration(
+        build_scenario(hybrid(mamba=None), 2, 2, 100).prefill, "Q", Role.PREFILL, 1, 5
+    )
     with pytest.raises(PreconditionError) as err:
         service.register_rank(dataclasses.replace(mismatched, model_fingerprint=sc.prefill.model))
     assert err.value.field.startswith("layout.")

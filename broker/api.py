@@ -1,0 +1,125 @@
+"""Values callers hand :class:`broker.service.BrokerService` and get back from it.
+
+Plain frozen data, free of protobuf: :mod:`broker.convert` maps them to and from
+``pdbroker.v1`` messages. Sizes are bytes, durations milliseconds unless named ``_us``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from broker.records import BlockIds, MemoryKind, RankRecord, ReportStatus, Role, TransferState
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A registered rank's lease: renew within ``ttl_ms``; ``generation`` is its engine's."""
+
+    lease_id: str
+    ttl_ms: int
+    generation: int
+    engine_complete: bool
+
+
+@dataclass(frozen=True)
+class Publication:
+    """A prefill engine offers ``block_ids`` (per group) holding ``num_tokens`` tokens;
+    ``ttl_ms`` 0 means the broker's default; empty ``allowed_decode_engines``: any."""
+
+    transfer_id: str
+    engine_id: str
+    block_ids: BlockIds
+    num_tokens: int
+    ttl_ms: int = 0
+    allowed_decode_engines: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class PlanQuery:
+    """Decode rank ``tp_rank`` of ``engine_id`` asks for its reads into ``block_ids``."""
+
+    transfer_id: str
+    engine_id: str
+    tp_rank: int
+    block_ids: BlockIds
+    want_agent_metadata: bool = False
+
+
+@dataclass(frozen=True)
+class SourceDescriptors:
+    """Reads from one prefill rank: ``local``/``remote`` are ``(n, 3)`` int64 rows
+    ``(addr, len, dev_id)``; row *i* of ``local`` is filled from row *i* of ``remote``."""
+
+    prefill_rank: int
+    agent_name: str
+    agent_metadata: bytes
+    local: np.ndarray
+    remote: np.ndarray
+    total_bytes: int
+    notification: bytes
+    local_memory_kind: MemoryKind
+    remote_memory_kind: MemoryKind
+
+    @property
+    def num_descriptors(self) -> int:
+        return int(self.local.shape[0])
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    """One decode rank's plan; ``naive_bytes`` and ``vllm_descriptors`` are what copying
+    whole padded pages and vLLM 0.33's per-block scheme would cost."""
+
+    plan_id: str
+    sources: tuple[SourceDescriptors, ...]
+    naive_bytes: int
+    vllm_descriptors: int
+    expires_at_ms: int
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.total_bytes for s in self.sources)
+
+    @property
+    def num_descriptors(self) -> int:
+        return sum(s.num_descriptors for s in self.sources)
+
+
+@dataclass(frozen=True)
+class Report:
+    """A decode rank's outcome for one plan: bytes read and how long it took (us)."""
+
+    plan_id: str
+    engine_id: str
+    tp_rank: int
+    status: ReportStatus
+    bytes_moved: int = 0
+    duration_us: int = 0
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class ReportOutcome:
+    """``intact``: recorded DONE before any source was released, so the data is usable."""
+
+    duplicate: bool
+    state: TransferState
+    intact: bool
+
+
+@dataclass(frozen=True)
+class EngineView:
+    """An engine as operators see it: its registered ranks, by tp rank."""
+
+    engine_id: str
+    role: Role
+    tp_size: int
+    model_fingerprint: str
+    generation: int
+    ranks: tuple[RankRecord, ...] = field(default=())
+
+    @property
+    def complete(self) -> bool:
+        return len(self.ranks) == self.tp_size

@@ -1,0 +1,41 @@
+"""Absolute descriptors: packing, and the region bounds check that guards every plan."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from broker.descriptors import OutOfRegionError, absolute_descriptors, pack, unpack
+
+#: Two regions: 4 KiB at 0x1000 on device 0, 8 KiB at 0x10000 on device 3.
+TABLE = np.array([[0x1000, 0x10000], [4096, 8192], [0, 3]], dtype=np.int64)
+
+
+def runs(region: list[int], offset: list[int], length: list[int]) -> tuple[np.ndarray, ...]:
+    return tuple(np.array(c, dtype=np.int64) for c in (region, offset, length))
+
+
+def test_rows_are_base_plus_offset_with_the_region_device() -> None:
+    out = absolute_descriptors(TABLE, *runs([0, 1, 1], [0, 4096, 100], [4096, 4096, 8]), "local")
+    assert out.tolist() == [[0x1000, 4096, 0], [0x11000, 4096, 3], [0x10064, 8, 3]]
+    assert unpack(pack(out)).tolist() == out.tolist()
+    assert len(pack(out)) == 3 * 24
+    assert absolute_descriptors(TABLE, *runs([], [], []), "local").shape == (0, 3)
+
+
+@pytest.mark.parametrize(
+    "region,offset,length",
+    [
+        ([0], [4000], [97]),  # one byte past the 4 KiB region
+        ([1, 0], [0, -1], [8, 8]),  # before the region start
+        ([2], [0], [8]),  # no such region
+    ],
+)
+def test_anything_outside_a_region_is_refused(region, offset, length) -> None:
+    with pytest.raises(OutOfRegionError, match="remote"):
+        absolute_descriptors(TABLE, *runs(region, offset, length), "remote")
+
+
+def test_unpack_refuses_a_partial_descriptor() -> None:
+    with pytest.raises(ValueError):
+        unpack(b"\0" * 25)
