@@ -27,7 +27,7 @@ import asyncio
 import logging
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -178,12 +178,19 @@ class NixlAgent:
     ``name`` must be unique across the fleet: remote agents are addressed by it.
     """
 
-    def __init__(self, name: str, backends: Sequence[str] = ("UCX",)) -> None:
+    def __init__(self, name: str, backends: Sequence[str] = ("UCX",),
+                 backend_params: Mapping[str, str] | None = None) -> None:
+        """``backend_params`` (e.g. ``{"ucx_error_handling_mode": "none", "num_workers":
+        "4"}``) are passed to every backend created; None keeps NIXL's defaults."""
         from nixl._api import nixl_agent, nixl_agent_config
 
         self.name = name
-        self._nixl = nixl_agent(name, nixl_agent_config(enable_prog_thread=False,
-                                                        backends=list(backends)))
+        config = nixl_agent_config(enable_prog_thread=False,
+                                   backends=[] if backend_params else list(backends))
+        self._nixl = nixl_agent(name, config)
+        if backend_params:
+            for backend in backends:
+                self._nixl.create_backend(backend, dict(backend_params))
         self._registered: list[object] = []  # NIXL registration descriptor lists
         self._remotes: dict[str, bytes] = {}
 

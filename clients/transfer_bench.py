@@ -63,10 +63,16 @@ def _host_bytes(buffer: Any) -> np.ndarray:
     return buffer if isinstance(buffer, np.ndarray) else buffer.cpu().numpy()
 
 
+def ucx_params_from_env() -> dict[str, str]:
+    """UCX backend parameters from ``PDBROKER_UCX_PARAMS`` (``key=value,key=value``)."""
+    raw = os.environ.get("PDBROKER_UCX_PARAMS", "")
+    return dict(item.split("=", 1) for item in raw.split(",") if item)
+
+
 def _prefill_target(conn: Any, name: str, region_bytes: list[int], single_bytes: int,
-                    device: str, device_id: int) -> None:
+                    device: str, device_id: int, params: dict[str, str]) -> None:
     """Child process: register pattern-filled regions, hand out metadata, drive progress."""
-    agent = NixlAgent(name)
+    agent = NixlAgent(name, backend_params=params or None)
     regions = [_allocate(n, device, device_id) for n in region_bytes]
     for i, buffer in enumerate(regions):
         _fill(buffer, i)
@@ -91,6 +97,7 @@ class TransferFigures:
     memcpy_gbps: float
     repeats: int
     ucx_env: dict[str, str]
+    ucx_params: dict[str, str]
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -150,14 +157,15 @@ def run_transfer_bench(sc: Scenario, device: str = "cpu", prefill_device: int = 
     p_rank, d_rank = sc.prefill.ranks[source_rank], sc.decode.ranks[0]
     nbytes = plans["coalesced"].nbytes
     kind = DRAM if device == "cpu" else VRAM
+    params = ucx_params_from_env()
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     target = ctx.Process(target=_prefill_target, daemon=True, args=(
         child, f"bench-prefill-{os.getpid()}", [p_rank.region_bytes] * p_rank.num_regions,
-        nbytes, device, prefill_device))
+        nbytes, device, prefill_device, params))
     target.start()
-    agent = NixlAgent(f"bench-decode-{os.getpid()}")
+    agent = NixlAgent(f"bench-decode-{os.getpid()}", backend_params=params or None)
     try:
         regions = [_allocate(d_rank.region_bytes, device, decode_device) for _ in range(d_rank.num_regions)]
         single = _allocate(nbytes, device, decode_device)
@@ -203,4 +211,5 @@ def run_transfer_bench(sc: Scenario, device: str = "cpu", prefill_device: int = 
         per_block_descriptors=plans["per_block"].num_descriptors,
         coalesced_gbps=round(gbps["coalesced"], 3), per_block_gbps=round(gbps["per_block"], 3),
         single_desc_gbps=round(gbps["single_desc"], 3), memcpy_gbps=round(memcpy, 3),
-        repeats=repeats, ucx_env={k: v for k, v in os.environ.items() if k.startswith("UCX_")})
+        repeats=repeats, ucx_env={k: v for k, v in os.environ.items() if k.startswith("UCX_")},
+        ucx_params=params)
