@@ -8,6 +8,6 @@ if [ ! -x .venv/bin/python ]; then
 fi
 . .venv/bin/activate
 python -m pip install --quiet --upgrade pip
-# The CPU build of torch; a bare "torch" requirement would pull a multi-GB CUDA build.
-python -m pip install --quiet "torch==2.13.0"
+# dev brings every extra. vllm (the vLLM connector's extra) pins torch==2.14.0: the PyPI
+# build, CUDA libraries included (about 5 GB); it runs on machines without a GPU too.
 python -m pip install --quiet -e ".[dev]"

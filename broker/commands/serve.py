@@ -1,16 +1,22 @@
-"""``pdbroker serve``: run the broker (in-memory state) until SIGINT/SIGTERM."""
+"""``pdbroker serve``: run the broker (in-memory state, or Redis with ``--store``) until
+SIGINT/SIGTERM."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import gc
-import logging
 import os
 import signal
+from typing import TYPE_CHECKING
 
-from broker.server import BrokerServer
+from broker.logs import FORMATS, configure_logging
 from broker.service import BrokerService, ServiceConfig
+from broker.state import StateStore
+from broker.tracing import configure_tracing
+
+if TYPE_CHECKING:
+    from broker.server import BrokerServer
 
 _DEFAULTS = ServiceConfig()
 #: Allocations between young-generation collections (CPython's default is 700).
@@ -58,7 +64,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     for flag, env, default, text in _INT_OPTIONS:
         p.add_argument(flag, type=int, help=f"{text} [{env}, else {default}]")
+    p.add_argument(
+        "--store",
+        help="memory, or redis://HOST:PORT/DB (rediss:// for TLS) for state shared by "
+        "replicas [PDBROKER_STORE, else memory]",
+    )
     p.add_argument("--log-level", help="[PDBROKER_LOG_LEVEL, else INFO]")
+    p.add_argument("--log-format", choices=FORMATS, help="[PDBROKER_LOG_FORMAT, else text]")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        help="serve Prometheus /metrics on this port of the --listen host; 0 picks one "
+        "[PDBROKER_METRICS_PORT, else off]",
+    )
     p.set_defaults(run=run)
 
 
@@ -68,6 +86,15 @@ def _resolve(args: argparse.Namespace) -> None:
         args.listen = os.environ.get("PDBROKER_LISTEN", "127.0.0.1:50151")
     if args.log_level is None:
         args.log_level = os.environ.get("PDBROKER_LOG_LEVEL", "INFO")
+    if args.store is None:
+        args.store = os.environ.get("PDBROKER_STORE", "memory")
+    if args.metrics_port is None and os.environ.get("PDBROKER_METRICS_PORT"):
+        raw = os.environ["PDBROKER_METRICS_PORT"]
+        if not raw.isdigit():
+            raise SystemExit(f"pdbroker serve: error: PDBROKER_METRICS_PORT={raw!r} is not a port")
+        args.metrics_port = int(raw)
+    if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
+        raise SystemExit("pdbroker serve: error: --metrics-port must be in [0, 65536)")
     for flag, env, default, _ in _INT_OPTIONS:
         name = flag.removeprefix("--").replace("-", "_")
         if getattr(args, name) is None:
@@ -84,8 +111,10 @@ def _resolve(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _resolve(args)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    configure_logging(args.log_level, args.log_format)
+    # Off unless OTEL_TRACES_EXPORTER / OTEL_EXPORTER_OTLP_*ENDPOINT ask for traces.
+    tracer_provider = configure_tracing(
+        os.environ.get("OTEL_SERVICE_NAME") or "pdbroker", offload=True
     )
     config = ServiceConfig(
         default_ttl_ms=args.default_ttl_ms,
@@ -94,10 +123,50 @@ def run(args: argparse.Namespace) -> int:
         retention_ms=args.retention_ms,
         max_transfers=args.max_transfers,
     )
-    asyncio.run(
-        _serve(BrokerServer(BrokerService(config=config), args.listen, args.reap_interval_ms))
-    )
+    metrics = None
+    if args.metrics_port is not None:
+        from broker.metrics import BrokerMetrics
+
+        metrics = BrokerMetrics()
+        host = args.listen.rsplit(":", 1)[0].strip("[]")
+        port = metrics.serve(args.metrics_port, host)
+        print(f"pdbroker serve: metrics on http://{_url_host(host)}:{port}/metrics", flush=True)
+    service = BrokerService(_open_store(args.store, config), config=config, observer=metrics)
+    from broker.server import BrokerServer  # grpc: only for the commands that need it
+
+    try:
+        asyncio.run(_serve(BrokerServer(service, args.listen, args.reap_interval_ms)))
+    finally:
+        if tracer_provider is not None:
+            tracer_provider.shutdown()  # flush the last spans
     return 0
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def _open_store(url: str, config: ServiceConfig) -> StateStore | None:
+    """``None`` (the in-memory default) for ``memory``, else a reachable Redis store whose
+    server-side TTLs outlast every lease and transfer the service keeps."""
+    if url == "memory":
+        return None
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        raise SystemExit(f"pdbroker serve: error: --store {url!r} is neither memory nor redis://")
+    import redis
+
+    from broker.redis_store import RedisStateStore
+
+    store = RedisStateStore.from_url(
+        url,
+        rank_ttl_ms=3 * config.lease_ttl_ms,
+        transfer_ttl_ms=config.max_ttl_ms + config.retention_ms + config.lease_ttl_ms,
+    )
+    try:
+        store.client.ping()
+    except redis.RedisError as exc:
+        raise SystemExit(f"pdbroker serve: error: cannot reach the Redis store: {exc}") from None
+    return store
 
 
 async def _serve(server: BrokerServer) -> None:

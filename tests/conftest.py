@@ -1,0 +1,113 @@
+"""Fixtures shared by test modules: a private ``redis-server`` and the store parametrization.
+
+``redis_server`` starts one ``redis-server`` per session on a free loopback port in a temporary
+directory (no other Redis is touched) and stops it at the end. Where no ``redis-server`` binary
+exists the Redis tests skip with that reason, except under CI (``CI=true``), where
+``.ci/run`` installs it and a missing server is a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+#: Seconds to wait for redis-server to accept connections or to exit.
+REDIS_START_S = 10.0
+
+
+@dataclass
+class RedisServer:
+    """A running private ``redis-server``: ``url`` names its database 0."""
+
+    process: subprocess.Popen
+    port: int
+    directory: Path
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def store(self, **ttls: int):
+        """A :class:`~broker.redis_store.RedisStateStore` under a prefix of its own, so
+        every store made here starts empty."""
+        from broker.redis_store import RedisStateStore
+
+        return RedisStateStore.from_url(self.url, f"test-{uuid.uuid4().hex[:12]}:", **ttls)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(REDIS_START_S)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_redis(directory: Path, port: int | None = None) -> RedisServer:
+    """``redis-server`` on 127.0.0.1 with its files in ``directory``; append-only persistence
+    so a restarted server (same directory and port) keeps what was written."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        message = "redis-server is not installed (bash .ci/run installs it with apt-get)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    port = port or free_port()
+    process = subprocess.Popen(
+        [binary, "--bind", "127.0.0.1", "--port", str(port), "--dir", str(directory),
+         "--appendonly", "yes", "--appendfsync", "everysec", "--save", "",
+         "--protected-mode", "yes", "--loglevel", "warning"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    server = RedisServer(process, port, directory)
+    deadline = time.monotonic() + REDIS_START_S
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), 0.2) as conn:
+                conn.sendall(b"PING\r\n")
+                if conn.recv(16).startswith(b"+PONG"):
+                    return server
+        except OSError:
+            pass
+        if process.poll() is not None or time.monotonic() > deadline:
+            server.stop()
+            raise RuntimeError(f"redis-server did not start: {process.stderr.read()}")
+        time.sleep(0.02)
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = start_redis(tmp_path_factory.mktemp("redis"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=["memory", "redis"])
+def default_store(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs a test once per store: with ``redis``, every ``BrokerService`` the test builds
+    without a store gets a fresh :class:`~broker.redis_store.RedisStateStore` instead of the
+    in-memory default. Use it with ``pytestmark = pytest.mark.usefixtures("default_store")``."""
+    if request.param == "redis":
+        import broker.service
+
+        server: RedisServer = request.getfixturevalue("redis_server")
+        monkeypatch.setattr(broker.service, "InMemoryStateStore", server.store)
+    return request.param

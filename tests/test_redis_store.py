@@ -1,0 +1,295 @@
+"""RedisStateStore against a real private ``redis-server``: durability across store objects
+and server restarts, server-side TTLs, the release cursor, due-transfer redelivery, two
+replicas racing (claims and reports) through ``transact``, cross-replica release
+notifications, and ``pdbroker serve --store``. The service's own rules run against Redis in
+test_service.py and test_server.py (the ``default_store`` parametrization)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import queue
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import grpc
+import numpy as np
+import pytest
+from broker_helpers import FakeClock, hybrid, register_engine, register_request
+from conftest import RedisServer, start_redis
+
+from broker.api import PlanQuery, Publication, Report
+from broker.errors import NotFoundError
+from broker.records import ReleaseEvent, ReleaseReason, ReportStatus, Role, TransferRecord
+from broker.redis_store import REDELIVER_MS, RedisStateStore
+from broker.scenarios import Scenario, build_scenario
+from broker.service import BrokerService, ServiceConfig
+from broker.v1 import broker_pb2 as pb
+from broker.v1 import broker_pb2_grpc as pb_grpc
+
+CONFIG = ServiceConfig(default_ttl_ms=5_000, lease_ttl_ms=60_000, retention_ms=10_000)
+
+
+def fleet(store: RedisStateStore, p_tp: int, d_tp: int, clock: FakeClock) -> tuple[BrokerService, Scenario]:
+    """A service on ``store`` with engines P (prefill) and D (decode) registered and transfer
+    ``t1`` published."""
+    service = BrokerService(store, clock, CONFIG)
+    sc = build_scenario(hybrid(), p_tp, d_tp, 100)
+    register_engine(service, sc.prefill, "P", Role.PREFILL, 0)
+    register_engine(service, sc.decode, "D", Role.DECODE, 1)
+    service.publish(Publication("t1", "P", sc.request.prefill_block_ids, sc.request.num_tokens))
+    return service, sc
+
+
+def query(sc: Scenario, d: int) -> PlanQuery:
+    return PlanQuery("t1", "D", d, sc.request.decode_block_ids)
+
+
+def done(plan_id: str, d: int) -> Report:
+    return Report(plan_id, "D", d, ReportStatus.DONE, 0, 10)
+
+
+def plain(t: TransferRecord) -> tuple:
+    """A transfer as comparable values (plans hold numpy columns)."""
+    plans = {
+        d: (p.plan_id, p.block_ids, p.handed_out, p.status, p.intact, p.rank_plan.naive_bytes,
+            [(s.prefill_rank, np.stack([s.region, s.local_offset, s.remote_offset, s.length]).tolist())
+             for s in p.rank_plan.sources])
+        for d, p in t.plans.items()
+    }
+    fields = {k: v for k, v in vars(t).items() if k != "plans"}
+    return fields, plans
+
+
+def events(store: RedisStateStore, key: tuple[str, int], after: int = 0) -> list[tuple[str, ReleaseReason]]:
+    return [(e.transfer_id, e.reason) for e in store.releases_after(key, after)]
+
+
+def twin(store: RedisStateStore) -> RedisStateStore:
+    """A second store object on the same server and prefix: another broker replica."""
+    return RedisStateStore(type(store.client)(connection_pool=type(store.client.connection_pool)(
+        **store.client.connection_pool.connection_kwargs)), store.prefix)
+
+
+def interleave(store: RedisStateStore, method: str, other: Callable[[], object]) -> list[object]:
+    """Make ``store``'s next call of ``method`` run ``other`` (another replica's operation)
+    right after it read, once; returns where ``other``'s result will be."""
+    original = getattr(store, method)
+    results: list[object] = []
+
+    def hooked(*args: object) -> object:
+        value = original(*args)
+        if not results:
+            results.append(other())
+        return value
+
+    setattr(store, method, hooked)
+    return results
+
+
+# --------------------------------------------------------------------------- durability
+
+
+def test_records_survive_a_new_store_object_and_a_server_restart(tmp_path) -> None:
+    server = start_redis(tmp_path)
+    try:
+        clock = FakeClock()
+        store = RedisStateStore.from_url(server.url, "durable:")
+        service, sc = fleet(store, 2, 2, clock)
+        plans = [service.get_plan(query(sc, d)) for d in range(2)]
+        service.report(done(plans[0].plan_id, 0))
+        before = (store.ranks(), plain(store.get_transfer("t1")), events(store, ("P", 0)))
+        assert before[2] == [("t1", ReleaseReason.COMPLETED)]
+
+        server.stop()
+        server = start_redis(tmp_path, server.port)
+        again = RedisStateStore.from_url(server.url, "durable:")
+        assert (again.ranks(), plain(again.get_transfer("t1")), events(again, ("P", 0))) == before
+        assert again.transfer_of_plan(plans[1].plan_id) == "t1"
+        assert again.rank_by_lease(before[0][0].lease_id) == before[0][0]
+        # A new broker on the restarted server finishes what the first one started.
+        restarted = BrokerService(again, clock, CONFIG)
+        outcome = restarted.report(done(plans[1].plan_id, 1))
+        assert outcome.intact and outcome.state.value == "completed"
+        assert events(again, ("P", 1)) == [("t1", ReleaseReason.COMPLETED)]
+        assert again.next_counter("generation") == 5  # four registrations before the restart
+    finally:
+        server.stop()
+
+
+def test_every_field_round_trips(redis_server: RedisServer) -> None:
+    """Transfers, plans and release events keep every field, including fields that are empty
+    in the service tests (a field added to a record must survive Redis too)."""
+    store = redis_server.store()
+    service, sc = fleet(store, 2, 1, FakeClock())
+    plan = service.get_plan(query(sc, 0))
+    service.report(Report(plan.plan_id, "D", 0, ReportStatus.FAILED, 0, 10, "boom"))
+    record = store.get_transfer("t1")
+    assert record.finished_at_ms is not None and record.released and record.timeline
+    for obj in (record, *record.plans.values()):
+        for f in dataclasses.fields(obj):
+            if getattr(obj, f.name) in ("", 0, False) and f.name not in ("decode_rank", "bytes_moved"):
+                setattr(obj, f.name, "set" if f.type == "str" else 7)
+    store.put_transfer(record)
+    assert plain(twin(store).get_transfer("t1")) == plain(record)
+    event = ReleaseEvent(0, "t", ((1, 2), (3,)), ReleaseReason.CONSUMER_FAILED, "why", 5)
+    event = dataclasses.replace(event, **{f.name: "set" for f in dataclasses.fields(event)
+                                          if getattr(event, f.name) == ""})
+    store.append_release(("P", 9), event)
+    (back,) = twin(store).releases_after(("P", 9), 0)
+    assert dataclasses.replace(back, sequence=0) == event
+
+
+def test_server_side_ttls_forget_what_nobody_renews(redis_server: RedisServer) -> None:
+    store = redis_server.store(rank_ttl_ms=400, transfer_ttl_ms=400)
+    service, sc = fleet(store, 1, 1, FakeClock())
+    service.get_plan(query(sc, 0))
+    lease = store.get_rank(("P", 0)).lease_id
+    for _ in range(3):  # keep-alives of P renew its keys; D's and the transfer's lapse
+        time.sleep(0.2)
+        service.keep_alive(lease)
+    assert store.get_rank(("P", 0)) is not None and store.rank_by_lease(lease) is not None
+    assert store.get_rank(("D", 0)) is None and store.engine_ranks("D") == []
+    assert store.get_transfer("t1") is None and list(store.transfers()) == []
+    assert [r.registration.key for r in store.ranks()] == [("P", 0)]
+    assert store.client.smembers(store._key("ranks")) == {b"0:P"}  # index entry cleaned
+    assert store.count_transfers() == 0
+    assert store.due_transfers(2**62) == []
+    time.sleep(0.5)
+    assert store.ranks() == [] and store.rank_by_lease(lease) is None
+
+
+def test_release_cursor_resumes_from_another_store(redis_server: RedisServer) -> None:
+    store = redis_server.store()
+    key = ("P", 0)
+    for i in range(5):
+        store.append_release(key, ReleaseEvent(0, f"t{i}", ((i,),), ReleaseReason.COMPLETED, "", i))
+    sequences = [e.sequence for e in store.releases_after(key, 0)]
+    assert sequences == sorted(set(sequences)) and len(sequences) == 5
+    store.mark_delivered(key, sequences[2])
+    store.mark_delivered(key, sequences[0])  # the cursor never goes back
+    store.trim_releases(key, 1)
+    other = twin(store)
+    assert other.delivered(key) == sequences[2]
+    assert [e.transfer_id for e in other.releases_after(key, 0)] == ["t2", "t3", "t4"]
+    assert [e.transfer_id for e in other.releases_after(key, sequences[2])] == ["t3", "t4"]
+    other.append_release(key, ReleaseEvent(0, "t5", ((5,),), ReleaseReason.EXPIRED, "ttl", 9))
+    assert store.releases_after(key, sequences[4])[0].sequence > sequences[4]
+    store.drop_releases(key)
+    assert other.releases_after(key, 0) == [] and other.delivered(key) == 0
+
+
+def test_due_transfers_come_once_and_again_if_never_put_back(redis_server: RedisServer) -> None:
+    store = redis_server.store()
+    service, _ = fleet(store, 1, 1, FakeClock())
+    deadline = store.get_transfer("t1").deadline_ms
+    assert store.due_transfers(deadline - 1) == []
+    assert [t.transfer_id for t in store.due_transfers(deadline)] == ["t1"]
+    assert store.due_transfers(deadline) == []  # another replica's reaper gets nothing
+    # A reaper that took it and died: it comes back once REDELIVER_MS passed.
+    assert [t.transfer_id for t in store.due_transfers(deadline + REDELIVER_MS)] == ["t1"]
+    service.clock.advance(CONFIG.default_ttl_ms + 2 * REDELIVER_MS)
+    service.reap()  # expires it: put back with the retention deadline
+    assert store.get_transfer("t1").state.value == "expired"
+    assert store.due_transfers(service.clock.now + REDELIVER_MS) == []
+
+
+# --------------------------------------------------------------------------- replicas
+
+
+@pytest.mark.parametrize("atomic", [True, False], ids=["transact", "plain-get-put"])
+def test_two_replicas_claiming_at_once(redis_server: RedisServer, atomic: bool) -> None:
+    """Replica B claims the transfer while replica A's claim is between read and write.
+    Through ``transact`` A retries and hands out B's plans; with plain get → put, A's claim
+    overwrites B's and the plan B handed out is lost."""
+    clock = FakeClock()
+    store_a = redis_server.store()
+    service_a, sc = fleet(store_a, 1, 2, clock)
+    store_b = twin(store_a)
+    service_b = BrokerService(store_b, clock, CONFIG)
+
+    def run(store: RedisStateStore, op: Callable[[], object]) -> object:
+        return store.transact(op) if atomic else op()
+
+    from_b = interleave(store_a, "engine_ranks", lambda: run(store_b, lambda: service_b.get_plan(query(sc, 1))))
+    plan_a = run(store_a, lambda: service_a.get_plan(query(sc, 0)))
+    plan_b = from_b[0]
+    if atomic:
+        assert plan_a.plan_id.rsplit("-", 1)[0] == plan_b.plan_id.rsplit("-", 1)[0]  # one claim
+        for d, plan in enumerate((plan_a, plan_b)):
+            store_b.transact(lambda d=d, plan=plan: service_b.report(done(plan.plan_id, d)))
+        assert events(store_a, ("P", 0)) == [("t1", ReleaseReason.COMPLETED)]
+    else:
+        assert plan_a.plan_id.rsplit("-", 1)[0] != plan_b.plan_id.rsplit("-", 1)[0]
+        with pytest.raises(NotFoundError):
+            service_b.report(done(plan_b.plan_id, 1))
+
+
+def test_two_replicas_counting_reports_at_once_release_each_rank_once(redis_server: RedisServer) -> None:
+    clock = FakeClock()
+    store_a = redis_server.store()
+    service_a, sc = fleet(store_a, 2, 2, clock)
+    plans = [store_a.transact(lambda d=d: service_a.get_plan(query(sc, d))) for d in range(2)]
+    store_b = twin(store_a)
+    service_b = BrokerService(store_b, clock, CONFIG)
+    from_b = interleave(
+        store_a, "transfer_of_plan",
+        lambda: store_b.transact(lambda: service_b.report(done(plans[1].plan_id, 1))),
+    )
+    outcome_a = store_a.transact(lambda: service_a.report(done(plans[0].plan_id, 0)))
+    assert from_b[0].intact and outcome_a.intact and outcome_a.state.value == "completed"
+    assert [events(store_b, ("P", p)) for p in range(2)] == [[("t1", ReleaseReason.COMPLETED)]] * 2
+    # Both replicas abort at once: the transfer is already finished, nothing is released again.
+    store_a.transact(lambda: service_a.abort("t1", "late"))
+    store_b.transact(lambda: service_b.abort("t1", "late"))
+    assert [len(store_a.releases_after(("P", p), 0)) for p in range(2)] == [1, 1]
+
+
+def test_releases_wake_watchers_on_other_replicas(redis_server: RedisServer) -> None:
+    store = redis_server.store()
+    woken: queue.Queue = queue.Queue()
+    stop = twin(store).subscribe_releases(woken.put)
+    try:
+        time.sleep(0.1)  # the subscription is in place
+        store.append_release(("P", 3), ReleaseEvent(0, "t", ((1,),), ReleaseReason.ABORTED, "", 0))
+        assert woken.get(timeout=5) == ("P", 3)
+        store.drop_releases(("engine:with:colons", 0))
+        assert woken.get(timeout=5) == ("engine:with:colons", 0)
+    finally:
+        stop()
+
+
+# --------------------------------------------------------------------------- pdbroker serve
+
+
+def serve(*flags: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "broker.cli", "serve", "--listen", "127.0.0.1:0", *flags],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ | {"PDBROKER_STORE": "memory"},
+    )
+
+
+def test_serve_replicas_on_one_redis_share_registrations(redis_server: RedisServer) -> None:
+    replicas = [serve("--store", redis_server.url) for _ in range(2)]
+    try:
+        addresses = [p.stdout.readline().rsplit(" ", 1)[-1].strip() for p in replicas]
+        layout = build_scenario(hybrid(), 1, 1, 100).prefill
+        with grpc.insecure_channel(addresses[0]) as one, grpc.insecure_channel(addresses[1]) as two:
+            pb_grpc.BrokerStub(one).RegisterRank(register_request(layout, "P", pb.ROLE_PREFILL, 0), timeout=10)
+            engines = pb_grpc.BrokerStub(two).ListEngines(pb.ListEnginesRequest(), timeout=10)
+        assert [e.engine_id for e in engines.engines] == ["P"]
+    finally:
+        for p in replicas:
+            p.terminate()
+            assert p.wait(10) == 0
+    assert [r.registration.key for r in RedisStateStore.from_url(redis_server.url).ranks()] == [("P", 0)]
+
+
+def test_serve_refuses_unknown_or_unreachable_stores(redis_server: RedisServer) -> None:
+    bad = serve("--store", "mysql://db/0")
+    assert bad.wait(10) != 0 and "neither memory nor redis://" in bad.stderr.read()
+    closed = redis_server.url.rsplit(":", 1)[0] + ":1/0"
+    down = serve("--store", closed)
+    assert down.wait(30) != 0 and "cannot reach the Redis store" in down.stderr.read()
