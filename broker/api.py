@@ -10,7 +10,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from broker.records import BlockIds, MemoryKind, RankRecord, ReportStatus, Role, TransferState
+from broker.records import (
+    BlockIds,
+    MemoryKind,
+    RankRecord,
+    ReportStatus,
+    Role,
+    TransferRecord,
+    TransferState,
+)
 
 
 @dataclass(frozen=True)
@@ -26,7 +34,8 @@ class Lease:
 @dataclass(frozen=True)
 class Publication:
     """A prefill engine offers ``block_ids`` (per group) holding ``num_tokens`` tokens;
-    ``ttl_ms`` 0 means the broker's default; empty ``allowed_decode_engines``: any."""
+    ``ttl_ms`` 0 means the broker's default; empty ``allowed_decode_engines``: any;
+    ``traceparent``: the publisher's W3C trace context, kept with the transfer."""
 
     transfer_id: str
     engine_id: str
@@ -34,6 +43,7 @@ class Publication:
     num_tokens: int
     ttl_ms: int = 0
     allowed_decode_engines: frozenset[str] = frozenset()
+    traceparent: str = ""
 
 
 @dataclass(frozen=True)
@@ -70,13 +80,15 @@ class SourceDescriptors:
 @dataclass(frozen=True)
 class PlanResult:
     """One decode rank's plan; ``naive_bytes`` and ``vllm_descriptors`` are what copying
-    whole padded pages and vLLM 0.33's per-block scheme would cost."""
+    whole padded pages and vLLM 0.33's per-block scheme would cost; ``traceparent`` the
+    W3C trace context decode's read and report spans descend from."""
 
     plan_id: str
     sources: tuple[SourceDescriptors, ...]
     naive_bytes: int
     vllm_descriptors: int
     expires_at_ms: int
+    traceparent: str = ""
 
     @property
     def total_bytes(self) -> int:
@@ -123,3 +135,14 @@ class EngineView:
     @property
     def complete(self) -> bool:
         return len(self.ranks) == self.tp_size
+
+
+@dataclass(frozen=True)
+class TransferListing:
+    """The transfers the broker holds at ``now_ms``: ``counts`` of all of them by state, and
+    ``transfers``: unfinished ones oldest first, then (if asked for) finished ones most recent
+    first, cut at the requested limit."""
+
+    now_ms: int
+    counts: dict[TransferState, int]
+    transfers: tuple[TransferRecord, ...]

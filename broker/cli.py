@@ -16,6 +16,7 @@ COMMAND_MODULES = (
     "broker.commands.layout",
     "broker.commands.serve",
     "broker.commands.demo",
+    "broker.commands.status",
 )
 
 

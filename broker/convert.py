@@ -11,7 +11,15 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 
-from broker.api import EngineView, Lease, PlanQuery, PlanResult, Publication, Report
+from broker.api import (
+    EngineView,
+    Lease,
+    PlanQuery,
+    PlanResult,
+    Publication,
+    Report,
+    TransferListing,
+)
 from broker.descriptors import pack
 from broker.errors import InvalidFieldError, LayoutError, LimitExceededError
 from broker.layout import GroupKind, GroupLayout, RankLayout, Segment
@@ -285,7 +293,8 @@ def engines_to_proto(views: Iterable[EngineView]) -> pb.ListEnginesResponse:
 # --------------------------------------------------------------------------- transfers
 
 
-def publication_from_proto(msg: pb.PublishBlocksRequest) -> Publication:
+def publication_from_proto(msg: pb.PublishBlocksRequest, traceparent: str = "") -> Publication:
+    """``traceparent``: the publisher's W3C trace context (from the call's metadata)."""
     transfer_id = _ident(msg.transfer_id, "transfer_id")
     engine_id = _ident(msg.engine_id, "engine_id")
     if msg.num_tokens == 0:
@@ -301,6 +310,7 @@ def publication_from_proto(msg: pb.PublishBlocksRequest) -> Publication:
         msg.num_tokens,
         msg.ttl_ms,
         allowed,
+        traceparent,
     )
 
 
@@ -337,6 +347,7 @@ def plan_to_proto(plan: PlanResult) -> pb.GetTransferPlanResponse:
         naive_bytes=plan.naive_bytes,
         vllm_descriptors=plan.vllm_descriptors,
         expires_at_ms=plan.expires_at_ms,
+        traceparent=plan.traceparent,
     )
 
 
@@ -364,10 +375,12 @@ def release_to_proto(event: ReleaseEvent) -> pb.ReleaseEvent:
         reason=_REASON_TO_PB[event.reason],
         detail=event.detail,
         released_at_ms=event.released_at_ms,
+        traceparent=event.traceparent,
     )
 
 
-def transfer_to_proto(t: TransferRecord) -> pb.GetTransferResponse:
+def transfer_to_proto(t: TransferRecord, now_ms: int) -> pb.GetTransferResponse:
+    """``now_ms``: the broker's clock when answering."""
     return pb.GetTransferResponse(
         transfer_id=t.transfer_id,
         state=_STATE_TO_PB[t.state],
@@ -405,5 +418,34 @@ def transfer_to_proto(t: TransferRecord) -> pb.GetTransferResponse:
         ],
         timeline=[
             pb.TimelineEvent(at_ms=e.at_ms, event=e.event, detail=e.detail) for e in t.timeline
+        ],
+        traceparent=t.traceparent,
+        now_ms=now_ms,
+    )
+
+
+def listing_to_proto(listing: TransferListing) -> pb.ListTransfersResponse:
+    return pb.ListTransfersResponse(
+        now_ms=listing.now_ms,
+        counts=[
+            pb.TransferStateCount(state=_STATE_TO_PB[state], count=listing.counts[state])
+            for state in TransferState
+            if listing.counts.get(state)
+        ],
+        transfers=[
+            pb.TransferSummary(
+                transfer_id=t.transfer_id,
+                state=_STATE_TO_PB[t.state],
+                prefill_engine_id=t.prefill_engine_id,
+                decode_engine_id=t.decode_engine_id,
+                num_tokens=t.num_tokens,
+                published_at_ms=t.published_at_ms,
+                expires_at_ms=t.expires_at_ms,
+                finished_at_ms=t.finished_at_ms or 0,
+                plans=len(t.plans),
+                plans_reported=sum(p.status is not None for p in t.plans.values()),
+                traceparent=t.traceparent,
+            )
+            for t in listing.transfers
         ],
     )

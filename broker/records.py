@@ -182,6 +182,9 @@ class TransferRecord:
     released: dict[int, ReleaseReason] = field(default_factory=dict)
     finished_at_ms: int | None = None
     timeline: list[TimelineEntry] = field(default_factory=list)
+    #: W3C traceparent of the transfer's trace: the publisher's, else the broker's publish
+    #: span; '' when nobody traces. Spans about the transfer anywhere descend from it.
+    traceparent: str = ""
 
 
 @dataclass(frozen=True)
@@ -195,3 +198,5 @@ class ReleaseEvent:
     reason: ReleaseReason
     detail: str
     released_at_ms: int
+    #: W3C traceparent the prefill rank's free span descends from ('' when nobody traces).
+    traceparent: str = ""

@@ -4,6 +4,12 @@ Servicer methods only translate protobuf ⇄ domain (:mod:`broker.convert`), cal
 :class:`~broker.service.BrokerService` and map its typed errors to status codes; the message
 of every error starts with the offending field's path. A background task reaps expired
 leases and transfers. Any bad input fails that one call; the server keeps serving.
+
+Trace context: ``PublishBlocks`` keeps the ``traceparent`` its caller sent in metadata with
+the transfer (tracing on or off here, so engines that trace get one trace per transfer through
+a broker that does not). When this process records spans, :class:`TraceContextInterceptor`
+also makes each caller's context current for its unary handler, so broker spans descend from
+the client spans that caused them.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from broker import convert
+from broker import convert, tracing
 from broker.errors import (
     AlreadyExistsError,
     IncompatibleLayoutsError,
@@ -68,6 +74,32 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> NoReturn:
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
 
 
+class TraceContextInterceptor(grpc.aio.ServerInterceptor):
+    """Runs each unary handler inside the trace context its caller sent in metadata
+    (handlers of callers that sent none, and streams, run unchanged)."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.unary_unary is None:
+            return handler
+        ctx = tracing.context_from_metadata(handler_call_details.invocation_metadata)
+        if ctx is None:
+            return handler
+        inner = handler.unary_unary
+
+        async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            with tracing.attached(ctx):
+                return await inner(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(
+            unary_unary, handler.request_deserializer, handler.response_serializer
+        )
+
+
 def _unary(
     method: Callable[[Any, Req], Resp],
 ) -> Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]:
@@ -110,9 +142,14 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         self.service.deregister(request.lease_id)
         return pb.DeregisterResponse()
 
-    @_unary
-    def PublishBlocks(self, request: pb.PublishBlocksRequest) -> pb.PublishBlocksResponse:
-        expires = self.service.publish(convert.publication_from_proto(request))
+    async def PublishBlocks(
+        self, request: pb.PublishBlocksRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PublishBlocksResponse:
+        traceparent = tracing.traceparent_from_metadata(context.invocation_metadata())
+        try:
+            expires = self.service.publish(convert.publication_from_proto(request, traceparent))
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a status
+            await _abort(context, exc)
         return pb.PublishBlocksResponse(expires_at_ms=expires)
 
     @_unary
@@ -139,7 +176,14 @@ class BrokerServicer(pb_grpc.BrokerServicer):
 
     @_unary
     def GetTransfer(self, request: pb.GetTransferRequest) -> pb.GetTransferResponse:
-        return convert.transfer_to_proto(self.service.get_transfer(request.transfer_id))
+        transfer = self.service.get_transfer(request.transfer_id)
+        return convert.transfer_to_proto(transfer, self.service.clock.now_ms())
+
+    @_unary
+    def ListTransfers(self, request: pb.ListTransfersRequest) -> pb.ListTransfersResponse:
+        return convert.listing_to_proto(
+            self.service.list_transfers(request.include_finished, request.limit)
+        )
 
     async def WatchReleases(
         self, request: pb.WatchReleasesRequest, context: grpc.aio.ServicerContext
@@ -195,12 +239,15 @@ class BrokerServer:
         return f"{self.listen.rsplit(':', 1)[0]}:{self.port}"
 
     async def start(self) -> None:
+        """Bind and serve; with tracing on (:func:`broker.tracing.enabled`) handlers run in
+        their callers' trace context."""
         server = grpc.aio.server(
+            interceptors=[TraceContextInterceptor()] if tracing.enabled() else None,
             options=[
                 ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),
                 ("grpc.max_send_message_length", -1),
                 ("grpc.so_reuseport", 0),
-            ]
+            ],
         )
         pb_grpc.add_BrokerServicer_to_server(BrokerServicer(self.service), server)
         self._health = health.aio.HealthServicer()

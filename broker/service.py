@@ -18,19 +18,28 @@ from it reported DONE. When the transfer ends otherwise, every rank not yet rele
 released at once (CONSUMER_FAILED if one of its readers failed, else the transfer's reason);
 a decode rank that reports DONE after a source was released learns ``intact=False``.
 
+Observability: every timeline entry of a transfer is also a log line carrying its transfer
+and trace ids (DEBUG, WARNING when it fails, expires or is aborted); spans ``broker.publish``,
+``broker.plan``, ``broker.report``, ``broker.abort`` and ``broker.release`` join the
+transfer's trace (:mod:`broker.tracing`); a :class:`~broker.observer.ServiceObserver` (the
+metrics) hears of registrations, publications, plans, releases and final states.
+
 Not thread-safe: call it from one thread (the gRPC server's event loop).
 """
 
 from __future__ import annotations
 
+import logging
 import secrets
-from collections import OrderedDict
+import time
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import chain
 
 import numpy as np
 
+from broker import tracing
 from broker.api import (
     EngineView,
     Lease,
@@ -40,6 +49,7 @@ from broker.api import (
     Report,
     ReportOutcome,
     SourceDescriptors,
+    TransferListing,
 )
 from broker.clock import Clock, SystemClock
 from broker.descriptors import absolute_descriptors
@@ -55,6 +65,8 @@ from broker.errors import (
     RequestError,
 )
 from broker.layout import EngineLayout
+from broker.logs import transfer_fields
+from broker.observer import ServiceObserver
 from broker.planner import PairPlanner, RankPlan, TransferRequest
 from broker.records import (
     BlockIds,
@@ -71,6 +83,13 @@ from broker.records import (
     TransferState,
 )
 from broker.state import InMemoryStateStore, StateStore
+
+log = logging.getLogger(__name__)
+LEASE_EXPIRED = "lease expired"
+#: Timeline events logged at WARNING (the others at DEBUG).
+_PROBLEMS = frozenset(
+    s.value for s in (TransferState.FAILED, TransferState.EXPIRED, TransferState.ABORTED)
+)
 
 
 @dataclass(frozen=True)
@@ -99,10 +118,12 @@ class BrokerService:
         store: StateStore | None = None,
         clock: Clock | None = None,
         config: ServiceConfig | None = None,
+        observer: ServiceObserver | None = None,
     ) -> None:
         self.store = store if store is not None else InMemoryStateStore()
         self.clock = clock if clock is not None else SystemClock()
         self.config = config if config is not None else ServiceConfig()
+        self.observer = observer if observer is not None else ServiceObserver()
         self._layouts: dict[tuple[str, int], EngineLayout] = {}
         self._planners: OrderedDict[tuple[str, int, str, int], PairPlanner] = OrderedDict()
         self._listeners: list[Callable[[RankKey], None]] = []
@@ -156,6 +177,7 @@ class BrokerService:
             self.store.next_counter("generation"),
         )
         self.store.put_rank(record)
+        self.observer.rank_registered(reg.role)
         return Lease(
             record.lease_id,
             self.config.lease_ttl_ms,
@@ -168,7 +190,7 @@ class BrokerService:
         now = self.clock.now_ms()
         record = self._lease(lease_id)
         if record.lease_expires_at_ms <= now:
-            self._remove_rank(record, "lease expired")
+            self._remove_rank(record, LEASE_EXPIRED)
             raise NotFoundError("lease_id", "lease expired; register again")
         record.lease_expires_at_ms = now + self.config.lease_ttl_ms
         self.store.put_rank(record)
@@ -201,6 +223,14 @@ class BrokerService:
 
     def publish(self, pub: Publication) -> int:
         """Accept a prefill engine's blocks; returns the expiry instant (ms since epoch)."""
+        with tracing.span(
+            "broker.publish",
+            pub.traceparent,
+            {"pdbroker.transfer_id": pub.transfer_id, "pdbroker.prefill_engine": pub.engine_id},
+        ) as span:
+            return self._publish(pub, pub.traceparent or tracing.span_traceparent(span))
+
+    def _publish(self, pub: Publication, traceparent: str) -> int:
         now = self.clock.now_ms()
         if self.store.get_transfer(pub.transfer_id) is not None:
             raise AlreadyExistsError(
@@ -230,20 +260,49 @@ class BrokerService:
             now,
             now + ttl,
             now + ttl,
+            traceparent=traceparent,
         )
-        record.timeline.append(
-            TimelineEntry(
-                now, "published", f"by {pub.engine_id}, {pub.num_tokens} tokens, ttl {ttl} ms"
-            )
+        self._record(
+            record, now, "published", f"by {pub.engine_id}, {pub.num_tokens} tokens, ttl {ttl} ms"
         )
         self.store.put_transfer(record)
+        self.observer.transfer_published()
         return record.expires_at_ms
 
     def get_plan(self, query: PlanQuery) -> PlanResult:
         """The decode rank's reads. The first call for a transfer claims it for the decode
         engine and plans every decode rank, which fixes each prefill rank's consumers."""
+        started = time.perf_counter()
         now = self.clock.now_ms()
         transfer = self._transfer(query.transfer_id, now)
+        with tracing.span(
+            "broker.plan",
+            transfer.traceparent,
+            {
+                "pdbroker.transfer_id": transfer.transfer_id,
+                "pdbroker.decode_rank": query.tp_rank,
+            },
+        ) as span:
+            traceparent = tracing.span_traceparent(span) or transfer.traceparent
+            result, cache_hit, first = self._get_plan(transfer, query, now, traceparent)
+            if span is not None:
+                span.set_attributes(
+                    {
+                        "pdbroker.source_ranks": [s.prefill_rank for s in result.sources],
+                        "pdbroker.descriptors": result.num_descriptors,
+                        "pdbroker.bytes": result.total_bytes,
+                        "pdbroker.cache_hit": cache_hit,
+                    }
+                )
+        if first:
+            self.observer.plan_handed_out(time.perf_counter() - started, result, cache_hit)
+        return result
+
+    def _get_plan(
+        self, transfer: TransferRecord, query: PlanQuery, now: int, traceparent: str
+    ) -> tuple[PlanResult, bool, bool]:
+        """The plan, whether the pair's planner was cached, whether this is its first
+        hand-out."""
         if transfer.state.terminal:
             raise PreconditionError(
                 "transfer_id",
@@ -275,7 +334,7 @@ class BrokerService:
             raise PreconditionError(
                 "transfer_id", "the prefill engine re-registered since publishing"
             )
-        planner = self._planner(
+        planner, cache_hit = self._planner(
             transfer.prefill_engine_id,
             p_generation,
             p_layout,
@@ -294,19 +353,21 @@ class BrokerService:
                     f"{plan.plan_id} for other block ids",
                 )
             self._replan(transfer, plan, planner, query.block_ids)
-        result = self._plan_result(transfer, plan, p_ranks, d_ranks[query.tp_rank], query)
-        if not plan.handed_out:
+        result = self._plan_result(
+            transfer, plan, p_ranks, d_ranks[query.tp_rank], query, traceparent
+        )
+        first = not plan.handed_out
+        if first:
             plan.handed_out = True
-            transfer.timeline.append(
-                TimelineEntry(
-                    now,
-                    "planned",
-                    f"decode rank {plan.decode_rank}: {result.num_descriptors} "
-                    f"descriptors, {result.total_bytes} bytes",
-                )
+            self._record(
+                transfer,
+                now,
+                "planned",
+                f"decode rank {plan.decode_rank}: {result.num_descriptors} "
+                f"descriptors, {result.total_bytes} bytes",
             )
         self.store.put_transfer(transfer)
-        return result
+        return result, cache_hit, first
 
     def report(self, report: Report) -> ReportOutcome:
         """Record a decode rank's outcome (the first report of a plan wins) and release the
@@ -321,6 +382,25 @@ class BrokerService:
         )
         if transfer is None or plan is None or not plan.handed_out:
             raise NotFoundError("plan_id", f"no plan {report.plan_id!r}")
+        with tracing.span(
+            "broker.report",
+            transfer.traceparent,
+            {
+                "pdbroker.transfer_id": transfer.transfer_id,
+                "pdbroker.decode_rank": plan.decode_rank,
+                "pdbroker.status": report.status.value,
+            },
+        ) as span:
+            outcome = self._report(transfer, plan, report, now)
+            if span is not None:
+                span.set_attributes(
+                    {"pdbroker.duplicate": outcome.duplicate, "pdbroker.intact": outcome.intact}
+                )
+        return outcome
+
+    def _report(
+        self, transfer: TransferRecord, plan: PlanRecord, report: Report, now: int
+    ) -> ReportOutcome:
         if report.engine_id != transfer.decode_engine_id:
             raise RequestError(
                 "engine_id",
@@ -346,13 +426,12 @@ class BrokerService:
         plan.intact = report.status is ReportStatus.DONE and not any(
             p in transfer.released for p in plan.prefill_ranks
         )
-        transfer.timeline.append(
-            TimelineEntry(
-                now,
-                "reported",
-                f"decode rank {plan.decode_rank}: {report.status.value}"
-                + (f" ({report.error})" if report.error else ""),
-            )
+        self._record(
+            transfer,
+            now,
+            "reported",
+            f"decode rank {plan.decode_rank}: {report.status.value}"
+            + (f" ({report.error})" if report.error else ""),
         )
         if not transfer.state.terminal:
             if report.status is ReportStatus.FAILED:
@@ -373,14 +452,40 @@ class BrokerService:
         now = self.clock.now_ms()
         transfer = self._transfer(transfer_id, now)
         if not transfer.state.terminal:
-            self._finish(
-                transfer, TransferState.ABORTED, ReleaseReason.ABORTED, reason or "aborted", now
-            )
+            with tracing.span(
+                "broker.abort", transfer.traceparent, {"pdbroker.transfer_id": transfer_id}
+            ):
+                self._finish(
+                    transfer,
+                    TransferState.ABORTED,
+                    ReleaseReason.ABORTED,
+                    reason or "aborted",
+                    now,
+                )
             self.store.put_transfer(transfer)
         return transfer.state
 
     def get_transfer(self, transfer_id: str) -> TransferRecord:
         return self._transfer(transfer_id, self.clock.now_ms())
+
+    def list_transfers(self, include_finished: bool = False, limit: int = 0) -> TransferListing:
+        """Counts by state of every held transfer; unfinished transfers oldest first, then
+        with ``include_finished`` the finished ones most recent first; at most ``limit``
+        (0: all)."""
+        counts: Counter[TransferState] = Counter()
+        unfinished: list[TransferRecord] = []
+        finished: list[TransferRecord] = []
+        for transfer in self.store.transfers():
+            counts[transfer.state] += 1
+            (finished if transfer.state.terminal else unfinished).append(transfer)
+        unfinished.sort(key=lambda t: (t.published_at_ms, t.transfer_id))
+        listed = unfinished
+        if include_finished:
+            finished.sort(key=lambda t: (-(t.finished_at_ms or 0), t.transfer_id))
+            listed += finished
+        return TransferListing(
+            self.clock.now_ms(), dict(counts), tuple(listed[:limit] if limit else listed)
+        )
 
     # ------------------------------------------------------------------ releases
 
@@ -418,7 +523,7 @@ class BrokerService:
         now = self.clock.now_ms()
         for record in self.store.ranks():
             if record.lease_expires_at_ms <= now:
-                self._remove_rank(record, "lease expired")
+                self._remove_rank(record, LEASE_EXPIRED)
         for transfer in self.store.due_transfers(now):
             if transfer.state.terminal:
                 self.store.delete_transfer(transfer.transfer_id)
@@ -482,9 +587,11 @@ class BrokerService:
         d_engine: str,
         d_generation: int,
         d_layout: EngineLayout,
-    ) -> PairPlanner:
+    ) -> tuple[PairPlanner, bool]:
+        """The pair's cached planner, and whether it was cached."""
         key = (p_engine, p_generation, d_engine, d_generation)
         planner = self._planners.get(key)
+        cached = planner is not None
         if planner is None:
             try:
                 planner = PairPlanner(p_layout, d_layout)
@@ -504,7 +611,7 @@ class BrokerService:
                 self._planners.popitem(last=False)
         else:
             self._planners.move_to_end(key)
-        return planner
+        return planner, cached
 
     def _rank_plan(
         self, planner: PairPlanner, transfer: TransferRecord, decode_rank: int, block_ids: BlockIds
@@ -544,9 +651,7 @@ class BrokerService:
         transfer.decode_engine_id, transfer.decode_generation = query.engine_id, d_generation
         transfer.state = TransferState.IN_PROGRESS
         self._count_consumers(transfer)
-        transfer.timeline.append(
-            TimelineEntry(now, "claimed", f"by decode engine {query.engine_id}")
-        )
+        self._record(transfer, now, "claimed", f"by decode engine {query.engine_id}")
         self._settle(transfer, now)
 
     def _replan(
@@ -577,12 +682,13 @@ class BrokerService:
                 self._release(transfer, p, ReleaseReason.COMPLETED, "all readers done", now)
         if all(plan.status is ReportStatus.DONE for plan in transfer.plans.values()):
             self._finished(transfer, TransferState.COMPLETED, now)
-            transfer.timeline.append(TimelineEntry(now, "completed"))
+            self._record(transfer, now, "completed")
 
     def _finished(self, transfer: TransferRecord, state: TransferState, now: int) -> None:
         """Enter terminal ``state``; the reaper forgets the transfer after the retention."""
         transfer.state, transfer.finished_at_ms = state, now
         transfer.deadline_ms = now + self.config.retention_ms
+        self.observer.transfer_finished(state)
 
     def _expire_if_due(self, transfer: TransferRecord, now: int) -> bool:
         if transfer.state.terminal or now < transfer.expires_at_ms:
@@ -600,7 +706,7 @@ class BrokerService:
     ) -> None:
         """Enter a terminal state and release every prefill rank not yet released."""
         self._finished(transfer, state, now)
-        transfer.timeline.append(TimelineEntry(now, state.value, detail))
+        self._record(transfer, now, state.value, detail)
         for p in range(transfer.prefill_tp_size):
             if p in transfer.released:
                 continue
@@ -616,23 +722,32 @@ class BrokerService:
         """Mark prefill rank ``p`` released and queue its event, unless that rank is gone or
         re-registered since publishing (its blocks no longer exist)."""
         transfer.released[p] = reason
-        transfer.timeline.append(
-            TimelineEntry(now, "released", f"prefill rank {p}: {reason.value}")
-        )
+        self._record(transfer, now, "released", f"prefill rank {p}: {reason.value}")
         key = (transfer.prefill_engine_id, p)
         record = self.store.get_rank(key)
         if record is None or record.generation > transfer.prefill_generation:
             return
-        event = ReleaseEvent(
-            self.store.next_counter("release"),
-            transfer.transfer_id,
-            transfer.block_ids,
-            reason,
-            detail,
-            now,
-        )
-        self.store.append_release(key, event)
-        self._notify(key)
+        with tracing.span(
+            "broker.release",
+            transfer.traceparent,
+            {
+                "pdbroker.transfer_id": transfer.transfer_id,
+                "pdbroker.prefill_rank": p,
+                "pdbroker.reason": reason.value,
+            },
+        ) as span:
+            event = ReleaseEvent(
+                self.store.next_counter("release"),
+                transfer.transfer_id,
+                transfer.block_ids,
+                reason,
+                detail,
+                now,
+                tracing.span_traceparent(span) or transfer.traceparent,
+            )
+            self.store.append_release(key, event)
+            self._notify(key)
+        self.observer.rank_released(reason, (now - transfer.published_at_ms) / 1000)
 
     def _remove_rank(self, record: RankRecord, why: str) -> None:
         """Forget a rank and fail the unfinished transfers it takes part in."""
@@ -640,6 +755,7 @@ class BrokerService:
         key = record.registration.key
         engine_id, tp_rank = key
         self.store.delete_rank(key)
+        self.observer.rank_removed(record.registration.role, why == LEASE_EXPIRED)
         self.store.drop_releases(key)
         self.store.drop_contacts(key)
         for cached in [k for k in self._layouts if k[0] == engine_id]:
@@ -677,6 +793,20 @@ class BrokerService:
             self.store.put_transfer(transfer)
         self._notify(key)
 
+    def _record(self, transfer: TransferRecord, now: int, event: str, detail: str = "") -> None:
+        """Append to the transfer's timeline and log the entry with its transfer and trace
+        ids."""
+        transfer.timeline.append(TimelineEntry(now, event, detail))
+        level = logging.WARNING if event in _PROBLEMS else logging.DEBUG
+        if log.isEnabledFor(level):
+            log.log(
+                level,
+                "%s%s",
+                event,
+                f": {detail}" if detail else "",
+                extra=transfer_fields(transfer.transfer_id, transfer.traceparent),
+            )
+
     def _notify(self, key: RankKey) -> None:
         for listener in self._listeners:
             listener(key)
@@ -688,6 +818,7 @@ class BrokerService:
         p_ranks: list[RankRecord],
         d_rank: RankRecord,
         query: PlanQuery,
+        traceparent: str,
     ) -> PlanResult:
         d_reg = d_rank.registration
         sources = []
@@ -722,6 +853,7 @@ class BrokerService:
             plan.rank_plan.naive_bytes,
             plan.rank_plan.vllm_descriptors,
             transfer.expires_at_ms,
+            traceparent,
         )
 
 

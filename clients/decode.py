@@ -4,20 +4,30 @@ For each hosted rank :meth:`AsyncDecodeClient.fetch` runs ``GetTransferPlan``, l
 metadata of prefill agents it meets for the first time, posts one READ per source prefill rank
 (all sources at once), polls them to completion within the timeout and reports DONE or FAILED
 with the bytes moved and the read time. Hosted ranks fetch concurrently.
+
+Tracing: the plan carries a ``traceparent`` of the transfer's trace; each source's read is a
+span ``decode.nixl_read`` (bytes, descriptors; its status says whether it failed) and the
+report a span ``decode.report``, both its children, so decode joins the prefill's trace.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from opentelemetry.trace import Span
+
+from broker import tracing
 from broker.layout import EngineLayout
+from broker.logs import transfer_fields
 from broker.v1 import broker_pb2 as pb
 from clients.nixl_transport import DRAM, VRAM, Transfer, TransferError, descriptor_array, inside
 from clients.session import AsyncEngineClient, BlockingEngineClient, RankSession, call
 
+log = logging.getLogger(__name__)
 _KINDS = {pb.MEMORY_KIND_DRAM: DRAM, pb.MEMORY_KIND_VRAM: VRAM}
 
 
@@ -103,18 +113,27 @@ class AsyncDecodeClient(AsyncEngineClient):
             request.want_agent_metadata = True
             plan = await call(self.stub, "GetTransferPlan", request, self.call_timeout_s)
         planned = time.perf_counter()
+        fields = transfer_fields(transfer_id, plan.traceparent)
         error = ""
         try:
-            await self._read(session, plan, deadline)
+            await self._read(session, plan, transfer_id, deadline)
         except TransferError as exc:
             error = str(exc)
+            log.warning("rank %d: %s", session.tp_rank, error, extra=fields)
         read = time.perf_counter()
         reported_at = time.monotonic()
-        outcome = await call(self.stub, "ReportTransfer", pb.ReportTransferRequest(
-            plan_id=plan.plan_id, engine_id=self.engine_id, tp_rank=session.tp_rank,
-            status=pb.REPORT_STATUS_FAILED if error else pb.REPORT_STATUS_DONE,
-            bytes_moved=0 if error else plan.total_bytes,
-            duration_us=int((read - planned) * 1e6), error=error), self.call_timeout_s)
+        status = pb.REPORT_STATUS_FAILED if error else pb.REPORT_STATUS_DONE
+        with tracing.span("decode.report", plan.traceparent, {
+                "pdbroker.transfer_id": transfer_id, "pdbroker.decode_rank": session.tp_rank,
+                "pdbroker.status": "failed" if error else "done"}) as span:
+            outcome = await call(self.stub, "ReportTransfer", pb.ReportTransferRequest(
+                plan_id=plan.plan_id, engine_id=self.engine_id, tp_rank=session.tp_rank,
+                status=status, bytes_moved=0 if error else plan.total_bytes,
+                duration_us=int((read - planned) * 1e6), error=error), self.call_timeout_s)
+            if span is not None:
+                span.set_attribute("pdbroker.intact", outcome.intact)
+        log.debug("rank %d: read %d bytes in %.3f ms, reported %s", session.tp_rank,
+                  plan.total_bytes, (read - planned) * 1e3, pb.ReportStatus.Name(status), extra=fields)
         if error:
             raise TransferError(error)
         if not outcome.intact:
@@ -126,9 +145,12 @@ class AsyncDecodeClient(AsyncEngineClient):
                          time.perf_counter() - read, reported_at)
 
     @staticmethod
-    async def _read(session: RankSession, plan: pb.GetTransferPlanResponse, deadline: float) -> None:
-        """Post every source's READ, then wait for all; raises :class:`TransferError`."""
+    async def _read(session: RankSession, plan: pb.GetTransferPlanResponse, transfer_id: str,
+                    deadline: float) -> None:
+        """Post every source's READ, then wait for all; raises :class:`TransferError`. Each
+        read is a ``decode.nixl_read`` span, from posting to the end of its wait."""
         transfers: list[Transfer] = []
+        spans: dict[int, Span] = {}  # open read spans by source index
         try:
             for source in plan.sources:
                 if source.remote_agent_metadata:
@@ -137,6 +159,13 @@ class AsyncDecodeClient(AsyncEngineClient):
                 if not inside(local, session.regions):
                     raise TransferError(f"plan {plan.plan_id} writes outside rank "
                                         f"{session.tp_rank}'s registered regions")
+                span = tracing.start_span("decode.nixl_read", plan.traceparent, {
+                    "pdbroker.transfer_id": transfer_id, "pdbroker.decode_rank": session.tp_rank,
+                    "pdbroker.prefill_rank": source.prefill_rank,
+                    "pdbroker.bytes": source.total_bytes,
+                    "pdbroker.descriptors": source.num_descriptors})
+                if span is not None:
+                    spans[len(transfers)] = span
                 transfers.append(session.agent.read(
                     source.remote_agent_name, local, source.remote_descriptors,
                     _KINDS[source.local_memory_kind], _KINDS[source.remote_memory_kind],
@@ -144,8 +173,13 @@ class AsyncDecodeClient(AsyncEngineClient):
             if sum(t.nbytes for t in transfers) != plan.total_bytes:
                 raise TransferError(f"plan {plan.plan_id}'s descriptors do not add up to its "
                                     f"{plan.total_bytes} bytes")
-            for transfer in transfers:  # polling one progresses them all
+            for i, transfer in enumerate(transfers):  # polling one progresses them all
                 await transfer.wait_async(max(0.0, deadline - time.monotonic()))
+                tracing.end_span(spans.pop(i, None))
+        except BaseException as exc:
+            for span in spans.values():
+                tracing.end_span(span, str(exc) or type(exc).__name__)
+            raise
         finally:
             for transfer in transfers:
                 transfer.release()

@@ -14,6 +14,9 @@ process) only sends commands and collects measurements:
 
 Requests go round-robin over the pairs; each pair keeps up to ``inflight`` requests between
 publish and their last release, so prefill of one request overlaps decode of the previous.
+
+Every process traces when the ``OTEL_*`` environment asks for it (:mod:`broker.tracing`): the
+broker as ``pdbroker``, each engine process under its engine id (``prefill-0``, ...).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import random
+import shutil
 import subprocess
 import sys
 import threading
@@ -34,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from broker.layout import EngineLayout
 from broker.models import ModelSpec, build_engine_layout, hma_block_size
+from broker.tracing import configure_tracing
 
 if TYPE_CHECKING:
     from clients.decode import DecodeClient
@@ -185,7 +190,8 @@ class BlockPool:
 def engine_main(role: str, engine_id: str, layout: EngineLayout, peer: EngineLayout, target: str,
                 conn: Connection, seed: int) -> None:
     """One engine process (``role`` ``prefill`` or ``decode``); ``peer`` is the other side's
-    layout. Answers the coordinator's commands on ``conn`` until ``close``."""
+    layout. Answers the coordinator's commands on ``conn`` until ``close``; its spans (if
+    tracing is on) are exported before it says ``closed``."""
     lock = threading.Lock()
 
     def send(message: tuple) -> None:
@@ -193,11 +199,14 @@ def engine_main(role: str, engine_id: str, layout: EngineLayout, peer: EngineLay
             conn.send(message)
 
     try:
+        tracer_provider = configure_tracing(engine_id)
         engine = (_PrefillEngine if role == "prefill" else _DecodeEngine)(engine_id, layout, peer, seed, send)
         with engine.connect(target) as engine.client:
             send(("ready", engine_id))
             while (message := conn.recv())[0] != "close":
                 getattr(engine, message[0])(*message[1:])
+        if tracer_provider is not None:
+            tracer_provider.shutdown()
         send(("closed", engine_id, engine.notifications))
     except BaseException:  # noqa: BLE001 - the coordinator reports it
         send(("error", engine_id, traceback.format_exc()))
@@ -311,17 +320,27 @@ class _DecodeEngine(_Engine):
 
 
 class BrokerProcess:
-    """``pdbroker serve`` on an ephemeral loopback port."""
+    """``pdbroker serve`` on an ephemeral loopback port; ``flags`` are more ``serve`` options
+    (``--metrics-port 0`` sets :attr:`metrics_url`). What it prints after starting goes to
+    this process's stdout."""
 
-    def __init__(self) -> None:
+    def __init__(self, *flags: str) -> None:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "broker.cli", "serve", "--listen", "127.0.0.1:0",
-             "--log-level", "WARNING"], stdout=subprocess.PIPE, text=True)
-        line = self.process.stdout.readline() if self.process.stdout else ""
-        if "listening on" not in line:
+             "--log-level", "WARNING", *flags], stdout=subprocess.PIPE, text=True)
+        assert self.process.stdout is not None
+        self.address = self.metrics_url = ""
+        while not self.address and (line := self.process.stdout.readline()):
+            if "metrics on" in line:
+                self.metrics_url = line.rsplit(" ", 1)[1].strip()
+            elif "listening on" in line:
+                self.address = line.rsplit(" ", 1)[1].strip()
+        if not self.address:
             self.stop()
             raise RuntimeError(f"the broker did not start (exit code {self.process.poll()})")
-        self.address = line.rsplit(" ", 1)[1].strip()
+        # Keep its stdout flowing (a console span exporter writes there).
+        threading.Thread(target=shutil.copyfileobj, args=(self.process.stdout, sys.stdout),
+                         daemon=True).start()
 
     def list_engines(self) -> tuple[str, ...]:
         import grpc
@@ -361,9 +380,12 @@ class _PairState:
 
 
 def run_fleet(pairs: Sequence[PairSpec], requests: int, *, inflight: int = 2, seed: int = 0,
-              on_progress: Callable[[FleetReport], None] | None = None) -> FleetReport:
+              on_progress: Callable[[FleetReport], None] | None = None,
+              broker: BrokerProcess | None = None) -> FleetReport:
     """Run ``requests`` requests (round-robin over ``pairs``) through real processes and
-    return what happened; never raises for a failed transfer (see :meth:`FleetReport.problems`)."""
+    return what happened; never raises for a failed transfer (see :meth:`FleetReport.problems`).
+    ``broker``: a running broker to use and leave running; by default one is started and
+    stopped for the run."""
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # inherited by the engine processes
     rng = random.Random(seed)
     layouts = tuple(p.layouts(inflight) for p in pairs)
@@ -373,7 +395,9 @@ def run_fleet(pairs: Sequence[PairSpec], requests: int, *, inflight: int = 2, se
                 for i in range(requests)]
     report = FleetReport(tuple(pairs), layouts, outcomes)
     started = time.monotonic()
-    broker = BrokerProcess()
+    own_broker = broker is None
+    if broker is None:
+        broker = BrokerProcess()
     engines: list[_Engine] = []
     try:
         ctx = mp.get_context("spawn")
@@ -396,7 +420,8 @@ def run_fleet(pairs: Sequence[PairSpec], requests: int, *, inflight: int = 2, se
             if engine.process.is_alive():
                 engine.process.terminate()
                 engine.process.join(5)
-        broker.stop()
+        if own_broker:
+            broker.stop()
     report.wall_s = time.monotonic() - started
     return report
 

@@ -7,6 +7,10 @@ connect and their completion notifications arrive (``on_notification``): every
 ``idle_interval_s`` otherwise (an idle poll every millisecond would cost ~7% of a core). A
 client hosting ranks of an engine whose transfers another process publishes (one process per
 rank) does not see them coming: give it ``idle_interval_s=progress_interval_s``.
+
+Tracing: :meth:`AsyncPrefillClient.publish` starts the transfer's trace (span
+``prefill.publish``, whose context the broker keeps); each release is handled in a span
+``prefill.free``, a child of the broker's release span.
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ from dataclasses import dataclass
 
 import grpc
 
+from broker import tracing
 from broker.layout import EngineLayout
+from broker.logs import transfer_fields
 from broker.records import BlockIds, ReleaseReason
 from broker.v1 import broker_pb2 as pb
 from clients.session import (
@@ -37,7 +43,8 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Release:
     """Prefill rank ``tp_rank`` may free ``block_ids`` (per group) of ``transfer_id``.
-    ``received_at`` is this process's ``time.monotonic()`` when the event arrived."""
+    ``received_at`` is this process's ``time.monotonic()`` when the event arrived;
+    ``traceparent`` the broker's release span (W3C; '' when nobody traces)."""
 
     tp_rank: int
     transfer_id: str
@@ -47,6 +54,7 @@ class Release:
     sequence: int
     released_at_ms: int
     received_at: float
+    traceparent: str = ""
 
 
 #: Called once per release of a hosted rank; may be a coroutine function.
@@ -58,7 +66,8 @@ NotificationCallback = Callable[[int, str, bytes], None]
 def _release_from_proto(tp_rank: int, event: pb.ReleaseEvent) -> Release:
     reason = ReleaseReason[pb.ReleaseReason.Name(event.reason).removeprefix("RELEASE_REASON_")]
     return Release(tp_rank, event.transfer_id, tuple(tuple(g.ids) for g in event.block_ids),
-                   reason, event.detail, event.sequence, event.released_at_ms, time.monotonic())
+                   reason, event.detail, event.sequence, event.released_at_ms, time.monotonic(),
+                   event.traceparent)
 
 
 class AsyncPrefillClient(AsyncEngineClient):
@@ -89,15 +98,21 @@ class AsyncPrefillClient(AsyncEngineClient):
                       *, ttl_ms: int = 0, allowed_decode_engines: Sequence[str] = ()) -> int:
         """Offer a request's prefill blocks (per group) to decode engines; returns when the
         transfer expires (ms since the epoch on the broker's clock). ``ttl_ms`` 0 takes the
-        broker's default."""
+        broker's default. Starts the transfer's trace (span ``prefill.publish``)."""
         self._awaiting[transfer_id] = set(self.ranks)
         self._busy.set()
         try:
-            response = await call(self.stub, "PublishBlocks", pb.PublishBlocksRequest(
-                transfer_id=transfer_id, engine_id=self.engine_id,
-                block_ids=[pb.BlockIds(ids=list(g)) for g in block_ids], num_tokens=num_tokens,
-                ttl_ms=ttl_ms, allowed_decode_engines=list(allowed_decode_engines)),
-                self.call_timeout_s)
+            with tracing.root_span("prefill.publish", {
+                    "pdbroker.transfer_id": transfer_id, "pdbroker.prefill_engine": self.engine_id,
+                    "pdbroker.num_tokens": num_tokens,
+                    "pdbroker.blocks": sum(len(g) for g in block_ids)}):
+                response = await call(self.stub, "PublishBlocks", pb.PublishBlocksRequest(
+                    transfer_id=transfer_id, engine_id=self.engine_id,
+                    block_ids=[pb.BlockIds(ids=list(g)) for g in block_ids],
+                    num_tokens=num_tokens, ttl_ms=ttl_ms,
+                    allowed_decode_engines=list(allowed_decode_engines)), self.call_timeout_s)
+                log.debug("published %d tokens", num_tokens, extra=transfer_fields(
+                    transfer_id, tracing.current_traceparent()))
         except BaseException:
             self._awaiting.pop(transfer_id, None)
             raise
@@ -122,19 +137,26 @@ class AsyncPrefillClient(AsyncEngineClient):
             await asyncio.sleep(RETRY_DELAY_S)
 
     async def _deliver(self, release: Release) -> None:
+        """Hand ``release`` to ``on_release`` in a ``prefill.free`` span."""
         waiting = self._awaiting.get(release.transfer_id)
         if waiting is not None:
             waiting.discard(release.tp_rank)
             if not waiting:
                 del self._awaiting[release.transfer_id]
-        if self.on_release is None:
-            return
-        try:
-            result = self.on_release(release)
-            if inspect.isawaitable(result):
-                await result
-        except Exception:
-            log.exception("on_release failed for %s", release.transfer_id)
+        fields = transfer_fields(release.transfer_id, release.traceparent)
+        with tracing.span("prefill.free", release.traceparent, {
+                "pdbroker.transfer_id": release.transfer_id, "pdbroker.prefill_rank": release.tp_rank,
+                "pdbroker.reason": release.reason.value}) as span:
+            log.debug("rank %d released: %s", release.tp_rank, release.reason.value, extra=fields)
+            if self.on_release is None:
+                return
+            try:
+                result = self.on_release(release)
+                if inspect.isawaitable(result):
+                    await result
+            except Exception as exc:
+                log.exception("rank %d: on_release failed", release.tp_rank, extra=fields)
+                tracing.set_error(span, f"on_release failed: {exc!r}")
 
     async def _progress(self) -> None:
         """Poll every agent: readers' wire-up needs it, and it collects notifications."""

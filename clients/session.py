@@ -17,7 +17,9 @@ from collections.abc import Coroutine, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import grpc
+from opentelemetry import context as otel_context
 
+from broker import tracing
 from broker.convert import rank_layout_to_proto
 from broker.layout import EngineLayout, RankLayout
 from broker.v1 import broker_pb2 as pb
@@ -49,9 +51,12 @@ class BrokerCallError(RuntimeError):
 
 
 async def call(stub: pb_grpc.BrokerStub, method: str, request: Any, timeout_s: float) -> Any:
-    """One unary RPC; a failure raises :class:`BrokerCallError`."""
+    """One unary RPC carrying the current trace context; a failure raises
+    :class:`BrokerCallError`."""
     try:
-        return await getattr(stub, method)(request, timeout=timeout_s)
+        return await getattr(stub, method)(
+            request, timeout=timeout_s, metadata=tracing.grpc_metadata() or None
+        )
     except grpc.aio.AioRpcError as exc:
         raise BrokerCallError(method, exc.code(), exc.details() or "") from None
 
@@ -253,6 +258,11 @@ class LoopThread:
         self.loop.close()
 
 
+async def _within(ctx: otel_context.Context, coro: Coroutine[Any, Any, T]) -> T:
+    with tracing.attached(ctx):
+        return await coro
+
+
 class BlockingEngineClient:
     """Base of the blocking clients: runs an :class:`AsyncEngineClient` on a private
     :class:`LoopThread` (callbacks given to the client run on that thread)."""
@@ -270,6 +280,10 @@ class BlockingEngineClient:
         return self._async.sessions
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` on the loop thread, in this thread's trace context (so a caller's
+        current span is linked from the transfer's spans)."""
+        if tracing.enabled():
+            coro = _within(otel_context.get_current(), coro)
         return self._loop.run(coro)
 
     def start(self) -> Self:

@@ -94,15 +94,27 @@ def test_nothing_left_registered(fleet: FleetReport) -> None:
     assert fleet.leftover_engines == ()
 
 
-def test_demo_command_verifies_real_models() -> None:
-    """``pdbroker demo``: Nemotron-3-Nano P2→D2 and Qwen3.5-0.8B P1→D2, real preset layouts."""
-    done = subprocess.run([sys.executable, "-m", "broker.cli", "demo", "--requests", "2"],
+def test_demo_command_verifies_real_models_and_prints_a_trace() -> None:
+    """``pdbroker demo --trace``: Nemotron-3-Nano P2→D2 and Qwen3.5-0.8B P1→D2, real preset
+    layouts; the span tree of the first transfer (P2→D2) gathered from all three processes."""
+    done = subprocess.run([sys.executable, "-m", "broker.cli", "demo", "--requests", "2", "--trace"],
                           check=False, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
-    last = done.stdout.strip().splitlines()[-1]
-    match = re.fullmatch(r"demo: 2 transfers, (\d+) bytes verified, 0 mismatches", last)
-    assert match and int(match.group(1)) > 0, last
+    lines = done.stdout.strip().splitlines()
+    match = re.fullmatch(r"demo: 2 transfers, (\d+) bytes verified, 0 mismatches", lines[-1])
+    assert match and int(match.group(1)) > 0, lines[-1]
     assert "releases: 3/3 completed" in done.stdout
+    heading = next(i for i, line in enumerate(lines) if line.startswith("trace "))
+    assert re.fullmatch(r"trace [0-9a-f]{32} of req-00000-[0-9a-f]{8}: 14 spans from 3 processes "
+                        r"\(durations in ms\)", lines[heading]), lines[heading]
+    tree = [re.fullmatch(r"( *)(\S+) (\S+) (\d+\.\d{3})", line) for line in lines[heading + 1:-1]]
+    assert all(tree), lines[heading + 1:-1]
+    shape = [(len(m.group(1)) // 2, m.group(2), m.group(3)) for m in tree]
+    per_decode_rank = [(1, "pdbroker", "broker.plan"), (2, "decode-0", "decode.nixl_read"),
+                       (2, "decode-0", "decode.report"), (3, "pdbroker", "broker.report"),
+                       (4, "pdbroker", "broker.release"), (5, "prefill-0", "prefill.free")]
+    assert shape == [(0, "prefill-0", "prefill.publish"), (1, "pdbroker", "broker.publish"),
+                     *per_decode_rank, *per_decode_rank]
 
 
 def test_async_clients_and_expiry() -> None:

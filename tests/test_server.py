@@ -27,6 +27,8 @@ from broker.service import BrokerService, ServiceConfig
 from broker.v1 import broker_pb2 as pb
 from broker.v1 import broker_pb2_grpc as pb_grpc
 
+#: Every test runs against the in-memory store and against Redis (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("default_store")
 CASES = Path(__file__).parent / "data" / "testvectors" / "cases"
 TTL_MS = 5_000
 LEASE_MS = 60_000

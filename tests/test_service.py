@@ -31,6 +31,8 @@ from broker.records import ReleaseReason, ReportStatus, Role, TransferState
 from broker.scenarios import Scenario, build_scenario
 from broker.service import BrokerService, ServiceConfig
 
+#: Every test runs against the in-memory store and against Redis (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("default_store")
 TTL_MS = 5_000
 LEASE_MS = 60_000  # longer than TTL and retention: only lease tests reach it
 

@@ -3,11 +3,16 @@ with real NIXL agents (UCX over loopback, DRAM) and real model layouts move N re
 publish → plan → NIXL read → report → release; decode checks every byte of its memory against
 what its own layout says it must hold. Exits 0 only if every byte matched and every release
 arrived; the last line is ``demo: <N> transfers, <B> bytes verified, <M> mismatches``.
+
+With ``--trace`` every process exports its spans over OTLP to a receiver inside the demo,
+which then prints the span tree of the first transfer, one span per line:
+``<indent><service.name> <span name> <duration ms>``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -15,6 +20,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from clients.loopback import FleetReport
+    from clients.trace_receiver import ReceivedSpan
 
 #: (label, preset, prefill TP, decode TP, fewest tokens, most tokens) of the demo's engine pairs.
 PAIRS = (
@@ -31,6 +37,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--inflight", type=int, default=2,
                    help="requests per engine pair between publish and release (sizes the KV caches)")
     p.add_argument("--seed", type=int, default=0, help="seeds token counts, salts and block order")
+    p.add_argument("--trace", action="store_true",
+                   help="trace every process into a receiver in the demo and print the span tree "
+                        "of the first transfer (overrides OTEL_* trace exporter settings)")
     p.set_defaults(run=run)
 
 
@@ -42,16 +51,45 @@ def run(args: argparse.Namespace) -> int:
 
     pairs = [PairSpec(label, resolve_model(name), p_tp, d_tp, lo, hi)
              for label, name, p_tp, d_tp, lo, hi in PAIRS]
-    report = run_fleet(pairs, args.requests, inflight=args.inflight, seed=args.seed,
-                       on_progress=_progress_bar)
+    spans: list[ReceivedSpan] = []
+    if args.trace:
+        from clients.trace_receiver import TraceReceiver
+
+        with TraceReceiver() as receiver:
+            os.environ.update(receiver.environment())  # inherited by every process of the fleet
+            report = run_fleet(pairs, args.requests, inflight=args.inflight, seed=args.seed,
+                               on_progress=_progress_bar)
+            spans = receiver.spans()  # complete: every process flushed its spans on exit
+    else:
+        report = run_fleet(pairs, args.requests, inflight=args.inflight, seed=args.seed,
+                           on_progress=_progress_bar)
     print(file=sys.stderr)
     print(format_report(report))
+    if args.trace:
+        print()
+        print(format_trace(spans, report.requests[0].transfer_id))
     for problem in report.problems():
         print(f"pdbroker demo: {problem}", file=sys.stderr)
     fetched = [r for r in report.requests if r.fetched]
     print(f"demo: {len(fetched)} transfers, {sum(r.nbytes for r in fetched)} bytes verified, "
           f"{report.mismatches} mismatches")
     return 0 if report.ok else 1
+
+
+def format_trace(spans: list[ReceivedSpan], transfer_id: str) -> str:
+    """A heading and the span tree of ``transfer_id``'s trace (found by its publish span)."""
+    from clients.trace_receiver import span_tree
+
+    roots = [s for s in spans if s.name == "prefill.publish"
+             and s.attributes.get("pdbroker.transfer_id") == transfer_id]
+    if not roots:
+        return f"trace of {transfer_id}: no spans received"
+    trace_id = roots[0].trace_id
+    lines = span_tree(spans, trace_id)
+    services = {s.service for s in spans if s.trace_id == trace_id}
+    heading = (f"trace {trace_id} of {transfer_id}: {len(lines)} spans from {len(services)} "
+               f"processes (durations in ms)")
+    return "\n".join([heading, *lines])
 
 
 def _progress_bar(report: FleetReport, width: int = 30) -> None:

@@ -260,7 +260,7 @@ class SourcePlan(_message.Message):
     def __init__(self, prefill_rank: _Optional[int] = ..., remote_agent_name: _Optional[str] = ..., remote_agent_metadata: _Optional[bytes] = ..., local_descriptors: _Optional[bytes] = ..., remote_descriptors: _Optional[bytes] = ..., num_descriptors: _Optional[int] = ..., total_bytes: _Optional[int] = ..., notification: _Optional[bytes] = ..., local_memory_kind: _Optional[_Union[MemoryKind, str]] = ..., remote_memory_kind: _Optional[_Union[MemoryKind, str]] = ...) -> None: ...
 
 class GetTransferPlanResponse(_message.Message):
-    __slots__ = ("plan_id", "sources", "total_bytes", "num_descriptors", "naive_bytes", "vllm_descriptors", "expires_at_ms")
+    __slots__ = ("plan_id", "sources", "total_bytes", "num_descriptors", "naive_bytes", "vllm_descriptors", "expires_at_ms", "traceparent")
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
     SOURCES_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -268,6 +268,7 @@ class GetTransferPlanResponse(_message.Message):
     NAIVE_BYTES_FIELD_NUMBER: _ClassVar[int]
     VLLM_DESCRIPTORS_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     plan_id: str
     sources: _containers.RepeatedCompositeFieldContainer[SourcePlan]
     total_bytes: int
@@ -275,7 +276,8 @@ class GetTransferPlanResponse(_message.Message):
     naive_bytes: int
     vllm_descriptors: int
     expires_at_ms: int
-    def __init__(self, plan_id: _Optional[str] = ..., sources: _Optional[_Iterable[_Union[SourcePlan, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., num_descriptors: _Optional[int] = ..., naive_bytes: _Optional[int] = ..., vllm_descriptors: _Optional[int] = ..., expires_at_ms: _Optional[int] = ...) -> None: ...
+    traceparent: str
+    def __init__(self, plan_id: _Optional[str] = ..., sources: _Optional[_Iterable[_Union[SourcePlan, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., num_descriptors: _Optional[int] = ..., naive_bytes: _Optional[int] = ..., vllm_descriptors: _Optional[int] = ..., expires_at_ms: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class ReportTransferRequest(_message.Message):
     __slots__ = ("plan_id", "engine_id", "tp_rank", "status", "bytes_moved", "duration_us", "error")
@@ -316,20 +318,22 @@ class WatchReleasesRequest(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., after_sequence: _Optional[int] = ...) -> None: ...
 
 class ReleaseEvent(_message.Message):
-    __slots__ = ("sequence", "transfer_id", "block_ids", "reason", "detail", "released_at_ms")
+    __slots__ = ("sequence", "transfer_id", "block_ids", "reason", "detail", "released_at_ms", "traceparent")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
     RELEASED_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     transfer_id: str
     block_ids: _containers.RepeatedCompositeFieldContainer[BlockIds]
     reason: ReleaseReason
     detail: str
     released_at_ms: int
-    def __init__(self, sequence: _Optional[int] = ..., transfer_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., reason: _Optional[_Union[ReleaseReason, str]] = ..., detail: _Optional[str] = ..., released_at_ms: _Optional[int] = ...) -> None: ...
+    traceparent: str
+    def __init__(self, sequence: _Optional[int] = ..., transfer_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., reason: _Optional[_Union[ReleaseReason, str]] = ..., detail: _Optional[str] = ..., released_at_ms: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class AbortTransferRequest(_message.Message):
     __slots__ = ("transfer_id", "reason")
@@ -442,7 +446,7 @@ class PrefillRankRelease(_message.Message):
     def __init__(self, tp_rank: _Optional[int] = ..., reason: _Optional[_Union[ReleaseReason, str]] = ..., consumers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GetTransferResponse(_message.Message):
-    __slots__ = ("transfer_id", "state", "prefill_engine_id", "decode_engine_id", "num_tokens", "block_ids", "published_at_ms", "expires_at_ms", "plans", "releases", "timeline", "finished_at_ms")
+    __slots__ = ("transfer_id", "state", "prefill_engine_id", "decode_engine_id", "num_tokens", "block_ids", "published_at_ms", "expires_at_ms", "plans", "releases", "timeline", "finished_at_ms", "traceparent", "now_ms")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -455,6 +459,8 @@ class GetTransferResponse(_message.Message):
     RELEASES_FIELD_NUMBER: _ClassVar[int]
     TIMELINE_FIELD_NUMBER: _ClassVar[int]
     FINISHED_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    NOW_MS_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     state: TransferState
     prefill_engine_id: str
@@ -467,4 +473,58 @@ class GetTransferResponse(_message.Message):
     releases: _containers.RepeatedCompositeFieldContainer[PrefillRankRelease]
     timeline: _containers.RepeatedCompositeFieldContainer[TimelineEvent]
     finished_at_ms: int
-    def __init__(self, transfer_id: _Optional[str] = ..., state: _Optional[_Union[TransferState, str]] = ..., prefill_engine_id: _Optional[str] = ..., decode_engine_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., published_at_ms: _Optional[int] = ..., expires_at_ms: _Optional[int] = ..., plans: _Optional[_Iterable[_Union[PlanInfo, _Mapping]]] = ..., releases: _Optional[_Iterable[_Union[PrefillRankRelease, _Mapping]]] = ..., timeline: _Optional[_Iterable[_Union[TimelineEvent, _Mapping]]] = ..., finished_at_ms: _Optional[int] = ...) -> None: ...
+    traceparent: str
+    now_ms: int
+    def __init__(self, transfer_id: _Optional[str] = ..., state: _Optional[_Union[TransferState, str]] = ..., prefill_engine_id: _Optional[str] = ..., decode_engine_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., published_at_ms: _Optional[int] = ..., expires_at_ms: _Optional[int] = ..., plans: _Optional[_Iterable[_Union[PlanInfo, _Mapping]]] = ..., releases: _Optional[_Iterable[_Union[PrefillRankRelease, _Mapping]]] = ..., timeline: _Optional[_Iterable[_Union[TimelineEvent, _Mapping]]] = ..., finished_at_ms: _Optional[int] = ..., traceparent: _Optional[str] = ..., now_ms: _Optional[int] = ...) -> None: ...
+
+class ListTransfersRequest(_message.Message):
+    __slots__ = ("include_finished", "limit")
+    INCLUDE_FINISHED_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    include_finished: bool
+    limit: int
+    def __init__(self, include_finished: _Optional[bool] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class TransferSummary(_message.Message):
+    __slots__ = ("transfer_id", "state", "prefill_engine_id", "decode_engine_id", "num_tokens", "published_at_ms", "expires_at_ms", "finished_at_ms", "plans", "plans_reported", "traceparent")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    DECODE_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHED_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    PLANS_FIELD_NUMBER: _ClassVar[int]
+    PLANS_REPORTED_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    state: TransferState
+    prefill_engine_id: str
+    decode_engine_id: str
+    num_tokens: int
+    published_at_ms: int
+    expires_at_ms: int
+    finished_at_ms: int
+    plans: int
+    plans_reported: int
+    traceparent: str
+    def __init__(self, transfer_id: _Optional[str] = ..., state: _Optional[_Union[TransferState, str]] = ..., prefill_engine_id: _Optional[str] = ..., decode_engine_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., published_at_ms: _Optional[int] = ..., expires_at_ms: _Optional[int] = ..., finished_at_ms: _Optional[int] = ..., plans: _Optional[int] = ..., plans_reported: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
+
+class TransferStateCount(_message.Message):
+    __slots__ = ("state", "count")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    state: TransferState
+    count: int
+    def __init__(self, state: _Optional[_Union[TransferState, str]] = ..., count: _Optional[int] = ...) -> None: ...
+
+class ListTransfersResponse(_message.Message):
+    __slots__ = ("now_ms", "counts", "transfers")
+    NOW_MS_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    now_ms: int
+    counts: _containers.RepeatedCompositeFieldContainer[TransferStateCount]
+    transfers: _containers.RepeatedCompositeFieldContainer[TransferSummary]
+    def __init__(self, now_ms: _Optional[int] = ..., counts: _Optional[_Iterable[_Union[TransferStateCount, _Mapping]]] = ..., transfers: _Optional[_Iterable[_Union[TransferSummary, _Mapping]]] = ...) -> None: ...

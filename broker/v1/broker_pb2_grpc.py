@@ -84,6 +84,11 @@ class BrokerStub:
                 request_serializer=broker_dot_v1_dot_broker__pb2.GetTransferRequest.SerializeToString,
                 response_deserializer=broker_dot_v1_dot_broker__pb2.GetTransferResponse.FromString,
                 _registered_method=True)
+        self.ListTransfers = channel.unary_unary(
+                '/pdbroker.v1.Broker/ListTransfers',
+                request_serializer=broker_dot_v1_dot_broker__pb2.ListTransfersRequest.SerializeToString,
+                response_deserializer=broker_dot_v1_dot_broker__pb2.ListTransfersResponse.FromString,
+                _registered_method=True)
 
 
 class BrokerServicer:
@@ -161,6 +166,13 @@ class BrokerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListTransfers(self, request, context):
+        """Operators: the transfers the broker holds, unfinished ones first, oldest first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_BrokerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -213,6 +225,11 @@ def add_BrokerServicer_to_server(servicer, server):
                     servicer.GetTransfer,
                     request_deserializer=broker_dot_v1_dot_broker__pb2.GetTransferRequest.FromString,
                     response_serializer=broker_dot_v1_dot_broker__pb2.GetTransferResponse.SerializeToString,
+            ),
+            'ListTransfers': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListTransfers,
+                    request_deserializer=broker_dot_v1_dot_broker__pb2.ListTransfersRequest.FromString,
+                    response_serializer=broker_dot_v1_dot_broker__pb2.ListTransfersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -485,6 +502,33 @@ class Broker:
             '/pdbroker.v1.Broker/GetTransfer',
             broker_dot_v1_dot_broker__pb2.GetTransferRequest.SerializeToString,
             broker_dot_v1_dot_broker__pb2.GetTransferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListTransfers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdbroker.v1.Broker/ListTransfers',
+            broker_dot_v1_dot_broker__pb2.ListTransfersRequest.SerializeToString,
+            broker_dot_v1_dot_broker__pb2.ListTransfersResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,277 @@
+"""GetTransferPlan throughput with tracing off vs on, side by side in one run.
+
+Starts two ``pdbroker serve`` processes, identical but for the environment: one with tracing
+off (no ``OTEL_*``), one exporting every span over OTLP/gRPC (from its exporter child
+process, as ``serve`` does) to a receiver in this process. Both get the same engines
+(Nemotron-3-Nano-like, fake addresses) and the same transfers, published with a W3C
+``traceparent`` as a tracing prefill client sends it, so the traced broker records one
+``broker.plan`` span per plan (and ``broker.publish`` ones before the timing).
+
+Each round runs both brokers *at the same time* for ``--seconds``: one client process per
+broker, ``--clients`` concurrent decode clients each, all released by one signal and stopped
+by one deadline. Both brokers thus share whatever else the machine is doing during the round,
+and the ratio of their plan rates within a round is the throughput change tracing causes;
+the result is the median over rounds. Broker CPU per plan comes from ``/proc``.
+``--plan-context`` makes the plan calls carry a decode-side ``traceparent`` too (the broker
+then also links it: the costlier case).
+
+    .venv/bin/python benchmarks/tracing_overhead.py --rounds 7 --seconds 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import multiprocessing.synchronize
+import os
+import secrets
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from plan_throughput import cpu_seconds, register
+
+from broker.presets import resolve_model
+from broker.scenarios import Scenario, build_scenario
+from broker.v1 import broker_pb2 as pb
+from broker.v1 import broker_pb2_grpc as pb_grpc
+from clients.loopback import BrokerProcess
+from clients.trace_receiver import TraceReceiver
+
+#: The largest throughput loss tracing may cost.
+MAX_LOSS = 0.10
+MODES = ("off", "on")
+
+
+def traceparent() -> str:
+    """A fresh sampled W3C traceparent, as a client span would send it."""
+    return f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-01"
+
+
+async def _client(
+    channel: grpc.aio.Channel,
+    rank: int,
+    transfers: list[str],
+    ids: list[pb.BlockIds],
+    context: bool,
+    deadline: float,
+) -> int:
+    """Plan ``transfers`` in order as decode rank ``rank`` until ``deadline``; returns how
+    many plans completed (-1 if the list ran out first)."""
+    stub = pb_grpc.BrokerStub(channel)
+    for done, transfer_id in enumerate(transfers):
+        if time.perf_counter() >= deadline:
+            return done
+        await stub.GetTransferPlan(
+            pb.GetTransferPlanRequest(
+                transfer_id=transfer_id, engine_id="D", tp_rank=rank, block_ids=ids
+            ),
+            metadata=(("traceparent", traceparent()),) if context else None,
+        )
+    return -1
+
+
+def _client_process(
+    address: str,
+    jobs: list[tuple[int, list[str]]],
+    decode_ids: list[list[int]],
+    context: bool,
+    seconds: float,
+    go: mp.synchronize.Event,
+    out: mp.Queue,
+) -> None:
+    """Connect every client, say ``ready``, wait for ``go``, plan for ``seconds``; send the
+    plans completed (-1: some client ran out of transfers)."""
+    ids = [pb.BlockIds(ids=g) for g in decode_ids]
+
+    async def main() -> None:
+        channels = [grpc.aio.insecure_channel(address) for _ in jobs]
+        await asyncio.gather(*(c.channel_ready() for c in channels))
+        out.put("ready")
+        await asyncio.get_running_loop().run_in_executor(None, go.wait)
+        deadline = time.perf_counter() + seconds
+        counts = await asyncio.gather(
+            *(_client(c, r, t, ids, context, deadline) for c, (r, t) in zip(channels, jobs))
+        )
+        out.put(-1 if -1 in counts else sum(counts))
+        await asyncio.gather(*(c.close() for c in channels))
+
+    asyncio.run(main())
+
+
+def run_round(
+    brokers: dict[str, BrokerProcess],
+    transfers: dict[str, list[str]],
+    args: argparse.Namespace,
+    decode_ids: list[list[int]],
+) -> dict[str, tuple[float, float]]:
+    """Both brokers at once for ``args.seconds``: per mode, plans per second and broker CPU
+    microseconds per plan."""
+    ctx = mp.get_context("spawn")
+    go = ctx.Event()
+    per_rank = args.clients // args.decode_tp
+    procs, queues = {}, {}
+    for mode in MODES:
+        names = transfers[mode]
+        jobs = [
+            (c % args.decode_tp, names[c // args.decode_tp :: per_rank])
+            for c in range(args.clients)
+        ]
+        queues[mode] = ctx.Queue()
+        procs[mode] = ctx.Process(
+            target=_client_process,
+            args=(brokers[mode].address, jobs, decode_ids, args.plan_context, args.seconds,
+                  go, queues[mode]),
+        )  # fmt: skip
+        procs[mode].start()
+    for mode in MODES:
+        if queues[mode].get() != "ready":
+            raise SystemExit("a client process did not connect")
+    cpu = {mode: cpu_seconds(brokers[mode].process.pid) for mode in MODES}
+    go.set()
+    plans = {mode: queues[mode].get() for mode in MODES}
+    cpu = {mode: cpu_seconds(brokers[mode].process.pid) - cpu[mode] for mode in MODES}
+    for proc in procs.values():
+        proc.join()
+        if proc.exitcode:
+            raise SystemExit(f"a client process failed (exit code {proc.exitcode})")
+    if -1 in plans.values():
+        raise SystemExit("the clients ran out of transfers: raise --transfers")
+    return {m: (plans[m] / args.seconds, cpu[m] / max(plans[m], 1) * 1e6) for m in MODES}
+
+
+def prepare(broker: BrokerProcess, sc: Scenario, count: int) -> list[str]:
+    """Register both engines and publish ``count`` transfers, each with a traceparent."""
+    with grpc.insecure_channel(broker.address) as channel:
+        stub = pb_grpc.BrokerStub(channel)
+        register(stub, sc.prefill, "P", pb.ROLE_PREFILL, 0x7F00_0000_0000)
+        register(stub, sc.decode, "D", pb.ROLE_DECODE, 0x7E00_0000_0000)
+        p_ids = [pb.BlockIds(ids=g) for g in sc.request.prefill_block_ids]
+        names = [f"t{i}" for i in range(count)]
+        for name in names:
+            stub.PublishBlocks(
+                pb.PublishBlocksRequest(
+                    transfer_id=name,
+                    engine_id="P",
+                    block_ids=p_ids,
+                    num_tokens=sc.request.num_tokens,
+                ),
+                metadata=(("traceparent", traceparent()),),
+            )
+    return names
+
+
+def start_brokers(receiver: TraceReceiver, transfers: int) -> dict[str, BrokerProcess]:
+    """The two brokers: ``off`` without any ``OTEL_*`` variable, ``on`` exporting to
+    ``receiver``."""
+    flags = ("--max-transfers", str(transfers + 100), "--default-ttl-ms", "3600000",
+             "--lease-ttl-ms", "3600000")  # fmt: skip
+    saved = dict(os.environ)
+    try:
+        for name in [k for k in os.environ if k.startswith("OTEL_")]:
+            del os.environ[name]
+        brokers = {"off": BrokerProcess(*flags)}
+        os.environ.update(receiver.environment())
+        brokers["on"] = BrokerProcess(*flags)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return brokers
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="nemotron-3-nano-30b-a3b")
+    parser.add_argument("--prefill-tp", type=int, default=2)
+    parser.add_argument("--decode-tp", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=32768)
+    parser.add_argument("--clients", type=int, default=4, help="decode clients per broker")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--seconds", type=float, default=4.0, help="length of a round")
+    parser.add_argument(
+        "--transfers", type=int, default=4000, help="published per broker and round"
+    )
+    parser.add_argument(
+        "--plan-context", action="store_true", help="plan calls carry a traceparent too"
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args()
+    if args.clients % args.decode_tp:
+        parser.error("--clients must be a multiple of --decode-tp")
+
+    sc = build_scenario(resolve_model(args.model), args.prefill_tp, args.decode_tp, args.tokens)
+    decode_ids = [list(g) for g in sc.request.decode_block_ids]
+    total = args.transfers * (args.rounds + 1)  # one untimed warm-up round
+    samples: dict[str, list[tuple[float, float]]] = {mode: [] for mode in MODES}
+    with TraceReceiver() as receiver:
+        brokers = start_brokers(receiver, total)
+        try:
+            names = {mode: prepare(b, sc, total) for mode, b in brokers.items()}
+            for r in range(args.rounds + 1):
+                batch = slice(r * args.transfers, (r + 1) * args.transfers)
+                result = run_round(brokers, {m: names[m][batch] for m in MODES}, args, decode_ids)
+                if r:
+                    for mode in MODES:
+                        samples[mode].append(result[mode])
+        finally:
+            for broker in brokers.values():
+                broker.stop()  # the traced one flushes its spans
+        plan_spans = sum(s.name == "broker.plan" for s in receiver.spans())
+
+    ratios = [on / off for (off, _), (on, _) in zip(samples["off"], samples["on"])]
+    loss = 1 - statistics.median(ratios)
+    rate = {m: statistics.median(x for x, _ in samples[m]) for m in MODES}
+    cpu = {m: statistics.median(c for _, c in samples[m]) for m in MODES}
+    summary = {
+        "model": args.model,
+        "prefill_tp": args.prefill_tp,
+        "decode_tp": args.decode_tp,
+        "tokens": args.tokens,
+        "clients_per_broker": args.clients,
+        "plan_context": args.plan_context,
+        "rounds": args.rounds,
+        "seconds_per_round": args.seconds,
+        "cpus": os.cpu_count(),
+        "off_plans_per_s": [round(x, 1) for x, _ in samples["off"]],
+        "on_plans_per_s": [round(x, 1) for x, _ in samples["on"]],
+        "on_off_ratios": [round(r, 3) for r in ratios],
+        "off_median_plans_per_s": round(rate["off"], 1),
+        "on_median_plans_per_s": round(rate["on"], 1),
+        "off_broker_cpu_us_per_plan": round(cpu["off"], 1),
+        "on_broker_cpu_us_per_plan": round(cpu["on"], 1),
+        "throughput_loss": round(loss, 4),
+        "plan_spans_exported": plan_spans,
+        "within_limit": loss < MAX_LOSS,
+    }
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(
+            f"{args.model} {args.tokens} tokens, P TP{args.prefill_tp} -> D TP{args.decode_tp}; "
+            f"{args.rounds} rounds of {args.seconds:g} s, both brokers at once, "
+            f"{args.clients} clients each, on {summary['cpus']} CPUs"
+        )
+        for mode in MODES:
+            rates = ", ".join(f"{x:,.0f}" for x, _ in samples[mode])
+            print(
+                f"tracing {mode:>3}: median {rate[mode]:,.0f} plans/s (rounds: {rates}); "
+                f"broker CPU {cpu[mode]:.0f} us/plan"
+            )
+        print(f"broker.plan spans received from the traced broker: {plan_spans}")
+        print(
+            f"throughput change with tracing on (median of the rounds' on/off ratios "
+            f"{', '.join(f'{r:.3f}' for r in ratios)}): {-100 * loss:+.1f}% "
+            f"(limit -{100 * MAX_LOSS:.0f}%): {'within' if loss < MAX_LOSS else 'OVER'}"
+        )
+    return 0 if loss < MAX_LOSS else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

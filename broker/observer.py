@@ -1,0 +1,34 @@
+"""What :class:`broker.service.BrokerService` tells an observer (metrics) as it works.
+
+The base class ignores everything; :class:`broker.metrics.BrokerMetrics` counts it. Calls come
+from the service's thread, after the change they describe; they must be cheap and must not
+call the service back.
+"""
+
+from __future__ import annotations
+
+from broker.api import PlanResult
+from broker.records import ReleaseReason, Role, TransferState
+
+
+class ServiceObserver:
+    """Hooks with no effect; override the ones you need."""
+
+    def rank_registered(self, role: Role) -> None:
+        """A rank of ``role`` registered (re-registration: after :meth:`rank_removed`)."""
+
+    def rank_removed(self, role: Role, lease_expired: bool) -> None:
+        """A rank left: deregistered, replaced, or its lease expired (``lease_expired``)."""
+
+    def transfer_published(self) -> None:
+        """A transfer was accepted; it is in flight until :meth:`transfer_finished`."""
+
+    def plan_handed_out(self, seconds: float, plan: PlanResult, cache_hit: bool) -> None:
+        """A decode rank received its plan for the first time; ``seconds`` the call took,
+        ``cache_hit`` when the engine pair's planner (its templates) was already cached."""
+
+    def transfer_finished(self, state: TransferState) -> None:
+        """A transfer reached terminal ``state``."""
+
+    def rank_released(self, reason: ReleaseReason, held_seconds: float) -> None:
+        """A release was queued for a prefill rank, ``held_seconds`` after publication."""

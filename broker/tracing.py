@@ -1,0 +1,309 @@
+"""OpenTelemetry tracing: one trace per transfer id, across prefill, broker and decode.
+
+Context crosses processes as W3C trace context: in gRPC metadata on every call
+(:func:`grpc_metadata` / :func:`context_from_metadata`), and as a stored ``traceparent`` string
+where a later, unrelated RPC chain must join the trace: the broker keeps the publisher's
+``traceparent`` with the transfer and hands one of the transfer's trace to decode ranks (with
+their plans) and to prefill ranks (with their releases). ``tracestate`` travels in metadata
+only, not in stored strings.
+
+Spans are made through the global OpenTelemetry API, so a host application that installed
+its own SDK tracer provider (vLLM) records pdbroker's spans too. :func:`configure_tracing`
+installs one for pdbroker's own processes when ``OTEL_TRACES_EXPORTER`` or
+``OTEL_EXPORTER_OTLP[_TRACES]_ENDPOINT`` asks for it (or a caller passes an exporter). Without
+a provider tracing is off: every helper here returns at its first check and no span object
+is made.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import TYPE_CHECKING, Any
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.trace import Link, Span, Status, StatusCode
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from opentelemetry.util.types import Attributes
+
+if TYPE_CHECKING:  # the SDK is imported only to configure tracing
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SpanExporter
+
+    from broker.trace_export import OffloadTracerProvider
+
+TRACER_NAME = "pdbroker"
+#: Exporter names ``OTEL_TRACES_EXPORTER`` may list (comma-separated).
+EXPORTERS = ("otlp", "console", "none")
+_PROPAGATOR = TraceContextTextMapPropagator()
+_CARRIER_KEYS = ("traceparent", "tracestate")
+_NO_PROVIDERS = (trace.ProxyTracerProvider, trace.NoOpTracerProvider)
+_TRACER = trace.get_tracer(TRACER_NAME)  # a proxy: follows whichever provider is installed
+_NO_SPAN: AbstractContextManager[None] = nullcontext()
+
+
+def enabled() -> bool:
+    """Whether spans are recorded: a real tracer provider is installed (pdbroker's or the
+    host application's)."""
+    return not isinstance(trace.get_tracer_provider(), _NO_PROVIDERS)
+
+
+def tracing_requested() -> bool:
+    """Whether the standard ``OTEL_*`` environment asks for traces."""
+    exporter = os.environ.get("OTEL_TRACES_EXPORTER", "").strip().lower()
+    if exporter:
+        return exporter != "none"
+    return any(
+        os.environ.get(k)
+        for k in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    )
+
+
+def named_exporter(name: str) -> SpanExporter:
+    """The exporter ``OTEL_TRACES_EXPORTER`` calls ``name``, configured by ``OTEL_*``."""
+    if name == "console":
+        from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+
+        return ConsoleSpanExporter()
+    if name != "otlp":
+        raise ValueError(f"trace exporter {name!r} is not one of {EXPORTERS}")
+    protocol = (
+        os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+        or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+        or "grpc"
+    )
+    if protocol.startswith("http"):
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    else:
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    return OTLPSpanExporter()  # endpoint, headers, timeout from OTEL_EXPORTER_OTLP_* variables
+
+
+def configure_tracing(
+    service_name: str, exporter: SpanExporter | str | None = None, offload: bool = False
+) -> TracerProvider | OffloadTracerProvider | None:
+    """Install a recording tracer provider for this process, or leave tracing off.
+
+    ``exporter``: a span exporter (exported synchronously, for tests), names from
+    :data:`EXPORTERS` (comma-separated; batched), or None to follow ``OTEL_TRACES_EXPORTER``
+    (default ``otlp`` when an OTLP endpoint is set). ``offload``: record spans with
+    :class:`~broker.trace_export.OffloadTracerProvider`, which exports them from a child
+    process (the broker's choice: SDK spans and their encoding would cost it more than a
+    plan). ``service_name`` becomes the resource's ``service.name``; other
+    ``OTEL_RESOURCE_ATTRIBUTES`` and the sampler (``OTEL_TRACES_SAMPLER``) come from the
+    environment. Returns the provider (``shutdown()`` flushes; SDK providers also flush at
+    exit), or None when tracing stays off or the host application already installed one.
+    """
+    from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+
+    if enabled() or (exporter is None and not tracing_requested()):
+        return None
+    resource = Resource.create({SERVICE_NAME: service_name})
+    provider: TracerProvider | OffloadTracerProvider
+    if exporter is not None and not isinstance(exporter, str):
+        provider = TracerProvider(resource=resource)
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+    else:
+        raw = exporter if exporter is not None else os.environ.get("OTEL_TRACES_EXPORTER", "otlp")
+        names = [n for n in (x.strip().lower() for x in raw.split(",")) if n not in ("", "none")]
+        for name in names:
+            if name not in EXPORTERS:
+                raise ValueError(f"trace exporter {name!r} is not one of {EXPORTERS}")
+        if offload:
+            from broker.trace_export import OffloadTracerProvider
+
+            # An SDK provider reads OTEL_TRACES_SAMPLER; the offloading one uses its sampler.
+            sampler = TracerProvider(shutdown_on_exit=False).sampler
+            provider = OffloadTracerProvider(resource, ",".join(names), sampler)
+        else:
+            provider = TracerProvider(resource=resource)
+            for name in names:
+                provider.add_span_processor(BatchSpanProcessor(named_exporter(name)))
+    trace.set_tracer_provider(provider)
+    return provider
+
+
+# --------------------------------------------------------------------------- carriers
+
+
+def current_traceparent() -> str:
+    """W3C ``traceparent`` of the current span; '' when tracing is off or no span is current."""
+    if not enabled():
+        return ""
+    carrier: dict[str, str] = {}
+    _PROPAGATOR.inject(carrier)
+    return carrier.get("traceparent", "")
+
+
+def context_from_traceparent(traceparent: str) -> Context:
+    """A context whose (remote) parent is ``traceparent``; empty for '' or a malformed value."""
+    return _PROPAGATOR.extract({"traceparent": traceparent} if traceparent else {})
+
+
+def trace_id_of(traceparent: str) -> str:
+    """The 32 hex digits of a ``traceparent``'s trace id; '' for ''."""
+    parts = traceparent.split("-")
+    return parts[1] if len(parts) == 4 else ""
+
+
+def grpc_metadata() -> tuple[tuple[str, str], ...]:
+    """Metadata for an outgoing call, so the server joins the current trace (empty when
+    tracing is off or no span is current)."""
+    if not enabled():
+        return ()
+    carrier: dict[str, str] = {}
+    _PROPAGATOR.inject(carrier)
+    return tuple(carrier.items())
+
+
+def traceparent_from_metadata(metadata: Iterable[tuple[str, Any]] | None) -> str:
+    """The ``traceparent`` a caller sent in gRPC metadata, validated; '' when none."""
+    return _traceparent_of(context_from_metadata(metadata))
+
+
+def context_from_metadata(metadata: Iterable[tuple[str, Any]] | None) -> Context | None:
+    """The trace context a caller sent in gRPC metadata; None when it sent none."""
+    carrier: Mapping[str, Any] = {k: v for k, v in (metadata or ()) if k in _CARRIER_KEYS}
+    return _PROPAGATOR.extract(carrier) if "traceparent" in carrier else None
+
+
+def _traceparent_of(ctx: Context | None) -> str:
+    if ctx is None:
+        return ""
+    carrier: dict[str, str] = {}
+    _PROPAGATOR.inject(carrier, context=ctx)
+    return carrier.get("traceparent", "")
+
+
+@contextmanager
+def attached(ctx: Context) -> Iterator[None]:
+    """Make ``ctx`` current for the block."""
+    token = otel_context.attach(ctx)
+    try:
+        yield
+    finally:
+        otel_context.detach(token)
+
+
+# --------------------------------------------------------------------------- spans
+
+
+#: Parsed stored traceparents (a transfer's is used by several spans); cleared when full.
+_PARSED: dict[str, Context] = {}
+_PARSED_MAX = 4096
+
+
+def _stored_context(traceparent: str) -> Context:
+    ctx = _PARSED.get(traceparent)
+    if ctx is None:
+        if len(_PARSED) >= _PARSED_MAX:
+            _PARSED.clear()
+        ctx = _PARSED[traceparent] = context_from_traceparent(traceparent)
+    return ctx
+
+
+def _parent(traceparent: str) -> tuple[Context | None, list[Link] | None]:
+    """Parent context and links of a span that must lie in the trace of ``traceparent``.
+
+    The current span is the parent when it already lies in that trace (a call chain that
+    carried the context); otherwise ``traceparent`` is, and the current span (another
+    trace: the caller's own request, a lease renewal) is linked. Without ``traceparent`` the
+    current context is the parent.
+    """
+    if not traceparent:
+        return None, None
+    stored = _stored_context(traceparent)
+    stored_span = trace.get_current_span(stored).get_span_context()
+    if not stored_span.is_valid:
+        return None, None
+    current = trace.get_current_span().get_span_context()
+    if not current.is_valid:
+        return stored, None
+    if current.trace_id == stored_span.trace_id:
+        return None, None
+    return stored, [Link(current)]
+
+
+class _Current:
+    """Makes a started span current for a ``with`` block and ends it after; an exception
+    leaving the block is recorded and sets status ERROR. (What ``start_as_current_span``
+    does, in a third of its time: the broker makes spans on its hot path.)"""
+
+    __slots__ = ("_span", "_token")
+
+    def __init__(self, span: Span) -> None:
+        self._span = span
+
+    def __enter__(self) -> Span:
+        self._token = otel_context.attach(trace.set_span_in_context(self._span))
+        return self._span
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object
+    ) -> None:
+        otel_context.detach(self._token)
+        if exc is not None:
+            self._span.record_exception(exc)
+            set_error(self._span, f"{type(exc).__name__}: {exc}")
+        self._span.end()
+
+
+def span(
+    name: str, traceparent: str = "", attributes: Attributes = None
+) -> AbstractContextManager[Span | None]:
+    """A span made current for a ``with`` block, in the trace of ``traceparent`` (see
+    :func:`_parent`); yields None when tracing is off. An exception leaving the block is
+    recorded and sets the span's status to ERROR."""
+    if not enabled():
+        return _NO_SPAN
+    parent, links = _parent(traceparent)
+    return _Current(_TRACER.start_span(name, parent, links=links, attributes=attributes))
+
+
+def root_span(name: str, attributes: Attributes = None) -> AbstractContextManager[Span | None]:
+    """Like :func:`span`, but the first span of a new trace (a transfer's trace starts at its
+    publication); the current span, if any, is linked."""
+    if not enabled():
+        return _NO_SPAN
+    current = trace.get_current_span().get_span_context()
+    links = [Link(current)] if current.is_valid else None
+    return _Current(_TRACER.start_span(name, Context(), links=links, attributes=attributes))
+
+
+def start_span(name: str, traceparent: str = "", attributes: Attributes = None) -> Span | None:
+    """Like :func:`span` for spans that overlap (concurrent reads): not made current; end it
+    with :func:`end_span`. None when tracing is off."""
+    if not enabled():
+        return None
+    parent, links = _parent(traceparent)
+    return _TRACER.start_span(name, parent, links=links, attributes=attributes)
+
+
+def end_span(span: Span | None, error: str = "") -> None:
+    """End a span from :func:`start_span`; a non-empty ``error`` sets status ERROR."""
+    if span is None:
+        return
+    if error:
+        set_error(span, error)
+    span.end()
+
+
+def set_error(span: Span | None, error: str) -> None:
+    """Set ``span``'s status to ERROR, described by ``error`` (nothing for None)."""
+    if span is not None:
+        span.set_status(Status(StatusCode.ERROR, error))
+
+
+def span_traceparent(span: Span | None) -> str:
+    """W3C ``traceparent`` naming ``span`` as the parent; '' for None or an invalid span."""
+    if span is None:
+        return ""
+    ctx = span.get_span_context()
+    if not ctx.is_valid:
+        return ""
+    return f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{ctx.trace_flags:02x}"
