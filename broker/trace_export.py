@@ -18,6 +18,7 @@ spans. The child's command line carries the exporter names and the resource attr
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -110,8 +111,9 @@ class _Span(trace.Span):
     def set_attributes(self, attributes: Mapping[str, Any]) -> None:
         self._attributes.update(attributes)
 
-    def add_event(self, name: str, attributes: Attributes = None, timestamp: int | None = None
-                  ) -> None:  # fmt: skip
+    def add_event(
+        self, name: str, attributes: Attributes = None, timestamp: int | None = None
+    ) -> None:
         self._events.append((name, timestamp or time.time_ns(), dict(attributes or {})))
 
     def update_name(self, name: str) -> None:
@@ -245,13 +247,13 @@ class OffloadTracerProvider(trace.TracerProvider):
         self._interval_s = interval_s
         self._stopping = threading.Event()
         self._lock = threading.Lock()  # one writer of the pipe at a time
+        command = [sys.executable, "-m", "broker.trace_export", exporter_names]
         self._child = subprocess.Popen(
-            [sys.executable, "-m", "broker.trace_export", exporter_names,
-             json.dumps(dict(resource.attributes))],
-            stdin=subprocess.PIPE,
-        )  # fmt: skip
+            [*command, json.dumps(dict(resource.attributes))], stdin=subprocess.PIPE
+        )
         self._thread = threading.Thread(target=self._ship, name="pdbroker-spans", daemon=True)
         self._thread.start()
+        atexit.register(self.shutdown)
 
     def get_tracer(
         self,
@@ -299,7 +301,10 @@ class OffloadTracerProvider(trace.TracerProvider):
         return True
 
     def shutdown(self) -> None:
-        """Ship the rest, let the child export it and exit (waits up to 30 s)."""
+        """Ship the rest, let the child export it and exit (waits up to 30 s). Also runs at
+        exit; later calls do nothing."""
+        if self._stopping.is_set():
+            return
         self._stopping.set()
         self._thread.join()
         self._send()
@@ -319,8 +324,7 @@ class OffloadTracerProvider(trace.TracerProvider):
 
 def unpack_span(packed: tuple, resource: Resource) -> ReadableSpan:
     """An SDK span, in ``resource``, from what :class:`_Span` queued."""
-    (name, ctx, parent, kind, start, end, attributes, links, events, code, description,
-     scope) = packed  # fmt: skip
+    name, ctx, parent, kind, start, end, attributes, links, events, code, text, scope = packed
     return ReadableSpan(
         name,
         _unpack_context(ctx),
@@ -330,7 +334,7 @@ def unpack_span(packed: tuple, resource: Resource) -> ReadableSpan:
         [Event(n, a, t) for n, t, a in events],
         [Link(_unpack_context(c), a) for c, a in links],
         SpanKind(kind),
-        status=Status(StatusCode(code), description),
+        status=Status(StatusCode(code), text),
         start_time=start,
         end_time=end,
         instrumentation_scope=InstrumentationScope(*scope),
@@ -338,9 +342,15 @@ def unpack_span(packed: tuple, resource: Resource) -> ReadableSpan:
 
 
 def _read_frames(stream: BinaryIO) -> Iterator[list[tuple]]:
-    while header := stream.read(_FRAME.size):
+    """Frames until the stream ends; a frame cut short (the broker died writing it) ends it
+    too."""
+    while len(header := stream.read(_FRAME.size)) == _FRAME.size:
         (size,) = _FRAME.unpack(header)
-        yield pickle.loads(stream.read(size))
+        payload = stream.read(size)
+        if len(payload) < size:
+            log.warning("the broker went away in the middle of a frame")
+            return
+        yield pickle.loads(payload)
 
 
 def main(exporter_names: str, resource_attributes: Mapping[str, Any]) -> int:
