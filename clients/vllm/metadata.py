@@ -1,0 +1,94 @@
+"""What crosses process boundaries: the ``kv_transfer_params`` a request carries from the
+prefill engine to the decode engine, the connector settings, and the per-step metadata the
+scheduler half hands the worker half.
+
+``kv_transfer_params`` keep vLLM's own P/D flags (``do_remote_decode`` on the prefill leg, set
+by the proxy; ``do_remote_prefill`` on the decode leg, which vLLM's serving layer and metrics
+read) and add only the transfer id and the broker address: block ids, ranks and layouts stay
+with the broker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+#: Set by the proxy on the prefill leg: run the prompt here, keep the state for a decode engine.
+DO_REMOTE_DECODE = "do_remote_decode"
+#: Set on the decode leg: the prompt's state waits at the broker under :data:`TRANSFER_ID`.
+DO_REMOTE_PREFILL = "do_remote_prefill"
+TRANSFER_ID = "pdbroker_transfer_id"
+BROKER = "pdbroker_broker"
+
+
+def decode_params(transfer_id: str, broker: str) -> dict[str, Any]:
+    """The ``kv_transfer_params`` a finished prefill request hands the decode leg."""
+    return {DO_REMOTE_PREFILL: True, TRANSFER_ID: transfer_id, BROKER: broker}
+
+
+def pending_transfer(params: Mapping[str, Any] | None) -> tuple[str, str] | None:
+    """``(transfer_id, broker)`` of a decode-leg request whose state was not claimed yet."""
+    if not params or not params.get(DO_REMOTE_PREFILL):
+        return None
+    transfer_id, broker = params.get(TRANSFER_ID), params.get(BROKER)
+    if not isinstance(transfer_id, str) or not isinstance(broker, str) or not transfer_id:
+        return None
+    return transfer_id, broker
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    """``kv_connector_extra_config`` of the connector. Durations in seconds, TTL in ms.
+
+    ``broker``: ``HOST:PORT`` of ``pdbroker serve`` (required). ``publish_ttl_ms``: how long a
+    published request's blocks wait for a decode engine (0: the broker's default).
+    ``model_name``: what prefill and decode engines of one model both call it (default: the
+    served model name), prefixed to the layout digest in the model fingerprint.
+    ``progress_interval_s``: how often a prefill rank polls its NIXL agent (readers' wire-up
+    and their notifications need it).
+    """
+
+    broker: str
+    publish_ttl_ms: int = 0
+    call_timeout_s: float = 10.0
+    read_timeout_s: float = 30.0
+    progress_interval_s: float = 0.001
+    model_name: str = ""
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any]) -> ConnectorSettings:
+        """Parse ``kv_connector_extra_config``; unknown keys are an error (typos)."""
+        known = {f.name: f for f in fields(cls)}
+        unknown = set(extra) - set(known)
+        if unknown:
+            raise ValueError(f"kv_connector_extra_config: unknown keys {sorted(unknown)}; "
+                             f"known: {sorted(known)}")
+        if not isinstance(extra.get("broker"), str) or ":" not in extra["broker"]:
+            raise ValueError('kv_connector_extra_config.broker: required, "HOST:PORT" of the broker')
+        # Every other field has a default whose type the value is converted to.
+        return cls(**{name: value if known[name].default is MISSING
+                      else type(known[name].default)(value) for name, value in extra.items()})
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """Decode: move ``transfer_id``'s state (``num_tokens`` tokens) into ``block_ids`` (per
+    transfer group) of this engine."""
+
+    transfer_id: str
+    broker: str
+    block_ids: tuple[tuple[int, ...], ...]
+    num_tokens: int
+
+
+@dataclass
+class PdBrokerMetadata(KVConnectorMetadata):
+    """One scheduler step's orders to every worker: ``loads`` to start (by request id), and
+    ``sends``: transfers published for finished prefill requests (transfer id -> request id),
+    whose releases the workers report as finished sends."""
+
+    loads: dict[str, LoadSpec] = field(default_factory=dict)
+    sends: dict[str, str] = field(default_factory=dict)

@@ -1,0 +1,218 @@
+"""The connector's scheduler half: publishes finished prefill requests, plans decode loads.
+
+Prefill engine (``kv_producer``): a request the proxy marked ``do_remote_decode`` runs all but
+the last :meth:`SchedulerHalf.backoff` prompt tokens (one for Mamba models: decode needs the
+state after N-1 tokens to compute token N itself) and one output token. When it finishes,
+:meth:`SchedulerHalf.request_finished` publishes its blocks (transfer groups only; the Mamba
+groups' running-state block) to the broker, keeps them until the workers report the broker's
+release, and returns ``kv_transfer_params`` with only the transfer id and broker address.
+
+Decode engine (``kv_consumer``): :meth:`get_num_new_matched_tokens` offers the published
+tokens, :meth:`update_state_after_alloc` records the blocks vLLM allocated for them, and
+:meth:`build_connector_meta` hands the loads to the workers. A request that will never load
+(finished before its load, or a full local prefix-cache hit) has its transfer aborted so the
+prefill engine frees the blocks at once rather than at expiry.
+
+Broker calls from the scheduler process use a blocking gRPC channel: a publish (one RPC, on
+the scheduler thread, as the answer decides the request's output) and aborts (on a background
+thread, fire and forget).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import grpc
+from vllm.v1.kv_cache_interface import KVCacheConfig, MambaSpec, iter_layer_specs
+from vllm.v1.request import RequestStatus
+
+from broker import tracing
+from broker.v1 import broker_pb2 as pb
+from broker.v1 import broker_pb2_grpc as pb_grpc
+from clients.vllm.metadata import (
+    DO_REMOTE_DECODE,
+    DO_REMOTE_PREFILL,
+    ConnectorSettings,
+    LoadSpec,
+    PdBrokerMetadata,
+    decode_params,
+    pending_transfer,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+#: Marks a prefill-leg request whose prompt was already cut short (preemption re-runs it).
+_TRUNCATED = "_pdbroker_truncated"
+_PUBLISHABLE = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+
+
+class SchedulerHalf:
+    """Scheduler-side state of one engine; called from vLLM's scheduler thread only."""
+
+    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
+                 settings: ConnectorSettings) -> None:
+        kv_config = vllm_config.kv_transfer_config
+        assert kv_config is not None and kv_config.engine_id is not None
+        self.engine_id = kv_config.engine_id
+        self.settings = settings
+        self.kv_cache_config = kv_cache_config
+        self.backoff = max(1 if kv_cache_config.has_mamba_layers else 0,
+                           vllm_config.num_prefill_lookahead_tokens - 1)
+        #: Per transfer group: speculative scratch blocks trailing a Mamba group's state block
+        #: (None for attention groups).
+        self._scratch = [_scratch_blocks(g.kv_cache_spec) for g in kv_cache_config.transfer_groups]
+        self._loads: dict[str, LoadSpec] = {}
+        self._sends: dict[str, str] = {}
+        self._channel: grpc.Channel | None = None
+        self._stub: pb_grpc.BrokerStub | None = None
+        self._aborter = ThreadPoolExecutor(1, thread_name_prefix="pdbroker-abort")
+
+    # ---------------------------------------------------------------- prefill leg
+
+    def on_new_request(self, request: Request) -> None:
+        """Cut a prefill-leg prompt short by :attr:`backoff` tokens and let it emit one token."""
+        params = request.kv_transfer_params
+        if (not params or not params.get(DO_REMOTE_DECODE) or params.get(_TRUNCATED)
+                or not self.backoff or request.num_prompt_tokens <= self.backoff
+                or request.get_skip_reading_prefix_cache()):
+            return
+        if request.prompt_token_ids is not None:
+            del request.prompt_token_ids[-self.backoff:]
+        elif request.prompt_embeds is not None:
+            request.prompt_embeds = request.prompt_embeds[:-self.backoff]
+        else:
+            return
+        del request._all_token_ids[-self.backoff:]
+        request.num_prompt_tokens -= self.backoff
+        request.max_tokens = 1
+        params[_TRUNCATED] = True
+
+    def request_finished(self, request: Request,
+                         block_ids: Sequence[Sequence[int]]) -> tuple[bool, dict[str, Any] | None]:
+        """Prefill leg finished normally: publish and keep the blocks until released. Decode
+        leg that never loaded: abort its transfer. Returns vLLM's ``(delay_free, params)``."""
+        params = request.kv_transfer_params
+        pending = pending_transfer(params)
+        if pending is not None:
+            assert params is not None
+            params[DO_REMOTE_PREFILL] = False
+            self._abort(pending[0], f"decode request {request.request_id} finished before loading")
+            return False, None
+        if not params or not params.get(DO_REMOTE_DECODE) or request.status not in _PUBLISHABLE:
+            return False, None
+        groups = self.transfer_blocks(block_ids)
+        if request.num_computed_tokens <= 0 or not any(groups):
+            return False, None
+        transfer_id = f"{self.engine_id}:{request.request_id}:{secrets.token_hex(4)}"
+        try:
+            self._publish(transfer_id, groups, request.num_computed_tokens)
+        except grpc.RpcError as exc:
+            log.warning("cannot publish %s to the broker at %s (%s: %s); the decode engine will "
+                        "compute the prompt itself", request.request_id, self.settings.broker,
+                        exc.code().name, exc.details())
+            return False, None
+        self._sends[transfer_id] = request.request_id
+        return True, decode_params(transfer_id, self.settings.broker)
+
+    def transfer_blocks(self, block_ids: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
+        """The transfer groups' block ids as the broker takes them: attention groups whole,
+        Mamba groups only the running-state block (no speculative scratch, no null padding)."""
+        return self._clip(self.kv_cache_config.select_transfer_block_ids([list(g) for g in block_ids]))
+
+    def _clip(self, groups: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
+        """Keep a Mamba group's running-state block: its last one before the scratch blocks."""
+        return tuple(tuple(g) if s is None or not g else (g[-1 - min(s, len(g) - 1)],)
+                     for g, s in zip(groups, self._scratch))
+
+    # ---------------------------------------------------------------- decode leg
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int, bool]:
+        """The published tokens beyond what decode computed locally, loaded asynchronously."""
+        if pending_transfer(request.kv_transfer_params) is None:
+            return 0, False
+        count = self._published_tokens(request) - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        """Record the load into the blocks vLLM allocated (at most once per request)."""
+        params = request.kv_transfer_params
+        pending = pending_transfer(params)
+        if pending is None:
+            return
+        assert params is not None
+        params[DO_REMOTE_PREFILL] = False
+        transfer_id, broker = pending
+        if num_external_tokens <= 0:
+            self._abort(transfer_id, f"decode request {request.request_id} needs no remote tokens")
+            return
+        self._loads[request.request_id] = LoadSpec(
+            transfer_id, broker, self.transfer_blocks(blocks.get_unhashed_block_ids_all_groups()),
+            self._published_tokens(request))
+
+    def _published_tokens(self, request: Request) -> int:
+        """Tokens the prefill engine computed for this prompt (it held back :attr:`backoff`)."""
+        n = request.num_prompt_tokens
+        return n - self.backoff if n > self.backoff else n
+
+    # ---------------------------------------------------------------- both
+
+    def build_connector_meta(self) -> PdBrokerMetadata:
+        """This step's loads and newly published transfers, handed over once."""
+        meta = PdBrokerMetadata(loads=self._loads, sends=self._sends)
+        self._loads, self._sends = {}, {}
+        return meta
+
+    def shutdown(self) -> None:
+        self._aborter.shutdown(wait=True)
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = self._stub = None
+
+    # ---------------------------------------------------------------- broker calls
+
+    def _broker(self) -> pb_grpc.BrokerStub:
+        if self._stub is None:
+            self._channel = grpc.insecure_channel(self.settings.broker)
+            self._stub = pb_grpc.BrokerStub(self._channel)
+        return self._stub
+
+    def _publish(self, transfer_id: str, block_ids: tuple[tuple[int, ...], ...],
+                 num_tokens: int) -> None:
+        with tracing.root_span("prefill.publish", {
+                "pdbroker.transfer_id": transfer_id, "pdbroker.prefill_engine": self.engine_id,
+                "pdbroker.num_tokens": num_tokens}):
+            self._broker().PublishBlocks(pb.PublishBlocksRequest(
+                transfer_id=transfer_id, engine_id=self.engine_id,
+                block_ids=[pb.BlockIds(ids=list(g)) for g in block_ids], num_tokens=num_tokens,
+                ttl_ms=self.settings.publish_ttl_ms), timeout=self.settings.call_timeout_s,
+                metadata=tracing.grpc_metadata() or None)
+
+    def _abort(self, transfer_id: str, reason: str) -> None:
+        """Tell the broker (in the background) that nobody will read ``transfer_id``."""
+        stub, timeout = self._broker(), self.settings.call_timeout_s
+
+        def abort() -> None:
+            try:
+                stub.AbortTransfer(pb.AbortTransferRequest(transfer_id=transfer_id, reason=reason),
+                                   timeout=timeout)
+            except grpc.RpcError as exc:
+                log.warning("cannot abort transfer %s (%s: %s); it expires at the broker",
+                            transfer_id, exc.code().name, exc.details())
+
+        self._aborter.submit(abort)
+
+
+def _scratch_blocks(spec: object) -> int | None:
+    """Trailing speculative scratch blocks of a Mamba group (None for other groups)."""
+    specs = list(iter_layer_specs(spec))  # type: ignore[arg-type]
+    return specs[0].num_speculative_blocks if isinstance(specs[0], MambaSpec) else None

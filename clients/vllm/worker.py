@@ -1,0 +1,200 @@
+"""The connector's worker half: one TP rank's registration, loads and releases.
+
+:meth:`WorkerHalf.register_kv_caches` derives the rank's page layout from vLLM's KV cache
+tensors (:mod:`clients.vllm.layout`) and registers the rank with the broker through
+:class:`~clients.prefill.AsyncPrefillClient` or :class:`~clients.decode.AsyncDecodeClient`,
+which run on a private event-loop thread (NIXL agent, lease keep-alive, release stream).
+
+Decode: :meth:`start_load_kv` starts each new load in the background (check the published
+token count, plan, NIXL reads, report); :meth:`get_transfer_results` reports finished loads,
+and failed ones, whose requests vLLM recomputes (``kv_load_failure_policy=recompute``), among
+them. A load fails when the broker is unreachable, refuses the plan (layouts that do not
+match), or says the data is not intact, when a read fails, or when the prefill engine
+published another token count than this engine expects. A plan the broker refused, or a
+token count that does not match, aborts the transfer so the prefill engine frees its blocks.
+
+Prefill: each release the broker streams to this rank (every reader done, expired, failed or
+aborted) becomes a finished send of the request that published it, and vLLM frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Coroutine
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
+
+from broker.layout import EngineLayout
+from broker.v1 import broker_pb2 as pb
+from clients.decode import AsyncDecodeClient, FetchError
+from clients.prefill import AsyncPrefillClient, Release
+from clients.session import AsyncEngineClient, BrokerCallError, LoopThread, call
+from clients.vllm.layout import ModelFacts, derive_rank_memory, model_fingerprint
+from clients.vllm.metadata import ConnectorSettings, LoadSpec, PdBrokerMetadata
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+log = logging.getLogger(__name__)
+
+
+class LoadError(RuntimeError):
+    """A load that cannot be used; its request is recomputed."""
+
+
+class WorkerHalf:
+    """Worker-side state of one TP rank; vLLM calls it from the model runner's thread."""
+
+    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
+                 settings: ConnectorSettings, tp_size: int, tp_rank: int) -> None:
+        kv_config = vllm_config.kv_transfer_config
+        assert kv_config is not None and kv_config.engine_id is not None
+        if kv_config.is_kv_producer == kv_config.is_kv_consumer:
+            raise ValueError("PdBrokerConnector: kv_role must be kv_producer (prefill engines) "
+                             "or kv_consumer (decode engines)")
+        self.engine_id = kv_config.engine_id
+        self.producer = kv_config.is_kv_producer
+        self.settings = settings
+        self.kv_cache_config = kv_cache_config
+        self.tp_size, self.tp_rank = tp_size, tp_rank
+        model_config = vllm_config.model_config
+        text_config = model_config.hf_text_config
+        self.facts = ModelFacts(model_config.get_total_num_kv_heads(),
+                                getattr(text_config, "n_groups", None)
+                                or getattr(text_config, "mamba_n_groups", None) or 0)
+        name = settings.model_name or model_config.served_model_name or model_config.model
+        self.model_name = name if isinstance(name, str) else name[0]
+        self.client: AsyncEngineClient | None = None
+        self._loop: LoopThread | None = None
+        self._loads: dict[str, Future[None]] = {}
+        self._released: set[str] = set()  # transfer ids released, filled on the loop thread
+        self._released_lock = threading.Lock()
+        self._sends: dict[str, str] = {}  # transfer id -> request id, from the scheduler
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Declare this rank's pages, register them with NIXL and the rank with the broker."""
+        layout = engine_layout(self.kv_cache_config, kv_caches, self.tp_size, self.facts,
+                               self.model_name)
+        memory = derive_rank_memory(self.kv_cache_config, kv_caches, self.tp_size, self.tp_rank,
+                                    self.facts, get_conv_state_layout())
+        timeout = self.settings.call_timeout_s
+        if self.producer:
+            client: AsyncEngineClient = AsyncPrefillClient(
+                self.settings.broker, self.engine_id, layout, {self.tp_rank: memory.regions},
+                on_release=self._on_release, progress_interval_s=self.settings.progress_interval_s,
+                idle_interval_s=self.settings.progress_interval_s, call_timeout_s=timeout)
+        else:
+            client = AsyncDecodeClient(self.settings.broker, self.engine_id, layout,
+                                       {self.tp_rank: memory.regions},
+                                       read_timeout_s=self.settings.read_timeout_s,
+                                       call_timeout_s=timeout)
+        self._loop = LoopThread(f"pdbroker-{self.engine_id}-rank{self.tp_rank}")
+        try:
+            self._loop.run(client.start())
+        except BaseException:
+            self._loop.close()
+            self._loop = None
+            raise
+        self.client = client
+        log.info("rank %d of %s registered with the broker at %s: %d regions of %d blocks of "
+                 "%d bytes, %d groups", self.tp_rank, self.engine_id, self.settings.broker,
+                 memory.layout.num_regions, memory.layout.num_blocks, memory.layout.page_bytes,
+                 len(memory.layout.groups))
+
+    def start_load_kv(self, metadata: PdBrokerMetadata) -> None:
+        """Start this step's loads; note this step's published transfers."""
+        self._sends.update(metadata.sends)
+        for request_id, spec in metadata.loads.items():
+            self._loads[request_id] = self._submit(self._load(spec))
+
+    def get_transfer_results(self) -> KVConnectorTransferResults:
+        """Loads that ended (failed ones also in ``failed_recving``) and released sends."""
+        results = KVConnectorTransferResults()
+        for request_id, future in list(self._loads.items()):
+            if not future.done():
+                continue
+            del self._loads[request_id]
+            results.finished_recving.add(request_id)
+            error = "cancelled" if future.cancelled() else future.exception()
+            if error is not None:
+                log.warning("load of %s failed, vLLM recomputes it: %s", request_id, error)
+                results.failed_recving.add(request_id)
+        with self._released_lock:
+            done = self._released & self._sends.keys()
+            self._released -= done
+        results.finished_sending.update(self._sends.pop(t) for t in done)
+        return results
+
+    def shutdown(self) -> None:
+        """Leave the broker and stop the loop thread. Idempotent."""
+        loop, self._loop = self._loop, None
+        if loop is None:
+            return
+        try:
+            if self.client is not None:
+                loop.run(self.client.close())
+        except BrokerCallError as exc:  # the broker is gone: its lease expires there
+            log.warning("rank %d of %s could not deregister: %s", self.tp_rank, self.engine_id, exc)
+        finally:
+            loop.close()
+
+    # ---------------------------------------------------------------- internals
+
+    def _submit(self, coro: Coroutine[Any, Any, None]) -> Future[None]:
+        assert self._loop is not None, "register_kv_caches() first"
+        return asyncio.run_coroutine_threadsafe(coro, self._loop.loop)
+
+    def _on_release(self, release: Release) -> None:
+        with self._released_lock:
+            self._released.add(release.transfer_id)
+
+    async def _load(self, spec: LoadSpec) -> None:
+        """Check, plan, read and report one transfer; raises :class:`LoadError` if unusable."""
+        client = self.client
+        assert isinstance(client, AsyncDecodeClient)
+        if spec.broker != self.settings.broker:
+            raise LoadError(f"transfer {spec.transfer_id} waits at broker {spec.broker}, this "
+                            f"engine is registered with {self.settings.broker}")
+        try:
+            info = await call(client.stub, "GetTransfer",
+                              pb.GetTransferRequest(transfer_id=spec.transfer_id),
+                              self.settings.call_timeout_s)
+        except BrokerCallError as exc:
+            raise LoadError(str(exc)) from None
+        if info.num_tokens != spec.num_tokens:
+            await self._abort(client, spec.transfer_id, f"decode engine {self.engine_id} expects "
+                              f"{spec.num_tokens} tokens, {info.num_tokens} were published")
+            raise LoadError(f"transfer {spec.transfer_id} holds {info.num_tokens} tokens, "
+                            f"this engine expects {spec.num_tokens}")
+        try:
+            await client.fetch(spec.transfer_id, spec.block_ids)
+        except FetchError as exc:
+            refused = [e for e in exc.errors.values()
+                       if isinstance(e, BrokerCallError) and e.method == "GetTransferPlan"]
+            if refused:
+                await self._abort(client, spec.transfer_id, f"plan refused: {refused[0]}")
+            raise LoadError(str(exc)) from None
+
+    async def _abort(self, client: AsyncDecodeClient, transfer_id: str, reason: str) -> None:
+        try:
+            await call(client.stub, "AbortTransfer",
+                       pb.AbortTransferRequest(transfer_id=transfer_id, reason=reason),
+                       self.settings.call_timeout_s)
+        except BrokerCallError as exc:
+            log.warning("cannot abort transfer %s: %s", transfer_id, exc)
+
+
+def engine_layout(kv_cache_config: KVCacheConfig, kv_caches: dict[str, torch.Tensor],
+                  tp_size: int, facts: ModelFacts, model_name: str) -> EngineLayout:
+    """Every rank's layout, from this rank's tensors: TP ranks of a vLLM engine allocate the
+    same shapes and differ only in which slices of the global tensors they hold."""
+    ranks = tuple(derive_rank_memory(kv_cache_config, kv_caches, tp_size, r, facts,
+                                     get_conv_state_layout()).layout for r in range(tp_size))
+    return EngineLayout(model_fingerprint(model_name, ranks[0]), tp_size, ranks)
