@@ -7,7 +7,7 @@ Measured in the broker process (2-core host, OpenTelemetry SDK 1.45): an SDK spa
 spans itself: :class:`OffloadTracerProvider` hands out spans that keep their fields in slots
 and, when they end, queue one tuple of plain values (a few µs in all). A daemon thread pickles
 what has queued up (C code) and writes it to a child process (``python -m
-broker.trace_export``, at a lower CPU priority), which rebuilds SDK ``ReadableSpan`` objects
+broker.trace_export``, on idle CPU time only), which rebuilds SDK ``ReadableSpan`` objects
 and hands them to the exporters ``OTEL_TRACES_EXPORTER`` names (OTLP gRPC/HTTP, console),
 configured by the usual ``OTEL_*`` variables. Trace and span ids, W3C context and the sampler
 (``OTEL_TRACES_SAMPLER``) are OpenTelemetry's; attribute values are checked in the child.
@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, BinaryIO
 
@@ -47,8 +47,8 @@ log = logging.getLogger(__name__)
 _FRAME = struct.Struct("<I")
 #: Spans per export call (OpenTelemetry's batch processor default).
 EXPORT_BATCH = 512
-#: Added to the exporter process's nice value.
-NICENESS = 10
+#: Added to the exporter process's nice value where idle scheduling is not available.
+NICENESS = 19
 
 #: ``(trace_id, span_id, trace_flags, is_remote)`` of a span context.
 PackedContext = tuple[int, int, int, bool]
@@ -92,7 +92,7 @@ class _Span(trace.Span):
         attributes: dict[str, Any],
         links: Sequence[Link],
         scope: tuple[str, str | None],
-        sink: Any,
+        sink: Callable[[tuple], None],
     ) -> None:
         self._name, self._context, self._parent, self._kind = name, context, parent, kind
         self._start, self._end = start, 0
@@ -219,16 +219,21 @@ class _Tracer(trace.Tracer):
         end_on_exit: bool = True,
     ) -> AbstractContextManager[trace.Span]:
         span = self.start_span(name, context, kind, attributes, links, start_time)
-        return trace.use_span(span, end_on_exit, record_exception, set_status_on_exception)  # type: ignore[return-value]
+        return trace.use_span(  # type: ignore[return-value]
+            span, end_on_exit, record_exception, set_status_on_exception
+        )
 
 
 class OffloadTracerProvider(trace.TracerProvider):
     """Tracers whose spans a ``python -m broker.trace_export`` child exports with the
     exporters ``exporter_names`` (comma-separated, see :data:`broker.tracing.EXPORTERS`).
 
-    Ended spans queue up (at most ``max_queue``; more are dropped and counted); a daemon
-    thread ships them every ``interval_s``. :meth:`shutdown` ships the rest, closes the child's
-    stdin and waits for it to export and exit.
+    Ended spans queue up as tuples; every ``interval_s`` a daemon thread pickles them into one
+    frame and writes what the pipe takes without blocking. Frames the child has not read yet
+    wait as bytes (so a slow child costs no garbage-collector work), at most ``max_pending``
+    spans' worth: beyond that the oldest whole frames are dropped and counted in
+    :attr:`dropped`. :meth:`shutdown` writes the rest, closes the child's stdin and waits for
+    it to export and exit.
     """
 
     def __init__(
@@ -237,13 +242,15 @@ class OffloadTracerProvider(trace.TracerProvider):
         exporter_names: str,
         sampler: Sampler,
         interval_s: float = 0.2,
-        max_queue: int = 65536,
+        max_pending: int = 65536,
     ) -> None:
         self.resource = resource
         self.sampler = sampler
-        self.max_queue = max_queue
+        self.max_pending = max_pending
         self.dropped = 0
         self._queue: deque[tuple] = deque()
+        self._frames: deque[tuple[memoryview, int]] = deque()  # unwritten bytes, spans
+        self._pending = 0  # spans in self._frames
         self._interval_s = interval_s
         self._stopping = threading.Event()
         self._lock = threading.Lock()  # one writer of the pipe at a time
@@ -251,6 +258,9 @@ class OffloadTracerProvider(trace.TracerProvider):
         self._child = subprocess.Popen(
             [*command, json.dumps(dict(resource.attributes))], stdin=subprocess.PIPE
         )
+        assert self._child.stdin is not None
+        self._fd = self._child.stdin.fileno()
+        os.set_blocking(self._fd, False)
         self._thread = threading.Thread(target=self._ship, name="pdbroker-spans", daemon=True)
         self._thread.start()
         atexit.register(self.shutdown)
@@ -265,51 +275,67 @@ class OffloadTracerProvider(trace.TracerProvider):
         return _Tracer(self, (instrumenting_module_name, instrumenting_library_version))
 
     def sink(self, packed: tuple) -> None:
-        """Queue one ended span."""
-        if len(self._queue) >= self.max_queue:
-            self.dropped += 1
-        else:
-            self._queue.append(packed)
+        """Queue one ended span (the shipping thread takes it within ``interval_s``)."""
+        self._queue.append(packed)
 
     def _ship(self) -> None:
         while not self._stopping.wait(self._interval_s):
             self._send()
 
     def _send(self) -> None:
-        """Write everything queued as one frame (this thread blocks while the child is busy,
-        the event loop never does)."""
+        """Frame what has queued up, drop the oldest frames beyond ``max_pending`` spans,
+        write what the pipe takes now."""
         with self._lock:
             batch = [self._queue.popleft() for _ in range(len(self._queue))]
-            stdin = self._child.stdin
-            if not batch or stdin is None or stdin.closed:
-                return
-            payload = pickle.dumps(batch, pickle.HIGHEST_PROTOCOL)
+            if batch:
+                payload = pickle.dumps(batch, pickle.HIGHEST_PROTOCOL)
+                self._frames.append((memoryview(_FRAME.pack(len(payload)) + payload), len(batch)))
+                self._pending += len(batch)
+            while self._pending > self.max_pending and len(self._frames) > 1:
+                _, spans = self._frames.popleft()  # never the head: it may be half written
+                self._pending -= spans
+                self.dropped += spans
+            self._write()
+
+    def _write(self) -> None:
+        while self._frames and self._fd >= 0:
+            data, spans = self._frames[0]
             try:
-                stdin.write(_FRAME.pack(len(payload)) + payload)
-                stdin.flush()
-            except (BrokenPipeError, ValueError):
-                self.dropped += len(batch)
+                written = os.write(self._fd, data)
+            except BlockingIOError:
+                return
+            except OSError:  # the child is gone
+                self.dropped += self._pending
+                self._frames.clear()
+                self._pending = 0
                 log.warning(
                     "span exporter process exited (code %s); spans are dropped",
                     self._child.poll(),
                 )
-                stdin.close()
+                return
+            if written < len(data):
+                self._frames[0] = (data[written:], spans)
+            else:
+                self._frames.popleft()
+                self._pending -= spans
 
     def force_flush(self, timeout_millis: int = 30_000) -> bool:
-        """Hand every queued span to the child (which exports as it reads)."""
+        """Hand the queued spans to the child as far as its pipe takes them now."""
         self._send()
-        return True
+        return not self._frames
 
     def shutdown(self) -> None:
-        """Ship the rest, let the child export it and exit (waits up to 30 s). Also runs at
+        """Write the rest, let the child export it and exit (waits up to 30 s). Also runs at
         exit; later calls do nothing."""
         if self._stopping.is_set():
             return
         self._stopping.set()
         self._thread.join()
+        os.set_blocking(self._fd, True)
         self._send()
-        if self._child.stdin is not None and not self._child.stdin.closed:
+        if self._child.stdin is not None:
             self._child.stdin.close()
+        self._fd = -1
         try:
             self._child.wait(30)
         except subprocess.TimeoutExpired:
@@ -353,14 +379,23 @@ def _read_frames(stream: BinaryIO) -> Iterator[list[tuple]]:
         yield pickle.loads(payload)
 
 
+def _yield_the_cpu() -> None:
+    """Run only on CPU time nothing else wants (Linux ``SCHED_IDLE``), else at the lowest
+    nice priority: on a saturated host telemetry waits for serving, not the reverse (the
+    broker's queue holds what waits; beyond it spans are dropped and counted)."""
+    if hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_IDLE"):
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    else:
+        os.nice(NICENESS)
+
+
 def main(exporter_names: str, resource_attributes: Mapping[str, Any]) -> int:
-    """The child: export the spans of every frame on stdin until it closes. It runs at a
-    lower CPU priority: on a saturated host telemetry waits for serving, not the reverse."""
+    """The child: export the spans of every frame on stdin until it closes."""
     from broker.tracing import named_exporter
 
-    os.nice(NICENESS)
+    _yield_the_cpu()
     resource = Resource(resource_attributes)
-    exporters = [named_exporter(n) for n in exporter_names.split(",")]
+    exporters = [named_exporter(n) for n in exporter_names.split(",") if n]  # '': record only
     for batch in _read_frames(sys.stdin.buffer):
         spans = [unpack_span(s, resource) for s in batch]
         for start in range(0, len(spans), EXPORT_BATCH):  # requests of bounded size

@@ -111,8 +111,7 @@ class AsyncPrefillClient(AsyncEngineClient):
                     block_ids=[pb.BlockIds(ids=list(g)) for g in block_ids],
                     num_tokens=num_tokens, ttl_ms=ttl_ms,
                     allowed_decode_engines=list(allowed_decode_engines)), self.call_timeout_s)
-                log.debug("published %d tokens", num_tokens, extra=transfer_fields(
-                    transfer_id, tracing.current_traceparent()))
+                log.debug("published %d tokens", num_tokens, extra=transfer_fields(transfer_id))
         except BaseException:
             self._awaiting.pop(transfer_id, None)
             raise

@@ -20,6 +20,10 @@ from pathlib import Path
 import grpc
 import pytest
 from broker_helpers import FakeClock, hybrid, register_engine, register_request
+from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
+from opentelemetry.trace import StatusCode
 from prometheus_client.parser import text_string_to_metric_families
 
 from broker.api import PlanQuery, Publication, Report
@@ -27,7 +31,8 @@ from broker.metrics import BrokerMetrics
 from broker.records import ReportStatus, Role
 from broker.scenarios import build_scenario
 from broker.service import BrokerService, ServiceConfig
-from broker.tracing import trace_id_of
+from broker.trace_export import OffloadTracerProvider
+from broker.tracing import context_from_traceparent, trace_id_of
 from broker.v1 import broker_pb2 as pb
 from broker.v1 import broker_pb2_grpc as pb_grpc
 from clients.loopback import BrokerProcess, FleetReport, PairSpec, run_fleet
@@ -195,6 +200,44 @@ def test_span_tree_lines(traced: TracedRun) -> None:
         "prefill.free": 5,
     }
     assert all(float(line.split()[2]) > 0 for line in lines)
+
+
+def test_the_brokers_offloaded_spans_reach_the_exporter_intact(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """The broker's own tracer: spans queued as tuples, exported by its child process (here
+    with the console exporter, whose JSON lands on this process's stdout)."""
+    provider = OffloadTracerProvider(
+        Resource({"service.name": "unit"}), "console", ParentBased(ALWAYS_ON)
+    )
+    tracer = provider.get_tracer("pdbroker")
+    outer = tracer.start_span(
+        "outer", context_from_traceparent(TRACEPARENT), attributes={"ranks": [0, 1]}
+    )
+    with trace.use_span(outer, end_on_exit=True):
+        outer.set_attribute("bytes", 42)
+        inner = tracer.start_span("inner")  # a child of the current span
+        inner.record_exception(ValueError("no such block"))
+        inner.set_status(StatusCode.ERROR, "read failed")
+        inner.end()
+    unsampled = TRACEPARENT[:-2] + "00"
+    assert not tracer.start_span("dropped", context_from_traceparent(unsampled)).is_recording()
+    provider.shutdown()
+    text, decoder, spans = capfd.readouterr().out, json.JSONDecoder(), {}
+    while text.strip():
+        span, end = decoder.raw_decode(text.lstrip())
+        spans[span["name"]] = span
+        text = text.lstrip()[end:]
+    assert sorted(spans) == ["inner", "outer"]
+    o, i = spans["outer"], spans["inner"]
+    assert o["context"]["trace_id"] == i["context"]["trace_id"] == "0x" + TRACEPARENT[3:35]
+    assert o["parent_id"] == "0x" + TRACEPARENT[36:52]
+    assert i["parent_id"] == o["context"]["span_id"]
+    assert o["attributes"] == {"ranks": [0, 1], "bytes": 42}
+    assert o["resource"]["attributes"]["service.name"] == "unit"
+    assert i["status"] == {"status_code": "ERROR", "description": "read failed"}
+    assert i["events"][0]["name"] == "exception"
+    assert i["events"][0]["attributes"]["exception.message"] == "no such block"
 
 
 # --------------------------------------------------------------------------- metrics
