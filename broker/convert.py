@@ -23,6 +23,7 @@ from broker.api import (
 from broker.descriptors import pack
 from broker.errors import InvalidFieldError, LayoutError, LimitExceededError
 from broker.layout import GroupKind, GroupLayout, RankLayout, Segment
+from broker.limits import LIMITS
 from broker.records import (
     BlockIds,
     MemoryKind,
@@ -36,20 +37,6 @@ from broker.records import (
     TransferState,
 )
 from broker.v1 import broker_pb2 as pb
-
-#: Limits on inbound messages; exceeding one is RESOURCE_EXHAUSTED naming the field.
-MAX_ID_CHARS = 256
-MAX_TP_SIZE = 1024
-MAX_REGIONS = 4096
-MAX_GROUPS = 256
-MAX_LAYERS_PER_GROUP = 4096
-MAX_SEGMENTS_PER_GROUP = 64
-MAX_DIMS = 8
-MAX_AGENT_METADATA_BYTES = 16 << 20
-MAX_BLOCK_IDS = 1 << 20
-MAX_ALLOWED_DECODE_ENGINES = 256
-#: Longer error texts in reports are truncated, not rejected (a failure must be recordable).
-MAX_ERROR_CHARS = 4096
 
 _ROLES = {pb.ROLE_PREFILL: Role.PREFILL, pb.ROLE_DECODE: Role.DECODE, pb.ROLE_BOTH: Role.BOTH}
 _MEMORY_KINDS = {pb.MEMORY_KIND_DRAM: MemoryKind.DRAM, pb.MEMORY_KIND_VRAM: MemoryKind.VRAM}
@@ -76,17 +63,28 @@ _STATE_TO_PB = {
     TransferState.ABORTED: pb.TRANSFER_STATE_ABORTED,
 }
 _RANK_PREFIX = re.compile(r"^ranks\[\d+\]\.?")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
 # --------------------------------------------------------------------------- field checks
 
 
-def _ident(value: str, field: str) -> str:
+def ident(value: str, field: str) -> str:
+    """``value`` if it is a usable id: not empty, at most ``max_id_chars`` characters, no
+    control characters (ids end up in log lines, Redis keys and NIXL notifications)."""
     if not value:
         raise InvalidFieldError(field, "must not be empty")
-    if len(value) > MAX_ID_CHARS:
-        raise InvalidFieldError(field, f"{len(value)} characters, at most {MAX_ID_CHARS}")
+    if len(value) > LIMITS.max_id_chars:
+        raise InvalidFieldError(field, f"{len(value)} characters, at most {LIMITS.max_id_chars}")
+    bad = _CONTROL.search(value)
+    if bad:
+        raise InvalidFieldError(field, f"control character {bad.group()!r} at {bad.start()}")
     return value
+
+
+def text(value: str) -> str:
+    """A free text (report error, abort reason), cut to ``max_text_chars`` characters."""
+    return value[: LIMITS.max_text_chars]
 
 
 def _enum(value: int, table: dict, field: str, enum_name: str):
@@ -104,13 +102,12 @@ def _count(items: Sequence, limit: int, field: str) -> None:
 
 
 def block_ids_from_proto(groups: Sequence[pb.BlockIds], field: str = "block_ids") -> BlockIds:
-    """Per-group block ids; at most :data:`MAX_BLOCK_IDS` in all."""
-    _count(groups, MAX_GROUPS, field)
-    ids = tuple(tuple(g.ids) for g in groups)
-    total = sum(map(len, ids))
-    if total > MAX_BLOCK_IDS:
-        raise LimitExceededError(field, f"{total} block ids, at most {MAX_BLOCK_IDS}")
-    return ids
+    """Per-group block ids; at most ``max_block_ids`` in all."""
+    _count(groups, LIMITS.max_groups, field)
+    total = sum(len(g.ids) for g in groups)
+    if total > LIMITS.max_block_ids:
+        raise LimitExceededError(field, f"{total} block ids, at most {LIMITS.max_block_ids}")
+    return tuple(tuple(g.ids) for g in groups)
 
 
 def _block_ids_to_proto(ids: BlockIds) -> list[pb.BlockIds]:
@@ -121,10 +118,10 @@ def _block_ids_to_proto(ids: BlockIds) -> list[pb.BlockIds]:
 
 
 def _segment_from_proto(msg: pb.Segment, where: str) -> Segment:
-    _ident(msg.tensor, f"{where}.tensor")
-    if len(msg.shape) > MAX_DIMS:
+    ident(msg.tensor, f"{where}.tensor")
+    if len(msg.shape) > LIMITS.max_dims:
         raise LimitExceededError(
-            f"{where}.shape", f"{len(msg.shape)} dimensions, at most {MAX_DIMS}"
+            f"{where}.shape", f"{len(msg.shape)} dimensions, at most {LIMITS.max_dims}"
         )
     if len(msg.shape) != len(msg.strides):
         raise InvalidFieldError(
@@ -148,8 +145,17 @@ def _segment_from_proto(msg: pb.Segment, where: str) -> Segment:
 
 def _group_from_proto(msg: pb.GroupLayout, where: str) -> GroupLayout:
     kind = _enum(msg.kind, _GROUP_KINDS, f"{where}.kind", "GroupKind")
-    _count(msg.layers, MAX_LAYERS_PER_GROUP, f"{where}.layers")
-    _count(msg.segments, MAX_SEGMENTS_PER_GROUP, f"{where}.segments")
+    _count(msg.layers, LIMITS.max_regions, f"{where}.layers")
+    for i, layer in enumerate(msg.layers):
+        ident(layer, f"{where}.layers[{i}]")
+    _count(msg.segments, LIMITS.max_segments_per_group, f"{where}.segments")
+    if kind is GroupKind.ATTENTION and msg.kernel_block_size:
+        per_page = msg.block_size // msg.kernel_block_size
+        if per_page > LIMITS.max_kernel_blocks_per_page:
+            raise LimitExceededError(
+                f"{where}.kernel_block_size",
+                f"{per_page} kernel blocks per page, at most {LIMITS.max_kernel_blocks_per_page}",
+            )
     segments = tuple(
         _segment_from_proto(s, f"{where}.segments[{i}]") for i, s in enumerate(msg.segments)
     )
@@ -164,17 +170,17 @@ def _group_from_proto(msg: pb.GroupLayout, where: str) -> GroupLayout:
 
 
 def rank_layout_from_proto(msg: pb.RankLayout, tp_rank: int, where: str = "layout") -> RankLayout:
-    _count(msg.groups, MAX_GROUPS, f"{where}.groups")
-    if msg.num_regions > MAX_REGIONS:
+    _count(msg.groups, LIMITS.max_groups, f"{where}.groups")
+    if msg.num_regions > LIMITS.max_regions:
         raise LimitExceededError(
-            f"{where}.num_regions", f"{msg.num_regions}, at most {MAX_REGIONS}"
+            f"{where}.num_regions", f"{msg.num_regions}, at most {LIMITS.max_regions}"
         )
     groups = tuple(_group_from_proto(g, f"{where}.groups[{i}]") for i, g in enumerate(msg.groups))
     try:
         return RankLayout(tp_rank, msg.num_regions, msg.num_blocks, msg.page_bytes, groups)
-    except LayoutError as exc:  # fields named "ranks[0].groups[1].layers"
+    except (LayoutError, LimitExceededError) as exc:  # fields named "ranks[0].groups[1].layers"
         suffix = _RANK_PREFIX.sub("", exc.field)
-        raise LayoutError(f"{where}.{suffix}" if suffix else where, exc.detail) from None
+        raise type(exc)(f"{where}.{suffix}" if suffix else where, exc.detail) from None
 
 
 def rank_layout_to_proto(layout: RankLayout) -> pb.RankLayout:
@@ -212,18 +218,21 @@ def rank_layout_to_proto(layout: RankLayout) -> pb.RankLayout:
 
 
 def registration_from_proto(msg: pb.RegisterRankRequest) -> RankRegistration:
-    engine_id = _ident(msg.engine_id, "engine_id")
+    engine_id = ident(msg.engine_id, "engine_id")
     role = _enum(msg.role, _ROLES, "role", "Role")
-    if not 0 < msg.tp_size <= MAX_TP_SIZE:
-        raise InvalidFieldError("tp_size", f"{msg.tp_size} outside [1, {MAX_TP_SIZE}]")
+    if not msg.tp_size:
+        raise InvalidFieldError("tp_size", "must be positive")
+    if msg.tp_size > LIMITS.max_tp_size:
+        raise LimitExceededError("tp_size", f"{msg.tp_size}, at most {LIMITS.max_tp_size}")
     if msg.tp_rank >= msg.tp_size:
         raise InvalidFieldError("tp_rank", f"{msg.tp_rank} outside [0, {msg.tp_size})")
-    agent_name = _ident(msg.agent_name, "agent_name")
-    if len(msg.agent_metadata) > MAX_AGENT_METADATA_BYTES:
+    agent_name = ident(msg.agent_name, "agent_name")
+    if len(msg.agent_metadata) > LIMITS.max_agent_metadata_bytes:
         raise LimitExceededError(
-            "agent_metadata", f"{len(msg.agent_metadata)} bytes, at most {MAX_AGENT_METADATA_BYTES}"
+            "agent_metadata",
+            f"{len(msg.agent_metadata)} bytes, at most {LIMITS.max_agent_metadata_bytes}",
         )
-    _count(msg.regions, MAX_REGIONS, "regions")
+    _count(msg.regions, LIMITS.max_regions, "regions")
     regions = tuple(
         MemoryRegion(
             r.base_addr,
@@ -239,7 +248,7 @@ def registration_from_proto(msg: pb.RegisterRankRequest) -> RankRegistration:
     if not msg.HasField("layout"):
         raise InvalidFieldError("layout", "missing")
     layout = rank_layout_from_proto(msg.layout, msg.tp_rank)
-    fingerprint = _ident(msg.model_fingerprint, "model_fingerprint")
+    fingerprint = ident(msg.model_fingerprint, "model_fingerprint")
     return RankRegistration(
         engine_id,
         role,
@@ -295,13 +304,13 @@ def engines_to_proto(views: Iterable[EngineView]) -> pb.ListEnginesResponse:
 
 def publication_from_proto(msg: pb.PublishBlocksRequest, traceparent: str = "") -> Publication:
     """``traceparent``: the publisher's W3C trace context (from the call's metadata)."""
-    transfer_id = _ident(msg.transfer_id, "transfer_id")
-    engine_id = _ident(msg.engine_id, "engine_id")
+    transfer_id = ident(msg.transfer_id, "transfer_id")
+    engine_id = ident(msg.engine_id, "engine_id")
     if msg.num_tokens == 0:
         raise InvalidFieldError("num_tokens", "must be positive")
-    _count(msg.allowed_decode_engines, MAX_ALLOWED_DECODE_ENGINES, "allowed_decode_engines")
+    _count(msg.allowed_decode_engines, LIMITS.max_allowed_decode_engines, "allowed_decode_engines")
     allowed = frozenset(
-        _ident(e, f"allowed_decode_engines[{i}]") for i, e in enumerate(msg.allowed_decode_engines)
+        ident(e, f"allowed_decode_engines[{i}]") for i, e in enumerate(msg.allowed_decode_engines)
     )
     return Publication(
         transfer_id,
@@ -316,8 +325,8 @@ def publication_from_proto(msg: pb.PublishBlocksRequest, traceparent: str = "") 
 
 def plan_query_from_proto(msg: pb.GetTransferPlanRequest) -> PlanQuery:
     return PlanQuery(
-        _ident(msg.transfer_id, "transfer_id"),
-        _ident(msg.engine_id, "engine_id"),
+        ident(msg.transfer_id, "transfer_id"),
+        ident(msg.engine_id, "engine_id"),
         msg.tp_rank,
         block_ids_from_proto(msg.block_ids),
         msg.want_agent_metadata,
@@ -353,13 +362,13 @@ def plan_to_proto(plan: PlanResult) -> pb.GetTransferPlanResponse:
 
 def report_from_proto(msg: pb.ReportTransferRequest) -> Report:
     return Report(
-        _ident(msg.plan_id, "plan_id"),
-        _ident(msg.engine_id, "engine_id"),
+        ident(msg.plan_id, "plan_id"),
+        ident(msg.engine_id, "engine_id"),
         msg.tp_rank,
         _enum(msg.status, _REPORT_STATUSES, "status", "ReportStatus"),
         msg.bytes_moved,
         msg.duration_us,
-        msg.error[:MAX_ERROR_CHARS],
+        text(msg.error),
     )
 
 

@@ -22,28 +22,28 @@ def absolute_descriptors(
     """``(n, 3)`` int64 rows ``(base[region] + offset, length, device[region])``.
 
     ``region_table`` is ``(3, num_regions)``: base address, length (bytes) and device id
-    per region (:attr:`broker.records.RankRegistration.region_table`). Raises
-    :class:`OutOfRegionError` if a run starts before its region or ends past
-    ``base + length_bytes``; ``region`` must index the table (the planner's regions do).
+    per region (:attr:`broker.records.RankRegistration.region_table`; ``base + length`` below
+    2**63). Raises :class:`OutOfRegionError` unless every region index is in the table, every
+    length positive and every run inside ``[0, length_bytes)`` of its region. The checks
+    cannot overflow: ``offset <= region_length - length`` with both sides non-negative.
     """
     out = np.empty((region.size, 3), dtype=np.int64)
     if not region.size:
         return out
-    try:
-        base, device = region_table[0][region], region_table[2][region]
-    except IndexError:
+    if int(region.min()) < 0 or int(region.max()) >= region_table.shape[1]:
         raise OutOfRegionError(
             f"{side}: region index outside the {region_table.shape[1]} registered"
-        ) from None
-    end = offset + length
+        )
+    if int(offset.min()) < 0 or int(length.min()) <= 0:
+        raise OutOfRegionError(f"{side}: a descriptor has a negative offset or no length")
     # Ending within the shortest region is enough; only otherwise look up each one's length.
-    if int(offset.min()) < 0 or (
-        int(end.max()) > int(region_table[1].min()) and bool((end > region_table[1][region]).any())
+    if int(offset.max()) + int(length.max()) > int(region_table[1].min()) and bool(
+        (offset > region_table[1][region] - length).any()
     ):
         raise OutOfRegionError(f"{side}: a descriptor leaves its registered region")
-    np.add(base, offset, out=out[:, 0])
+    np.add(region_table[0][region], offset, out=out[:, 0])
     out[:, 1] = length
-    out[:, 2] = device
+    out[:, 2] = region_table[2][region]
     return out
 
 

@@ -18,7 +18,10 @@ import math
 from dataclasses import dataclass, field
 from enum import Enum
 
-from broker.errors import LayoutError
+import numpy as np
+
+from broker.errors import LayoutError, LimitExceededError
+from broker.limits import LIMITS
 
 DTYPE_BYTES: dict[str, int] = {
     "float32": 4,
@@ -109,6 +112,30 @@ class Segment:
         return self.offset + sum((n - 1) * s for n, s in zip(self.shape, self.strides)) + self.itemsize
 
     @property
+    def num_runs(self) -> int:
+        """Contiguous byte runs its elements form (trailing axes that continue each other
+        fold into one run)."""
+        return math.prod(self.shape[: self._fold()[0]])
+
+    def runs(self) -> tuple[np.ndarray, int]:
+        """Start offsets (bytes from the page or kernel block start) of its contiguous runs,
+        in element order, and their common length."""
+        outer, length = self._fold()
+        starts = np.array([self.offset], dtype=np.int64)
+        for n, stride in zip(self.shape[:outer], self.strides[:outer]):
+            if n > 1:  # a stride of a length-1 axis is never taken
+                starts = (starts[:, None] + np.arange(n, dtype=np.int64) * stride).ravel()
+        return starts, length
+
+    def _fold(self) -> tuple[int, int]:
+        """``(outer axes, run bytes)``: the trailing axes from ``outer`` on make one run."""
+        length, outer = self.itemsize, len(self.shape)
+        while outer and (self.shape[outer - 1] == 1 or self.strides[outer - 1] == length):
+            length *= self.shape[outer - 1]
+            outer -= 1
+        return outer, length
+
+    @property
     def global_shape(self) -> tuple[int, ...]:
         """Shape of the global tensor, token axis left at the local kernel-block length."""
         if self.shard_axis is None:
@@ -186,6 +213,8 @@ class RankLayout:
         for name in ("num_regions", "num_blocks", "page_bytes"):
             if getattr(self, name) <= 0:
                 raise LayoutError(f"{where}.{name}", "must be positive")
+        if self.region_bytes >= 1 << 63:
+            raise LayoutError(f"{where}.page_bytes", "num_blocks * page_bytes reaches 2**63")
         if not self.groups:
             raise LayoutError(f"{where}.groups", "at least one KV-cache group is required")
         for g, group in enumerate(self.groups):
@@ -210,6 +239,7 @@ class RankLayout:
                             f"{gwhere}.segments[{seg.tensor!r}]",
                             f"ends at byte {seg.end}, past page_bytes {self.page_bytes}",
                         )
+            _check_disjoint(group, gwhere)
 
     def _check_attention(self, group: GroupLayout, gwhere: str) -> None:
         if group.block_size <= 0 or group.kernel_block_size <= 0:
@@ -242,6 +272,42 @@ class RankLayout:
         return self.num_blocks * self.page_bytes
 
 
+def _check_disjoint(group: GroupLayout, gwhere: str) -> None:
+    """No byte of a page (attention: of a kernel block) holds two elements of the group's
+    segments, so a plan writes every decode byte at most once. Segments must lie inside the
+    page already; at most ``max_page_runs`` contiguous runs are enumerated."""
+    counts = [seg.num_runs for seg in group.segments]
+    if sum(counts) > LIMITS.max_page_runs:
+        raise LimitExceededError(
+            f"{gwhere}.segments",
+            f"{sum(counts)} contiguous runs per page, at most {LIMITS.max_page_runs}",
+        )
+    runs = [seg.runs() for seg in group.segments]
+    starts = np.concatenate([s for s, _ in runs])
+    ends = starts + np.repeat([n for _, n in runs], counts)
+    owner = np.repeat(np.arange(len(counts)), counts)
+    order = np.argsort(starts, kind="stable")
+    clash = np.flatnonzero(starts[order][1:] < ends[order][:-1])
+    if clash.size:
+        first, second = order[clash[0]], order[clash[0] + 1]
+        a, b = (group.segments[owner[i]].tensor for i in (first, second))
+        raise LayoutError(
+            f"{gwhere}.segments[{b!r}]",
+            f"byte {int(starts[second])} also belongs to segment {a!r}"
+            if a != b
+            else f"its strides put two elements on byte {int(starts[second])}",
+        )
+
+
+def _signature(group: GroupLayout) -> tuple:
+    """What every rank of an engine declares alike about a group: the planner reads them
+    from rank 0."""
+    tensors = sorted(
+        (s.tensor, s.dtype, s.shard_axis, s.token_axis, s.global_shape) for s in group.segments
+    )
+    return (group.kind, group.layers, group.block_size, group.kernel_block_size, tensors)
+
+
 @dataclass(frozen=True)
 class EngineLayout:
     """A whole engine: the model it serves and the layout of each of its TP ranks."""
@@ -261,11 +327,20 @@ class EngineLayout:
                 raise LayoutError(f"ranks[{r}].tp_rank", f"expected {r}, got {rank.tp_rank}")
         first = self.ranks[0]
         for rank in self.ranks[1:]:
-            kinds = [(g.kind, g.layers) for g in rank.groups]
-            if kinds != [(g.kind, g.layers) for g in first.groups]:
-                raise LayoutError(f"ranks[{rank.tp_rank}].groups", "ranks disagree on the groups")
+            where = f"ranks[{rank.tp_rank}]"
+            for name in ("num_regions", "num_blocks", "page_bytes"):
+                mine, theirs = getattr(rank, name), getattr(first, name)
+                if mine != theirs:
+                    raise LayoutError(f"{where}.{name}", f"{mine}, rank 0 declares {theirs}")
+            if [_signature(g) for g in rank.groups] != [_signature(g) for g in first.groups]:
+                raise LayoutError(
+                    f"{where}.groups",
+                    "ranks disagree on the groups (kinds, layers, block sizes, tensors, "
+                    "their dtypes, axes or global shapes)",
+                )
 
     @property
     def groups(self) -> tuple[GroupLayout, ...]:
-        """Rank 0's groups: kinds, layers and block sizes are the same on every rank."""
+        """Rank 0's groups: kinds, layers, block sizes and tensors are the same on every
+        rank."""
         return self.ranks[0].groups

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from itertools import chain
 from dataclasses import dataclass, field
+from itertools import chain, pairwise
 
 import numpy as np
 
-from broker.errors import IncompatibleLayoutsError, RequestError
+from broker.errors import IncompatibleLayoutsError, LimitExceededError, RequestError
 from broker.layout import EngineLayout, GroupLayout, Segment
+from broker.limits import LIMITS
 
 _I64 = np.int64
 #: Rows of a template table: prefill rank, region, decode offset, prefill offset, length.
@@ -181,12 +182,13 @@ class _TemplateTable:
 def strided_runs(extent: Sequence[int], itemsize: int,
                  d_base: int, d_start: Sequence[int], d_strides: Sequence[int],
                  p_base: int, p_start: Sequence[int], p_strides: Sequence[int],
-                 ) -> tuple[np.ndarray, np.ndarray, int]:
+                 max_runs: int | None = None) -> tuple[np.ndarray, np.ndarray, int]:
     """Byte runs copying a box of ``extent`` elements between two strided arrays.
 
     The box starts at local index ``d_start`` / ``p_start`` on each side. Trailing axes whose
     strides make the box contiguous on *both* sides fold into one run; the remaining outer
-    axes enumerate runs. Returns ``(d_offsets, p_offsets, run_length)``.
+    axes enumerate runs. Returns ``(d_offsets, p_offsets, run_length)``; raises
+    :class:`LimitExceededError` (field ``strides``) before building more than ``max_runs``.
     """
     run, inner = itemsize, len(extent)
     while inner > 0:
@@ -195,9 +197,14 @@ def strided_runs(extent: Sequence[int], itemsize: int,
             break
         run *= extent[axis]
         inner -= 1
+    count = math.prod(extent[:inner])
+    if max_runs is not None and count > max_runs:
+        raise LimitExceededError("strides", f"{count} runs, at most {max_runs}")
     d_off = np.array([d_base + sum(s * t for s, t in zip(d_start, d_strides))], dtype=_I64)
     p_off = np.array([p_base + sum(s * t for s, t in zip(p_start, p_strides))], dtype=_I64)
     for axis in range(inner):
+        if extent[axis] == 1:  # any stride, even one past int64, moves nowhere
+            continue
         steps = np.arange(extent[axis], dtype=_I64)
         d_off = (d_off[:, None] + steps * d_strides[axis]).ravel()
         p_off = (p_off[:, None] + steps * p_strides[axis]).ravel()
@@ -245,6 +252,11 @@ class PairPlanner:
     prefill: EngineLayout
     decode: EngineLayout
     max_templates: int = 4096
+    #: Runs of one template over all its group's regions, and of a decode rank's template
+    #: table before it is started afresh (a request that needs more is refused).
+    max_template_runs: int = LIMITS.max_template_runs
+    #: Runs (descriptors before coalescing) of one decode rank's plan.
+    max_plan_runs: int = LIMITS.max_plan_runs
     #: False keeps vLLM's granularity (one run per segment per kernel block per source);
     #: benchmarks use it to compare against vLLM's descriptor scheme.
     coalesce: bool = True
@@ -274,10 +286,15 @@ class PairPlanner:
         return tuple(preferred + [p for p in range(p_tp) if p not in preferred])
 
     def plan_rank(self, decode_rank: int, request: TransferRequest) -> RankPlan:
-        """What ``decode_rank`` reads for ``request``. Raises :class:`RequestError`."""
+        """What ``decode_rank`` reads for ``request``. Raises :class:`RequestError`, or
+        :class:`LimitExceededError` past ``max_template_runs`` / ``max_plan_runs``."""
         if not 0 <= decode_rank < self.decode.tp_size:
             raise RequestError("decode_rank", f"{decode_rank} outside [0, {self.decode.tp_size})")
         self._check_request(request)
+        table = self._tables[decode_rank]
+        if len(table.ids) >= self.max_templates or table.runs.shape[1] >= self.max_template_runs:
+            # Only between requests: the ids collected below index one table.
+            self._tables[decode_rank] = _TemplateTable()
         # One slot per block pair (attention: per chunk of tokens): its template and pages.
         slot_tpl: list[int] = []
         slot_p: list[int] = []
@@ -301,6 +318,10 @@ class PairPlanner:
         tpl = np.array(slot_tpl, dtype=_I64)
         sizes = table.size[tpl]
         total = int(sizes.sum())
+        if total > self.max_plan_runs:
+            raise LimitExceededError(
+                "block_ids", f"the plan of decode rank {decode_rank} needs {total} runs, "
+                f"at most {self.max_plan_runs}")
         if not total:
             return RankPlan(decode_rank, (), naive_pages * d_page, 0)
         row = np.arange(total, dtype=_I64) + np.repeat(table.start[tpl] - (np.cumsum(sizes) - sizes), sizes)
@@ -396,7 +417,7 @@ class PairPlanner:
         cuts = np.searchsorted(p_rank, np.arange(first, last + 2)).tolist()
         sources = tuple(
             SourceReads(first + i, region[lo:hi], d_off[lo:hi], p_off[lo:hi], length[lo:hi])
-            for i, (lo, hi) in enumerate(zip(cuts, cuts[1:])) if hi > lo
+            for i, (lo, hi) in enumerate(pairwise(cuts)) if hi > lo
         )
         return RankPlan(decode_rank, sources, naive_bytes, vllm_units)
 
@@ -409,8 +430,6 @@ class PairPlanner:
         key = (g, chunk)
         tid = table.ids.get(key)
         if tid is None:
-            if len(table.ids) >= self.max_templates:
-                table = self._tables[decode_rank] = _TemplateTable()
             tpl = self._build_template(decode_rank, g, chunk)
             tid = table.add(key, tpl, len(self.decode.groups[g].layers),
                             self.prefill.ranks[0].page_bytes, self.decode.ranks[decode_rank].page_bytes)
@@ -423,6 +442,7 @@ class PairPlanner:
         pieces = _kernel_pieces(p_groups[0], d_group, chunk)
         ranks_out, d_out, p_out, len_out = [], [], [], []
         units = 0
+        budget = self.max_template_runs // len(d_group.layers)  # the table repeats it per layer
         for d_seg in d_group.segments:
             for p_kb, p_tok, d_kb, d_tok, tokens in pieces:
                 missing = [d_seg.shard_interval]
@@ -432,9 +452,18 @@ class PairPlanner:
                                 for a, b in missing]
                     overlaps = [(a, b) for a, b in overlaps if a < b]
                     for lo, hi in overlaps:
-                        d_off, p_off, run = _segment_box(
-                            d_seg, p_seg, lo, hi, d_tok, p_tok, tokens,
-                            d_kb * d_group.kernel_block_bytes, p_kb * p_groups[p].kernel_block_bytes)
+                        try:
+                            d_off, p_off, run = _segment_box(
+                                d_seg, p_seg, lo, hi, d_tok, p_tok, tokens,
+                                d_kb * d_group.kernel_block_bytes,
+                                p_kb * p_groups[p].kernel_block_bytes, budget)
+                        except LimitExceededError:
+                            raise LimitExceededError(
+                                f"layout.groups[{g}].segments[{d_seg.tensor!r}].strides",
+                                f"prefill and decode strides split a page into more than "
+                                f"{self.max_template_runs} runs over its {len(d_group.layers)} "
+                                "regions") from None
+                        budget -= d_off.size
                         ranks_out.append(np.full(d_off.size, p, dtype=_I64))
                         d_out.append(d_off)
                         p_out.append(p_off)
@@ -488,12 +517,14 @@ def _kernel_pieces(p_group: GroupLayout, d_group: GroupLayout,
     cuts.update(k * d_kbs - d_at for k in range(d_at // d_kbs + 1, (d_at + count) // d_kbs + 1))
     bounds = sorted(c for c in cuts if 0 <= c <= count)
     return [((p_at + u) // p_kbs, (p_at + u) % p_kbs, (d_at + u) // d_kbs, (d_at + u) % d_kbs, v - u)
-            for u, v in zip(bounds, bounds[1:])]
+            for u, v in pairwise(bounds)]
 
 
 def _segment_box(d_seg: Segment, p_seg: Segment, lo: int, hi: int, d_tok: int, p_tok: int,
-                 tokens: int, d_base: int, p_base: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """Runs copying global shard indices ``[lo, hi)`` (and a token range) of one tensor."""
+                 tokens: int, d_base: int, p_base: int, max_runs: int,
+                 ) -> tuple[np.ndarray, np.ndarray, int]:
+    """Runs copying global shard indices ``[lo, hi)`` (and a token range) of one tensor; at
+    most ``max_runs`` (else :class:`LimitExceededError`)."""
     extent, d_start, p_start = list(d_seg.shape), [0] * len(d_seg.shape), [0] * len(d_seg.shape)
     if d_seg.shard_axis is not None:
         axis = d_seg.shard_axis
@@ -503,7 +534,7 @@ def _segment_box(d_seg: Segment, p_seg: Segment, lo: int, hi: int, d_tok: int, p
         axis = d_seg.token_axis
         extent[axis], d_start[axis], p_start[axis] = tokens, d_tok, p_tok
     return strided_runs(extent, d_seg.itemsize, d_base + d_seg.offset, d_start, d_seg.strides,
-                        p_base + p_seg.offset, p_start, p_seg.strides)
+                        p_base + p_seg.offset, p_start, p_seg.strides, max_runs)
 
 
 def _check_template(d_group: GroupLayout, chunk: tuple[int, int, int] | None, d_off: np.ndarray,

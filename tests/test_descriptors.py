@@ -29,6 +29,11 @@ def test_rows_are_base_plus_offset_with_the_region_device() -> None:
         ([0], [4000], [97]),  # one byte past the 4 KiB region
         ([1, 0], [0, -1], [8, 8]),  # before the region start
         ([2], [0], [8]),  # no such region
+        ([-1], [0], [8]),  # no such region either (numpy would take the last one)
+        ([0], [0], [0]),  # nothing to read
+        ([1, 1], [64, 0], [8, -8]),  # a negative length
+        ([1], [2**62], [2**62 + 2**61]),  # offset + length wraps around int64
+        ([0, 1], [0, 2**63 - 1], [8, 1]),  # so does this one
     ],
 )
 def test_anything_outside_a_region_is_refused(region, offset, length) -> None:

@@ -1,0 +1,64 @@
+"""Size limits on everything a client can make the broker hold or compute.
+
+Counts above a limit are refused with RESOURCE_EXHAUSTED naming the field
+(:class:`~broker.errors.LimitExceededError`); malformed values (empty ids, zero sizes,
+addresses past 2**63) are INVALID_ARGUMENT. The defaults are generous for real models: the
+largest presets at TP 1 with 1M tokens need 16 regions, 7 groups, 4 segments per group,
+about 2,000 block ids, 4 KB of layout and 32 runs per page per region; a pure-attention model
+with 16-token blocks needs 62,500 block ids for 1M tokens; NIXL agent metadata is KBs to a
+few MBs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Upper bounds on inbound messages and on the planner's work per request."""
+
+    #: Largest inbound gRPC message, bytes: a registration with the largest metadata, regions
+    #: and layout, or a request with the most block ids (10 bytes each at worst), fits.
+    max_request_bytes: int = 64 << 20
+    #: Characters of an id or name (engine, agent, transfer, plan, lease, tensor, layer,
+    #: model fingerprint, dtype).
+    max_id_chars: int = 256
+    #: Longer free texts (a FAILED report's ``error``, an abort ``reason``) are truncated,
+    #: not refused: a failure must always be recordable.
+    max_text_chars: int = 4096
+    #: Ranks of one engine (``tp_size``).
+    max_tp_size: int = 128
+    #: Regions (tensors) of one rank, and layers of one group (a layer lives in one region).
+    max_regions: int = 4096
+    #: KV-cache groups of a layout, and block-id lists of a request.
+    max_groups: int = 256
+    #: Segments of one group's page.
+    max_segments_per_group: int = 64
+    #: Dimensions of one segment.
+    max_dims: int = 8
+    #: Contiguous byte runs the segments of one group split a page (attention: a kernel
+    #: block) into; real layouts have one run per segment.
+    max_page_runs: int = 1 << 16
+    #: Kernel blocks in one attention page (``block_size // kernel_block_size``).
+    max_kernel_blocks_per_page: int = 4096
+    #: NIXL agent metadata of one rank, bytes.
+    max_agent_metadata_bytes: int = 16 << 20
+    #: Block ids of one request, all groups together.
+    max_block_ids: int = 1 << 20
+    #: Entries of ``allowed_decode_engines``.
+    max_allowed_decode_engines: int = 256
+    #: Runs one page template may hold, over all regions of its group: layouts whose strides
+    #: split a page into more pieces than this are refused when planned.
+    max_template_runs: int = 1 << 20
+    #: Runs (descriptors before coalescing) of one decode rank's plan.
+    max_plan_runs: int = 1 << 24
+
+    def __post_init__(self) -> None:
+        fixed = self.max_agent_metadata_bytes + 64 * self.max_regions + (1 << 20)
+        if self.max_request_bytes < fixed or self.max_request_bytes < 10 * self.max_block_ids:
+            raise ValueError("max_request_bytes cannot carry the largest registration or request")
+
+
+#: The limits the broker enforces.
+LIMITS = Limits()
