@@ -49,5 +49,14 @@ class PermissionDeniedError(PdbrokerError):
     """The caller may not act on this object (a decode engine not allowed to read a transfer)."""
 
 
+class AbortedError(PdbrokerError):
+    """What a decode rank read is invalid: its transfer ended (expired, aborted, failed)
+    while the rank was reading. The rank must recompute; it never gets DONE for it."""
+
+
 class LimitExceededError(PdbrokerError):
     """A repeated field or one of the broker's tables exceeds its configured limit."""
+
+
+class UnauthenticatedError(PdbrokerError):
+    """The caller presented no credentials the broker accepts (no or an unknown token)."""

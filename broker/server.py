@@ -5,6 +5,12 @@ Servicer methods only translate protobuf ⇄ domain (:mod:`broker.convert`), cal
 of every error starts with the offending field's path. A background task reaps expired
 leases and transfers. Any bad input fails that one call; the server keeps serving.
 
+Security (:class:`~broker.security.ServerSecurity`): the port speaks TLS or, when asked,
+plaintext. When callers are identified (client certificates, tokens), every Broker call
+first passes its rule of :class:`~broker.auth.AccessGuard` (UNAUTHENTICATED,
+PERMISSION_DENIED); health and reflection stay open, and ``health_port`` serves health alone
+in plaintext for probes that cannot speak TLS.
+
 Trace context: ``PublishBlocks`` keeps the ``traceparent`` its caller sent in metadata with
 the transfer (tracing on or off here, so engines that trace get one trace per transfer through
 a broker that does not). When this process records spans, each unary handler but ``GetTransferPlan``
@@ -25,7 +31,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from broker import convert, tracing
+from broker.auth import AccessGuard, Identity
 from broker.errors import (
+    AbortedError,
     AlreadyExistsError,
     IncompatibleLayoutsError,
     LimitExceededError,
@@ -33,8 +41,11 @@ from broker.errors import (
     PdbrokerError,
     PermissionDeniedError,
     PreconditionError,
+    UnauthenticatedError,
 )
+from broker.limits import LIMITS
 from broker.records import RankKey
+from broker.security import ServerSecurity
 from broker.service import BrokerService
 from broker.v1 import broker_pb2 as pb
 from broker.v1 import broker_pb2_grpc as pb_grpc
@@ -43,7 +54,7 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Broker"].full_name
 #: Largest inbound message (bytes): registrations carry agent metadata and layouts.
-MAX_RECEIVE_BYTES = 64 << 20
+MAX_RECEIVE_BYTES = LIMITS.max_request_bytes
 
 #: First matching class wins; any other :class:`PdbrokerError` is INVALID_ARGUMENT.
 _STATUS_BY_ERROR: tuple[tuple[type[PdbrokerError], grpc.StatusCode], ...] = (
@@ -53,6 +64,8 @@ _STATUS_BY_ERROR: tuple[tuple[type[PdbrokerError], grpc.StatusCode], ...] = (
     (AlreadyExistsError, grpc.StatusCode.ALREADY_EXISTS),
     (PermissionDeniedError, grpc.StatusCode.PERMISSION_DENIED),
     (LimitExceededError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (UnauthenticatedError, grpc.StatusCode.UNAUTHENTICATED),
+    (AbortedError, grpc.StatusCode.ABORTED),
 )
 
 Req = TypeVar("Req")
@@ -76,15 +89,40 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> NoReturn:
 
 Method = Callable[[Any, Req], Resp]
 Handler = Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]
+#: An RPC's authorization: raises unless the identified caller may make this request.
+Rule = Callable[[AccessGuard, Identity, Any], None]
 
 
-def _handler(method: Method, join_caller: bool) -> Handler:
-    """Run a synchronous translate-and-call method, turning exceptions into statuses; with
-    tracing on and ``join_caller``, in the trace context the caller sent."""
+def _as_engine(guard: AccessGuard, who: Identity, request: Any) -> None:
+    guard.act_as(who, request.engine_id)
+
+
+def _lease_holder(guard: AccessGuard, who: Identity, request: Any) -> None:
+    guard.hold_lease(who, request.lease_id)
+
+
+def _plan_holder(guard: AccessGuard, who: Identity, request: Any) -> None:
+    guard.act_as(who, request.engine_id)
+    guard.report_plan(who, request.plan_id)
+
+
+def _transfer_party(guard: AccessGuard, who: Identity, request: Any) -> None:
+    guard.see_transfer(who, request.transfer_id)
+
+
+def _operator(guard: AccessGuard, who: Identity, request: Any) -> None:
+    guard.administer(who)
+
+
+def _handler(method: Method, join_caller: bool, rule: Rule) -> Handler:
+    """Run a synchronous translate-and-call method once ``rule`` allows the caller, turning
+    exceptions into statuses; with tracing on and ``join_caller``, in the trace context the
+    caller sent."""
 
     @wraps(method)
     async def handler(self: Any, request: Req, context: grpc.aio.ServicerContext) -> Resp:
         try:
+            self.authorize(context, rule, request)
             if join_caller and self.traced:
                 return tracing.call_in_context(context.invocation_metadata(), method, self, request)
             return method(self, request)
@@ -94,44 +132,53 @@ def _handler(method: Method, join_caller: bool) -> Handler:
     return handler
 
 
-def _unary(method: Method) -> Handler:
-    return _handler(method, join_caller=True)
+def _unary(rule: Rule) -> Callable[[Method], Handler]:
+    return lambda method: _handler(method, True, rule)
 
 
-def _hot(method: Method) -> Handler:
+def _hot(rule: Rule) -> Callable[[Method], Handler]:
     """:func:`_unary` for ``GetTransferPlan``, without joining the caller's trace: a plan's
     spans descend from the transfer's publication anyway, and decode links its own trace from
     its read spans, so the hot path need not parse the caller's context (~25 µs a plan)."""
-    return _handler(method, join_caller=False)
+    return lambda method: _handler(method, False, rule)
 
 
 class BrokerServicer(pb_grpc.BrokerServicer):
-    """``pdbroker.v1.Broker`` over one :class:`BrokerService`."""
+    """``pdbroker.v1.Broker`` over one :class:`BrokerService`; ``guard`` authorizes every
+    call (None: callers are not identified, anyone may call anything)."""
 
-    def __init__(self, service: BrokerService) -> None:
+    def __init__(self, service: BrokerService, guard: AccessGuard | None = None) -> None:
         self.service = service
+        self.guard = guard
         #: Whether this process records spans (fixed when the server starts).
         self.traced = tracing.enabled()
         self._wakeups: dict[RankKey, set[asyncio.Event]] = {}
-        service.add_release_listener(self._wake)
+        service.add_release_listener(self.wake)
 
-    def _wake(self, key: RankKey) -> None:
+    def wake(self, key: RankKey) -> None:
+        """Wake the watchers of prefill rank ``key`` (a release was queued or it went away)."""
         for event in self._wakeups.get(key, ()):
             event.set()
 
-    @_unary
+    def authorize(self, context: grpc.aio.ServicerContext, rule: Rule, request: Any) -> None:
+        """Raise unless the caller is identified and ``rule`` allows ``request``."""
+        if self.guard is not None:
+            rule(self.guard, self.guard.identify(context), request)
+
+    @_unary(_as_engine)
     def RegisterRank(self, request: pb.RegisterRankRequest) -> pb.RegisterRankResponse:
         return convert.lease_to_proto(
             self.service.register_rank(convert.registration_from_proto(request))
         )
 
-    @_unary
+    @_unary(_lease_holder)
     def KeepAlive(self, request: pb.KeepAliveRequest) -> pb.KeepAliveResponse:
-        return pb.KeepAliveResponse(ttl_ms=self.service.keep_alive(request.lease_id))
+        lease_id = convert.ident(request.lease_id, "lease_id")
+        return pb.KeepAliveResponse(ttl_ms=self.service.keep_alive(lease_id))
 
-    @_unary
+    @_unary(_lease_holder)
     def Deregister(self, request: pb.DeregisterRequest) -> pb.DeregisterResponse:
-        self.service.deregister(request.lease_id)
+        self.service.deregister(convert.ident(request.lease_id, "lease_id"))
         return pb.DeregisterResponse()
 
     async def PublishBlocks(
@@ -139,16 +186,17 @@ class BrokerServicer(pb_grpc.BrokerServicer):
     ) -> pb.PublishBlocksResponse:
         traceparent = tracing.traceparent_from_metadata(context.invocation_metadata())
         try:
+            self.authorize(context, _as_engine, request)
             expires = self.service.publish(convert.publication_from_proto(request, traceparent))
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status
             await _abort(context, exc)
         return pb.PublishBlocksResponse(expires_at_ms=expires)
 
-    @_hot
+    @_hot(_as_engine)  # the service checks the publication's allowed_decode_engines
     def GetTransferPlan(self, request: pb.GetTransferPlanRequest) -> pb.GetTransferPlanResponse:
         return convert.plan_to_proto(self.service.get_plan(convert.plan_query_from_proto(request)))
 
-    @_unary
+    @_unary(_plan_holder)
     def ReportTransfer(self, request: pb.ReportTransferRequest) -> pb.ReportTransferResponse:
         outcome = self.service.report(convert.report_from_proto(request))
         return pb.ReportTransferResponse(
@@ -157,21 +205,22 @@ class BrokerServicer(pb_grpc.BrokerServicer):
             state=convert.state_to_proto(outcome.state),
         )
 
-    @_unary
+    @_unary(_transfer_party)
     def AbortTransfer(self, request: pb.AbortTransferRequest) -> pb.AbortTransferResponse:
-        state = self.service.abort(request.transfer_id, request.reason)
+        transfer_id = convert.ident(request.transfer_id, "transfer_id")
+        state = self.service.abort(transfer_id, convert.text(request.reason))
         return pb.AbortTransferResponse(state=convert.state_to_proto(state))
 
-    @_unary
+    @_unary(_operator)
     def ListEngines(self, request: pb.ListEnginesRequest) -> pb.ListEnginesResponse:
         return convert.engines_to_proto(self.service.list_engines())
 
-    @_unary
+    @_unary(_transfer_party)
     def GetTransfer(self, request: pb.GetTransferRequest) -> pb.GetTransferResponse:
-        transfer = self.service.get_transfer(request.transfer_id)
+        transfer = self.service.get_transfer(convert.ident(request.transfer_id, "transfer_id"))
         return convert.transfer_to_proto(transfer, self.service.clock.now_ms())
 
-    @_unary
+    @_unary(_operator)
     def ListTransfers(self, request: pb.ListTransfersRequest) -> pb.ListTransfersResponse:
         return convert.listing_to_proto(
             self.service.list_transfers(request.include_finished, request.limit)
@@ -183,7 +232,8 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         """Stream the rank's releases until the client cancels or the rank goes away
         (deregistered, lease expired, re-registered): then the stream ends with OK."""
         try:
-            key = (request.engine_id, request.tp_rank)
+            self.authorize(context, _as_engine, request)
+            key = (convert.ident(request.engine_id, "engine_id"), request.tp_rank)
             generation, cursor = self.service.release_stream(*key, request.after_sequence)
         except Exception as exc:  # noqa: BLE001
             await _abort(context, exc)
@@ -208,22 +258,102 @@ class BrokerServicer(pb_grpc.BrokerServicer):
                 del self._wakeups[key]
 
 
+class _Undecodable:
+    """Stands in for a request whose bytes do not parse as its message type."""
+
+    def __init__(self, message_type: type, error: Exception) -> None:
+        why = str(error).rsplit(": ", 1)[-1]  # DecodeError repeats the type name
+        self.detail = f"not a valid {message_type.DESCRIPTOR.full_name} ({why})"
+
+
+def _lenient(message_type: type) -> Callable[[bytes], Any]:
+    """A request deserializer that returns :class:`_Undecodable` rather than raising (grpc
+    would answer UNKNOWN)."""
+
+    def parse(data: bytes) -> Any:
+        try:
+            return message_type.FromString(data)
+        except Exception as exc:  # noqa: BLE001 - DecodeError, or RecursionError when too deep
+            return _Undecodable(message_type, exc)
+
+    return parse
+
+
+def _refuse_undecodable(behavior: Callable, streaming: bool) -> Callable:
+    """``behavior``, answering an :class:`_Undecodable` request with INVALID_ARGUMENT."""
+
+    async def refuse(request: _Undecodable, context: grpc.aio.ServicerContext) -> NoReturn:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: {request.detail}")
+
+    if streaming:
+
+        async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            if isinstance(request, _Undecodable):
+                await refuse(request, context)
+            async for item in behavior(request, context):
+                yield item
+
+        return stream
+
+    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, _Undecodable):
+            await refuse(request, context)
+        return await behavior(request, context)
+
+    return unary
+
+
+def _add_broker(servicer: BrokerServicer, server: grpc.aio.Server) -> None:
+    """``pb_grpc.add_BrokerServicer_to_server``, except that a request that does not parse
+    fails with INVALID_ARGUMENT ``request: not a valid ...`` instead of UNKNOWN."""
+    handlers = {}
+    for method in pb.DESCRIPTOR.services_by_name["Broker"].methods:
+        request_type = getattr(pb, method.input_type.name)
+        response_type = getattr(pb, method.output_type.name)
+        make = (
+            grpc.unary_stream_rpc_method_handler
+            if method.server_streaming
+            else grpc.unary_unary_rpc_method_handler
+        )
+        handlers[method.name] = make(
+            _refuse_undecodable(getattr(servicer, method.name), method.server_streaming),
+            request_deserializer=_lenient(request_type),
+            response_serializer=response_type.SerializeToString,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
 class BrokerServer:
     """A ``grpc.aio`` server hosting the broker, health and reflection, plus the reaper.
 
     ``listen`` is ``HOST:PORT`` (port 0 picks a free one; :attr:`port` is the bound one).
+    ``security``: TLS and authorization (None: plaintext, anyone may call anything, for
+    in-process use). ``health_port``: also serve health alone, in plaintext, on this port of
+    the ``listen`` host (0 picks one; :attr:`health_port` is then the bound one). Certificate,
+    key and tokens files are read here: ``ValueError`` names the flag of a bad one.
     """
 
     def __init__(
-        self, service: BrokerService, listen: str = "127.0.0.1:0", reap_interval_ms: int = 100
+        self,
+        service: BrokerService,
+        listen: str = "127.0.0.1:0",
+        reap_interval_ms: int = 100,
+        security: ServerSecurity | None = None,
+        health_port: int | None = None,
     ) -> None:
         self.service = service
         self.listen = listen
         self.reap_interval_ms = reap_interval_ms
         self.port = 0
+        self.health_port = health_port
+        self._credentials = None if security is None else security.server_credentials()
+        self._guard = None if security is None else security.guard(service.store)
         self._server: grpc.aio.Server | None = None
+        self._health_server: grpc.aio.Server | None = None
         self._health: health.aio.HealthServicer | None = None
         self._reaper: asyncio.Task[None] | None = None
+        self._unsubscribe: Callable[[], None] = lambda: None
 
     @property
     def address(self) -> str:
@@ -238,28 +368,61 @@ class BrokerServer:
                 ("grpc.so_reuseport", 0),
             ],
         )
-        pb_grpc.add_BrokerServicer_to_server(BrokerServicer(self.service), server)
+        servicer = BrokerServicer(self.service, self._guard)
+        _add_broker(servicer, server)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
-        self.port = server.add_insecure_port(self.listen)
+        if self._credentials is None:
+            self.port = server.add_insecure_port(self.listen)
+        else:
+            self.port = server.add_secure_port(self.listen, self._credentials)
         if not self.port:
             raise OSError(f"cannot listen on {self.listen}")
+        if self.health_port is not None:
+            self._health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+            health_pb2_grpc.add_HealthServicer_to_server(self._health, self._health_server)
+            health_listen = f"{self.listen.rsplit(':', 1)[0]}:{self.health_port}"
+            self.health_port = self._health_server.add_insecure_port(health_listen)
+            if not self.health_port:
+                raise OSError(f"cannot listen on {health_listen}")
+            await self._health_server.start()
         await server.start()
         for name in ("", SERVICE_NAME):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._server = server
+        loop = asyncio.get_running_loop()
+        # Releases other brokers on a shared store queue wake this server's watchers too.
+        self._unsubscribe = self.service.store.subscribe_releases(
+            lambda key: loop.call_soon_threadsafe(servicer.wake, key)
+        )
         self._reaper = asyncio.create_task(self._reap_forever())
 
     async def _reap_forever(self) -> None:
+        """Reap every ``reap_interval_ms``; while the store fails, report NOT_SERVING (a
+        replica that cannot reach Redis leaves its load balancer) and log once."""
+        serving = True
         while True:
             await asyncio.sleep(self.reap_interval_ms / 1000)
             try:
                 self.service.reap()
             except Exception:
-                log.exception("reaper failed")
+                if serving:
+                    log.exception("reaper failed; reporting NOT_SERVING until it succeeds")
+                    await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+                serving = False
+                continue
+            if not serving:
+                log.warning("reaper succeeded again; SERVING")
+                await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+            serving = True
+
+    async def _set_health(self, status: health_pb2.HealthCheckResponse.ServingStatus) -> None:
+        if self._health is not None:
+            for name in ("", SERVICE_NAME):
+                await self._health.set(name, status)
 
     async def wait(self) -> None:
         """Until the server stops."""
@@ -274,5 +437,9 @@ class BrokerServer:
             await self._health.enter_graceful_shutdown()
         if self._reaper is not None:
             self._reaper.cancel()
+        self._unsubscribe()
         await self._server.stop(grace_s)
         self._server = None
+        if self._health_server is not None:
+            await self._health_server.stop(grace_s)
+            self._health_server = None

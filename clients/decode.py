@@ -18,14 +18,22 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import grpc
 from opentelemetry.trace import Span
 
 from broker import tracing
 from broker.layout import EngineLayout
 from broker.logs import transfer_fields
+from broker.security import PLAINTEXT, ChannelSecurity
 from broker.v1 import broker_pb2 as pb
 from clients.nixl_transport import DRAM, VRAM, Transfer, TransferError, descriptor_array, inside
-from clients.session import AsyncEngineClient, BlockingEngineClient, RankSession, call
+from clients.session import (
+    AsyncEngineClient,
+    BlockingEngineClient,
+    BrokerCallError,
+    RankSession,
+    call,
+)
 
 log = logging.getLogger(__name__)
 _KINDS = {pb.MEMORY_KIND_DRAM: DRAM, pb.MEMORY_KIND_VRAM: VRAM}
@@ -84,8 +92,9 @@ class AsyncDecodeClient(AsyncEngineClient):
 
     def __init__(self, target: str, engine_id: str, layout: EngineLayout,
                  memory: Mapping[int, Sequence[object]], *, read_timeout_s: float = 30.0,
-                 call_timeout_s: float = 10.0) -> None:
-        super().__init__(target, engine_id, layout, memory, call_timeout_s=call_timeout_s)
+                 call_timeout_s: float = 10.0, security: ChannelSecurity = PLAINTEXT) -> None:
+        super().__init__(target, engine_id, layout, memory, call_timeout_s=call_timeout_s,
+                         security=security)
         self.read_timeout_s = read_timeout_s
 
     async def fetch(self, transfer_id: str, block_ids: Sequence[Sequence[int]],
@@ -117,8 +126,8 @@ class AsyncDecodeClient(AsyncEngineClient):
         error = ""
         try:
             await self._read(session, plan, transfer_id, deadline)
-        except TransferError as exc:
-            error = str(exc)
+        except Exception as exc:  # noqa: BLE001 - any failed read is reported FAILED
+            error = str(exc) if isinstance(exc, TransferError) else f"{type(exc).__name__}: {exc}"
             log.warning("rank %d: %s", session.tp_rank, error, extra=fields)
         read = time.perf_counter()
         reported_at = time.monotonic()
@@ -126,10 +135,16 @@ class AsyncDecodeClient(AsyncEngineClient):
         with tracing.span("decode.report", plan.traceparent, {
                 "pdbroker.transfer_id": transfer_id, "pdbroker.decode_rank": session.tp_rank,
                 "pdbroker.status": "failed" if error else "done"}) as span:
-            outcome = await call(self.stub, "ReportTransfer", pb.ReportTransferRequest(
-                plan_id=plan.plan_id, engine_id=self.engine_id, tp_rank=session.tp_rank,
-                status=status, bytes_moved=0 if error else plan.total_bytes,
-                duration_us=int((read - planned) * 1e6), error=error), self.call_timeout_s)
+            try:
+                outcome = await call(self.stub, "ReportTransfer", pb.ReportTransferRequest(
+                    plan_id=plan.plan_id, engine_id=self.engine_id, tp_rank=session.tp_rank,
+                    status=status, bytes_moved=0 if error else plan.total_bytes,
+                    duration_us=int((read - planned) * 1e6), error=error), self.call_timeout_s)
+            except BrokerCallError as exc:
+                if exc.code is not grpc.StatusCode.ABORTED:
+                    raise
+                # The transfer ended while this rank read: prefill may reuse the blocks now.
+                raise TransferError(f"data invalid, recompute: {exc.details}") from None
             if span is not None:
                 span.set_attribute("pdbroker.intact", outcome.intact)
         log.debug("rank %d: read %d bytes in %.3f ms, reported %s", session.tp_rank,
@@ -192,10 +207,10 @@ class DecodeClient(BlockingEngineClient):
 
     def __init__(self, target: str, engine_id: str, layout: EngineLayout,
                  memory: Mapping[int, Sequence[object]], *, read_timeout_s: float = 30.0,
-                 call_timeout_s: float = 10.0) -> None:
+                 call_timeout_s: float = 10.0, security: ChannelSecurity = PLAINTEXT) -> None:
         super().__init__(AsyncDecodeClient(target, engine_id, layout, memory,
                                            read_timeout_s=read_timeout_s,
-                                           call_timeout_s=call_timeout_s))
+                                           call_timeout_s=call_timeout_s, security=security))
 
     def fetch(self, transfer_id: str, block_ids: Sequence[Sequence[int]],
               timeout_s: float | None = None) -> Fetch:

@@ -31,14 +31,18 @@ import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any
 
+import grpc
+
 from broker.layout import EngineLayout
 from broker.models import ModelSpec, build_engine_layout, hma_block_size
+from broker.security import PLAINTEXT, ChannelSecurity
 from broker.tracing import configure_tracing
+from clients.session import broker_addresses
 
 if TYPE_CHECKING:
     from clients.decode import DecodeClient
@@ -188,10 +192,11 @@ class BlockPool:
 
 
 def engine_main(role: str, engine_id: str, layout: EngineLayout, peer: EngineLayout, target: str,
-                conn: Connection, seed: int) -> None:
+                conn: Connection, seed: int, security: ChannelSecurity = PLAINTEXT) -> None:
     """One engine process (``role`` ``prefill`` or ``decode``); ``peer`` is the other side's
-    layout. Answers the coordinator's commands on ``conn`` until ``close``; its spans (if
-    tracing is on) are exported before it says ``closed``."""
+    layout; ``security``: how its client reaches the broker. Answers the coordinator's commands
+    on ``conn`` until ``close``; its spans (if tracing is on) are exported before it says
+    ``closed``."""
     lock = threading.Lock()
 
     def send(message: tuple) -> None:
@@ -201,7 +206,7 @@ def engine_main(role: str, engine_id: str, layout: EngineLayout, peer: EngineLay
     try:
         tracer_provider = configure_tracing(engine_id)
         engine = (_PrefillEngine if role == "prefill" else _DecodeEngine)(engine_id, layout, peer, seed, send)
-        with engine.connect(target) as engine.client:
+        with engine.connect(target, security) as engine.client:
             send(("ready", engine_id))
             while (message := conn.recv())[0] != "close":
                 getattr(engine, message[0])(*message[1:])
@@ -241,15 +246,24 @@ class _PrefillEngine(_Engine):
         super().__init__(*args)
         self.held: dict[str, tuple[list[list[int]], set[int]]] = {}  # blocks, ranks not released
 
-    def connect(self, target: str) -> PrefillClient:
+    def connect(self, target: str, security: ChannelSecurity) -> PrefillClient:
         from clients.prefill import PrefillClient
 
         return PrefillClient(target, self.engine_id, self.layout, self.memory,
-                             on_release=self.on_release, on_notification=self.on_notification)
+                             on_release=self.on_release, on_notification=self.on_notification,
+                             security=security)
 
     def on_release(self, release: Release) -> None:
-        """Free the blocks once every rank was released; tell the coordinator about each."""
-        blocks, waiting = self.held[release.transfer_id]
+        """Scrub the rank's pages (a late reader would copy POISON), free the blocks once every
+        rank was released; tell the coordinator about each, and about a rank released twice."""
+        from clients.pattern import scrub_pages
+
+        held = self.held.get(release.transfer_id)
+        if held is None or release.tp_rank not in held[1]:
+            self.send(("released_twice", release.transfer_id, release.tp_rank))
+            return
+        blocks, waiting = held
+        scrub_pages(self.layout.ranks[release.tp_rank], self.arrays[release.tp_rank], blocks)
         waiting.discard(release.tp_rank)
         if not waiting:
             del self.held[release.transfer_id]
@@ -283,11 +297,11 @@ class _DecodeEngine(_Engine):
             for region in regions:
                 region.fill(POISON)
 
-    def connect(self, target: str) -> DecodeClient:
+    def connect(self, target: str, security: ChannelSecurity) -> DecodeClient:
         from clients.decode import DecodeClient
 
         return DecodeClient(target, self.engine_id, self.layout, self.memory,
-                            read_timeout_s=REQUEST_TIMEOUT_S)
+                            read_timeout_s=REQUEST_TIMEOUT_S, security=security)
 
     def fetch(self, transfer_id: str, num_tokens: int, salt: int, prefill_pages: Sequence[int]) -> None:
         """Fetch, then compare every byte of every hosted rank's memory with the layout."""
@@ -321,13 +335,17 @@ class _DecodeEngine(_Engine):
 
 class BrokerProcess:
     """``pdbroker serve`` on an ephemeral loopback port; ``flags`` are more ``serve`` options
-    (``--metrics-port 0`` sets :attr:`metrics_url`). What it prints after starting goes to
-    this process's stdout."""
+    (``--metrics-port 0`` sets :attr:`metrics_url`); without ``--tls-cert`` among them it
+    serves plaintext (``--insecure``). ``security``: how :meth:`list_engines` connects (an
+    operator's credentials when the broker authorizes callers). What it prints after starting
+    goes to this process's stdout."""
 
-    def __init__(self, *flags: str) -> None:
+    def __init__(self, *flags: str, security: ChannelSecurity = PLAINTEXT) -> None:
+        self.security = security
+        plaintext = () if "--tls-cert" in flags else ("--insecure",)
         self.process = subprocess.Popen(
             [sys.executable, "-m", "broker.cli", "serve", "--listen", "127.0.0.1:0",
-             "--log-level", "WARNING", *flags], stdout=subprocess.PIPE, text=True)
+             "--log-level", "WARNING", *plaintext, *flags], stdout=subprocess.PIPE, text=True)
         assert self.process.stdout is not None
         self.address = self.metrics_url = ""
         while not self.address and (line := self.process.stdout.readline()):
@@ -343,12 +361,10 @@ class BrokerProcess:
                          daemon=True).start()
 
     def list_engines(self) -> tuple[str, ...]:
-        import grpc
-
         from broker.v1 import broker_pb2 as pb
         from broker.v1 import broker_pb2_grpc as pb_grpc
 
-        with grpc.insecure_channel(self.address) as channel:
+        with self.security.channel(self.address) as channel:
             response = pb_grpc.BrokerStub(channel).ListEngines(pb.ListEnginesRequest(), timeout=10)
         return tuple(e.engine_id for e in response.engines)
 
@@ -360,6 +376,34 @@ class BrokerProcess:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+
+
+class RunningBrokers:
+    """Brokers already running (replicas sharing a store), for :func:`run_fleet` in place of
+    a :class:`BrokerProcess`: engines get every address and fail over between them."""
+
+    def __init__(self, addresses: str | Sequence[str], security: ChannelSecurity = PLAINTEXT) -> None:
+        self.addresses = broker_addresses(addresses)
+        self.address = ",".join(self.addresses)
+        self.security = security
+
+    def list_engines(self) -> tuple[str, ...]:
+        """The engines registered, from the first replica that answers."""
+        from broker.v1 import broker_pb2 as pb
+        from broker.v1 import broker_pb2_grpc as pb_grpc
+
+        error: grpc.RpcError | None = None
+        for address in self.addresses:
+            try:
+                with self.security.channel(address) as channel:
+                    response = pb_grpc.BrokerStub(channel).ListEngines(pb.ListEnginesRequest(), timeout=10)
+                return tuple(e.engine_id for e in response.engines)
+            except grpc.RpcError as exc:
+                error = exc
+        raise RuntimeError(f"no broker of {self.address} answered: {error}")
+
+    def stop(self) -> None:
+        """Nothing: they were running before and keep running."""
 
 
 @dataclass
@@ -381,11 +425,14 @@ class _PairState:
 
 def run_fleet(pairs: Sequence[PairSpec], requests: int, *, inflight: int = 2, seed: int = 0,
               on_progress: Callable[[FleetReport], None] | None = None,
-              broker: BrokerProcess | None = None) -> FleetReport:
+              broker: BrokerProcess | RunningBrokers | None = None,
+              credentials: Mapping[str, ChannelSecurity] | None = None) -> FleetReport:
     """Run ``requests`` requests (round-robin over ``pairs``) through real processes and
     return what happened; never raises for a failed transfer (see :meth:`FleetReport.problems`).
-    ``broker``: a running broker to use and leave running; by default one is started and
-    stopped for the run."""
+    ``broker``: a running broker (or replicas, :class:`RunningBrokers`) to use and leave
+    running; by default one is started and stopped for the run. ``credentials``: each
+    engine's (by engine id: ``prefill-0``, ``decode-0``, ... for pair 0, 1, ...); plaintext
+    for engines not named."""
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # inherited by the engine processes
     rng = random.Random(seed)
     layouts = tuple(p.layouts(inflight) for p in pairs)
@@ -406,7 +453,8 @@ def run_fleet(pairs: Sequence[PairSpec], requests: int, *, inflight: int = 2, se
                 parent, child = ctx.Pipe()
                 engine_id = f"{role}-{i}"
                 process = ctx.Process(target=engine_main, name=engine_id, daemon=True,
-                                      args=(role, engine_id, layout, peer, broker.address, child, seed + i))
+                                      args=(role, engine_id, layout, peer, broker.address, child, seed + i,
+                                            (credentials or {}).get(engine_id, PLAINTEXT)))
                 process.start()
                 child.close()
                 engines.append(_Engine(engine_id, i, process, parent))
@@ -508,6 +556,8 @@ def _drive(engines: list[_Engine], report: FleetReport, inflight: int,
                 p_rank, reason, at = rest
                 r.releases[p_rank] = (reason, at)
                 settle(r)
+            elif kind == "released_twice":
+                report.errors.append(f"{transfer_id}: prefill rank {rest[0]} released twice")
             pump(engine.pair)
     for engine in engines:
         engine.conn.send(("close",))

@@ -19,6 +19,7 @@ import asyncio
 import inspect
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -28,16 +29,20 @@ from broker import tracing
 from broker.layout import EngineLayout
 from broker.logs import transfer_fields
 from broker.records import BlockIds, ReleaseReason
+from broker.security import PLAINTEXT, ChannelSecurity
 from broker.v1 import broker_pb2 as pb
 from clients.session import (
     RETRY_DELAY_S,
     AsyncEngineClient,
     BlockingEngineClient,
+    BrokerCallError,
     RankSession,
     call,
 )
 
 log = logging.getLogger(__name__)
+#: How many recent (transfer, rank) releases a client remembers to never free blocks twice.
+FREED_MEMORY = 65536
 
 
 @dataclass(frozen=True)
@@ -80,19 +85,35 @@ class AsyncPrefillClient(AsyncEngineClient):
                  memory: Mapping[int, Sequence[object]], *, on_release: ReleaseCallback | None = None,
                  on_notification: NotificationCallback | None = None,
                  progress_interval_s: float = 0.001, idle_interval_s: float = 0.05,
-                 call_timeout_s: float = 10.0) -> None:
-        super().__init__(target, engine_id, layout, memory, call_timeout_s=call_timeout_s)
+                 call_timeout_s: float = 10.0, security: ChannelSecurity = PLAINTEXT) -> None:
+        super().__init__(target, engine_id, layout, memory, call_timeout_s=call_timeout_s,
+                         security=security)
         self.on_release = on_release
         self.on_notification = on_notification
         self.progress_interval_s = progress_interval_s
         self.idle_interval_s = idle_interval_s
         self._awaiting: dict[str, set[int]] = {}  # published transfer -> ranks not yet released
+        self._blocks: dict[str, BlockIds] = {}  # and its block ids
+        self._freed: OrderedDict[tuple[str, int], None] = OrderedDict()  # recent releases
         self._busy = asyncio.Event()
 
     def _started(self) -> None:
         for session in self.sessions.values():
+            session.on_registered_again = self._lost_registration
             self._spawn(self._watch(session))
         self._spawn(self._progress())
+
+    def _lost_registration(self, session: RankSession) -> None:
+        """The broker lost this rank's registration (its lease expired, or it restarted
+        without a shared store): it failed the rank's transfers and will send no release for
+        them, so free their blocks here (reason ABORTED). A decode rank still reading them
+        gets ABORTED or NOT_FOUND for its report, never DONE."""
+        lost = [t for t, ranks in self._awaiting.items() if session.tp_rank in ranks]
+        for transfer_id in lost:
+            release = Release(session.tp_rank, transfer_id, self._blocks[transfer_id],
+                              ReleaseReason.ABORTED, "the broker lost this rank's registration",
+                              0, 0, time.monotonic())
+            self._spawn(self._deliver(release))
 
     async def publish(self, transfer_id: str, block_ids: Sequence[Sequence[int]], num_tokens: int,
                       *, ttl_ms: int = 0, allowed_decode_engines: Sequence[str] = ()) -> int:
@@ -100,28 +121,51 @@ class AsyncPrefillClient(AsyncEngineClient):
         transfer expires (ms since the epoch on the broker's clock). ``ttl_ms`` 0 takes the
         broker's default. Starts the transfer's trace (span ``prefill.publish``)."""
         self._awaiting[transfer_id] = set(self.ranks)
+        self._blocks[transfer_id] = tuple(tuple(g) for g in block_ids)
         self._busy.set()
         try:
             with tracing.root_span("prefill.publish", {
                     "pdbroker.transfer_id": transfer_id, "pdbroker.prefill_engine": self.engine_id,
                     "pdbroker.num_tokens": num_tokens,
                     "pdbroker.blocks": sum(len(g) for g in block_ids)}):
-                response = await call(self.stub, "PublishBlocks", pb.PublishBlocksRequest(
-                    transfer_id=transfer_id, engine_id=self.engine_id,
-                    block_ids=[pb.BlockIds(ids=list(g)) for g in block_ids],
-                    num_tokens=num_tokens, ttl_ms=ttl_ms,
-                    allowed_decode_engines=list(allowed_decode_engines)), self.call_timeout_s)
+                failovers = self.stub.failovers
+                try:
+                    response = await call(self.stub, "PublishBlocks", pb.PublishBlocksRequest(
+                        transfer_id=transfer_id, engine_id=self.engine_id,
+                        block_ids=[pb.BlockIds(ids=list(g)) for g in block_ids],
+                        num_tokens=num_tokens, ttl_ms=ttl_ms,
+                        allowed_decode_engines=list(allowed_decode_engines)), self.call_timeout_s)
+                    expires_at_ms = response.expires_at_ms
+                except BrokerCallError as exc:
+                    if exc.code is not grpc.StatusCode.ALREADY_EXISTS or self.stub.failovers == failovers:
+                        raise
+                    expires_at_ms = await self._published_before_failover(transfer_id, num_tokens, exc)
                 log.debug("published %d tokens", num_tokens, extra=transfer_fields(transfer_id))
         except BaseException:
             self._awaiting.pop(transfer_id, None)
+            self._blocks.pop(transfer_id, None)
             raise
-        return response.expires_at_ms
+        return expires_at_ms
+
+    async def _published_before_failover(self, transfer_id: str, num_tokens: int,
+                                         exc: BrokerCallError) -> int:
+        """A publish retried on another replica found the transfer: it is ours (the first
+        replica committed it, then its reply was lost) when engine and size match."""
+        info = await call(self.stub, "GetTransfer", pb.GetTransferRequest(transfer_id=transfer_id),
+                          self.call_timeout_s)
+        if info.prefill_engine_id != self.engine_id or info.num_tokens != num_tokens:
+            raise exc
+        return info.expires_at_ms
 
     async def _watch(self, session: RankSession) -> None:
         """Stream the rank's releases for the client's lifetime, resuming after the last one
-        seen when the stream ends (the rank re-registered) or breaks."""
-        cursor = 0
+        seen when the stream ends (the rank re-registered) or breaks. A cursor is only valid
+        for the registration it was read under (a restarted broker numbers anew)."""
+        cursor, lease = 0, session.lease_id
         while True:
+            if session.lease_id != lease:
+                cursor, lease = 0, session.lease_id
+            address = self.stub.address
             request = pb.WatchReleasesRequest(engine_id=self.engine_id, tp_rank=session.tp_rank,
                                               after_sequence=cursor)
             try:
@@ -131,6 +175,8 @@ class AsyncPrefillClient(AsyncEngineClient):
             except grpc.aio.AioRpcError as exc:
                 log.warning("rank %s/%d: release stream broke: %s", self.engine_id,
                             session.tp_rank, exc.details())
+                if exc.code() is grpc.StatusCode.UNAVAILABLE:
+                    self.stub.fail_over(address)
             except Exception:  # an event this client cannot read: skip it, keep watching
                 log.exception("rank %s/%d: bad release event", self.engine_id, session.tp_rank)
             await asyncio.sleep(RETRY_DELAY_S)
@@ -138,10 +184,17 @@ class AsyncPrefillClient(AsyncEngineClient):
     async def _deliver(self, release: Release) -> None:
         """Hand ``release`` to ``on_release`` in a ``prefill.free`` span."""
         waiting = self._awaiting.get(release.transfer_id)
+        key = (release.transfer_id, release.tp_rank)
+        if key in self._freed:  # freed already (locally, when the registration was lost)
+            return
+        self._freed[key] = None
+        if len(self._freed) > FREED_MEMORY:
+            self._freed.popitem(last=False)
         if waiting is not None:
             waiting.discard(release.tp_rank)
             if not waiting:
                 del self._awaiting[release.transfer_id]
+                self._blocks.pop(release.transfer_id, None)
         fields = transfer_fields(release.transfer_id, release.traceparent)
         with tracing.span("prefill.free", release.traceparent, {
                 "pdbroker.transfer_id": release.transfer_id, "pdbroker.prefill_rank": release.tp_rank,
@@ -185,11 +238,11 @@ class PrefillClient(BlockingEngineClient):
                  memory: Mapping[int, Sequence[object]], *, on_release: ReleaseCallback | None = None,
                  on_notification: NotificationCallback | None = None,
                  progress_interval_s: float = 0.001, idle_interval_s: float = 0.05,
-                 call_timeout_s: float = 10.0) -> None:
+                 call_timeout_s: float = 10.0, security: ChannelSecurity = PLAINTEXT) -> None:
         super().__init__(AsyncPrefillClient(
             target, engine_id, layout, memory, on_release=on_release,
             on_notification=on_notification, progress_interval_s=progress_interval_s,
-            idle_interval_s=idle_interval_s, call_timeout_s=call_timeout_s))
+            idle_interval_s=idle_interval_s, call_timeout_s=call_timeout_s, security=security))
 
     def publish(self, transfer_id: str, block_ids: Sequence[Sequence[int]], num_tokens: int,
                 *, ttl_ms: int = 0, allowed_decode_engines: Sequence[str] = ()) -> int:

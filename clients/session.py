@@ -13,7 +13,8 @@ import asyncio
 import logging
 import secrets
 import threading
-from collections.abc import Coroutine, Mapping, Sequence
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import grpc
@@ -22,6 +23,7 @@ from opentelemetry import context as otel_context
 from broker import tracing
 from broker.convert import rank_layout_to_proto
 from broker.layout import EngineLayout, RankLayout
+from broker.security import PLAINTEXT, ChannelSecurity
 from broker.v1 import broker_pb2 as pb
 from broker.v1 import broker_pb2_grpc as pb_grpc
 from clients.nixl_transport import DRAM, NixlAgent, Region, describe_region
@@ -33,8 +35,10 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _MEMORY_KINDS = {DRAM: pb.MEMORY_KIND_DRAM, "VRAM": pb.MEMORY_KIND_VRAM}
-#: Pause before retrying a broken release stream or a failed lease renewal (seconds).
+#: Pause before retrying a broken release stream or a failed lease renewal (seconds); it
+#: doubles while the broker stays unreachable, up to MAX_RETRY_DELAY_S.
 RETRY_DELAY_S = 0.2
+MAX_RETRY_DELAY_S = 5.0
 
 
 class BrokerCallError(RuntimeError):
@@ -61,17 +65,103 @@ async def call(stub: pb_grpc.BrokerStub, method: str, request: Any, timeout_s: f
         raise BrokerCallError(method, exc.code(), exc.details() or "") from None
 
 
-def open_channel(target: str) -> grpc.aio.Channel:
-    """An insecure channel to the broker at ``HOST:PORT`` (plans of long requests are large)."""
-    return grpc.aio.insecure_channel(target, options=[("grpc.max_receive_message_length", -1),
-                                                      ("grpc.max_send_message_length", -1)])
+def open_channel(target: str, security: ChannelSecurity = PLAINTEXT) -> grpc.aio.Channel:
+    """A channel to the broker at ``HOST:PORT`` (plans of long requests are large); plaintext
+    unless ``security`` names a CA."""
+    return security.aio_channel(target, options=[("grpc.max_receive_message_length", -1),
+                                                 ("grpc.max_send_message_length", -1)])
+
+
+def broker_addresses(target: str | Sequence[str]) -> tuple[str, ...]:
+    """``HOST:PORT[,HOST:PORT...]`` (or a sequence of them) as a tuple of addresses."""
+    parts = target.split(",") if isinstance(target, str) else list(target)
+    addresses = tuple(a.strip() for a in parts if a.strip())
+    if not addresses:
+        raise ValueError("target: name at least one broker address")
+    return addresses
+
+
+class FailoverStub:
+    """A ``BrokerStub`` over broker replicas that share one store (``pdbroker serve --store
+    redis://``). Unary calls go to the current replica; one that is UNAVAILABLE (down,
+    unreachable, draining) makes the call move on to the next, round the list with a
+    doubling pause, until the call's timeout runs out. Streams (``WatchReleases``) are
+    opened on the current replica; their consumer calls :meth:`fail_over` with that replica
+    when one breaks.
+
+    Every broker call is safe to repeat (plans, reports, keep-alives, aborts are
+    idempotent); a ``PublishBlocks`` whose reply was lost with its replica comes back
+    ALREADY_EXISTS, which :class:`~clients.prefill.AsyncPrefillClient` checks and accepts.
+    """
+
+    def __init__(self, target: str | Sequence[str], security: ChannelSecurity = PLAINTEXT) -> None:
+        self.addresses = broker_addresses(target)
+        self._security = security
+        self._stubs: dict[int, tuple[grpc.aio.Channel, pb_grpc.BrokerStub]] = {}
+        self._current = 0
+        #: How many times calls moved on to another replica.
+        self.failovers = 0
+
+    @property
+    def address(self) -> str:
+        """The replica calls go to now."""
+        return self.addresses[self._current]
+
+    def _stub(self) -> pb_grpc.BrokerStub:
+        if self._current not in self._stubs:
+            channel = open_channel(self.address, self._security)
+            self._stubs[self._current] = (channel, pb_grpc.BrokerStub(channel))
+        return self._stubs[self._current][1]
+
+    def fail_over(self, failed: str) -> None:
+        """Replica ``failed`` did not answer: move on to the next one, unless another call
+        already moved away from it (a no-op with one address)."""
+        if failed != self.address:
+            return
+        self.failovers += 1
+        if len(self.addresses) > 1:
+            self._current = (self._current + 1) % len(self.addresses)
+            log.warning("broker calls go to %s now", self.address)
+
+    def WatchReleases(self, request: pb.WatchReleasesRequest, **kwargs: Any) -> Any:
+        return self._stub().WatchReleases(request, **kwargs)
+
+    def __getattr__(self, method: str) -> Callable[..., Awaitable[Any]]:
+        if not method[:1].isupper():
+            raise AttributeError(method)
+
+        async def unary(request: Any, *, timeout: float | None = None, **kwargs: Any) -> Any:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            delay = RETRY_DELAY_S
+            tried = 0
+            while True:
+                left = None if deadline is None else deadline - time.monotonic()
+                address = self.address
+                try:
+                    return await getattr(self._stub(), method)(request, timeout=left, **kwargs)
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() is not grpc.StatusCode.UNAVAILABLE:
+                        raise
+                    self.fail_over(address)
+                    tried += 1
+                    if tried % len(self.addresses) == 0:  # every replica refused: back off
+                        if deadline is not None and time.monotonic() + delay >= deadline:
+                            raise
+                        await asyncio.sleep(delay)
+                        delay = min(2 * delay, MAX_RETRY_DELAY_S)
+
+        return unary
+
+    async def close(self) -> None:
+        stubs, self._stubs = self._stubs, {}
+        await asyncio.gather(*(channel.close() for channel, _ in stubs.values()))
 
 
 class RankSession:
     """One hosted rank: its NIXL agent and registered regions, its broker registration and
     lease. Region *i* holds layer *i* of every group, as the layout declares."""
 
-    def __init__(self, stub: pb_grpc.BrokerStub, engine_id: str, role: int, tp_size: int,
+    def __init__(self, stub: FailoverStub, engine_id: str, role: int, tp_size: int,
                  layout: RankLayout, fingerprint: str, agent: NixlAgent,
                  regions: tuple[Region, ...]) -> None:
         self.stub = stub
@@ -85,6 +175,9 @@ class RankSession:
         self.lease_id = ""
         self.ttl_ms = 0
         self.generation = 0
+        #: Called after the rank registered again because the broker lost its lease (lease
+        #: expiry, broker restart): the broker failed the transfers of the old registration.
+        self.on_registered_again: Callable[[RankSession], None] | None = None
 
     @property
     def tp_rank(self) -> int:
@@ -105,23 +198,32 @@ class RankSession:
 
     async def keep_alive_forever(self, timeout_s: float) -> None:
         """Renew the lease every third of its TTL; register again if it was lost (the
-        broker then failed this rank's transfers; new ones work again)."""
+        broker then failed this rank's transfers; new ones work again). While the broker
+        cannot be reached, retry with a doubling pause (up to ``MAX_RETRY_DELAY_S``)."""
+        delay = RETRY_DELAY_S
+        lost = False
         while True:
-            await asyncio.sleep(self.ttl_ms / 3000)
+            await asyncio.sleep(delay if lost else self.ttl_ms / 3000)
             try:
+                if lost:
+                    await self.register(timeout_s)
+                    log.warning("rank %s/%d: registered again", self.engine_id, self.tp_rank)
+                    lost, delay = False, RETRY_DELAY_S
+                    if self.on_registered_again is not None:
+                        self.on_registered_again(self)
+                    continue
                 self.ttl_ms = (await call(self.stub, "KeepAlive",
                                           pb.KeepAliveRequest(lease_id=self.lease_id), timeout_s)).ttl_ms
+                delay = RETRY_DELAY_S
             except BrokerCallError as exc:
-                if exc.code is not grpc.StatusCode.NOT_FOUND:
-                    log.warning("rank %s/%d: lease renewal failed: %s", self.engine_id, self.tp_rank, exc)
-                    await asyncio.sleep(RETRY_DELAY_S)
+                if not lost and exc.code is grpc.StatusCode.NOT_FOUND:
+                    log.warning("rank %s/%d: lease lost, registering again", self.engine_id, self.tp_rank)
+                    lost = True
+                    delay = 0.0
                     continue
-                log.warning("rank %s/%d: lease lost, registering again", self.engine_id, self.tp_rank)
-                try:
-                    await self.register(timeout_s)
-                except BrokerCallError as again:
-                    log.warning("rank %s/%d: registering again failed: %s",
-                                self.engine_id, self.tp_rank, again)
+                log.warning("rank %s/%d: %s failed: %s", self.engine_id, self.tp_rank,
+                            "registering again" if lost else "lease renewal", exc)
+                delay = min(max(2 * delay, RETRY_DELAY_S), MAX_RETRY_DELAY_S)
 
     async def deregister(self, timeout_s: float) -> None:
         """Leave the broker; a lease that already expired is not an error."""
@@ -139,13 +241,17 @@ class AsyncEngineClient:
     :class:`~clients.nixl_transport.Region`), one per ``layout`` region, each at least
     ``num_blocks * page_bytes`` long; the caller keeps them alive until :meth:`close`.
     :meth:`start` creates one NIXL agent per rank, registers the memory with it and the rank
-    with the broker at ``target``, and keeps the leases alive.
+    with the broker at ``target`` (``HOST:PORT``, or replicas sharing a store as
+    ``HOST:PORT,HOST:PORT``: see :class:`FailoverStub`), and keeps the leases alive.
+    ``security``: TLS and this engine's credentials (client certificate or token naming
+    ``engine_id``); plaintext by default.
     """
 
     role: ClassVar[int] = pb.ROLE_UNSPECIFIED
 
     def __init__(self, target: str, engine_id: str, layout: EngineLayout,
-                 memory: Mapping[int, Sequence[object]], *, call_timeout_s: float = 10.0) -> None:
+                 memory: Mapping[int, Sequence[object]], *, call_timeout_s: float = 10.0,
+                 security: ChannelSecurity = PLAINTEXT) -> None:
         if not memory:
             raise ValueError("memory: host at least one rank")
         for tp_rank, regions in memory.items():
@@ -158,9 +264,9 @@ class AsyncEngineClient:
         self.engine_id = engine_id
         self.layout = layout
         self.call_timeout_s = call_timeout_s
+        self.security = security
         self._memory = {r: tuple(memory[r]) for r in sorted(memory)}
-        self._channel: grpc.aio.Channel | None = None
-        self._stub: pb_grpc.BrokerStub | None = None
+        self._stub: FailoverStub | None = None
         self.sessions: dict[int, RankSession] = {}
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -170,7 +276,7 @@ class AsyncEngineClient:
         return tuple(self._memory)
 
     @property
-    def stub(self) -> pb_grpc.BrokerStub:
+    def stub(self) -> FailoverStub:
         if self._stub is None:
             raise RuntimeError("start() the client first")
         return self._stub
@@ -178,8 +284,7 @@ class AsyncEngineClient:
     async def start(self) -> None:
         """Create the agents, register memory and ranks, start the background tasks. On
         failure everything created so far is closed again."""
-        self._channel = open_channel(self.target)
-        self._stub = pb_grpc.BrokerStub(self._channel)
+        self._stub = FailoverStub(self.target, self.security)
         try:
             for tp_rank, memory in self._memory.items():
                 rank_layout = self.layout.ranks[tp_rank]
@@ -224,9 +329,9 @@ class AsyncEngineClient:
         for session in self.sessions.values():
             session.agent.close()
         self.sessions.clear()
-        if self._channel is not None:
-            await self._channel.close()
-            self._channel = self._stub = None
+        if self._stub is not None:
+            await self._stub.close()
+            self._stub = None
         for error in errors:
             if isinstance(error, BaseException):
                 raise error

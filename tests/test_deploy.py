@@ -77,13 +77,20 @@ def test_the_pieces_refer_to_each_other() -> None:
 
     container = pod["spec"]["containers"][0]
     config = find("ConfigMap", container["envFrom"][0]["configMapRef"]["name"])["data"]
-    port = container["ports"][0]["containerPort"]
-    assert config["PDBROKER_LISTEN"] == f"0.0.0.0:{port}"
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert config["PDBROKER_LISTEN"] == f"0.0.0.0:{ports['grpc']}"
+    assert config["PDBROKER_HEALTH_PORT"] == str(ports["health"])
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert container[probe]["grpc"]["port"] == port
+        assert container[probe]["grpc"]["port"] == ports["health"]  # TLS on grpc: no probes
     assert container["readinessProbe"]["grpc"]["service"] == "pdbroker.v1.Broker"
     (volume,) = pod["spec"]["volumes"]
-    assert find("Secret", volume["secret"]["secretName"])["type"] == "kubernetes.io/tls"
+    secret = find("Secret", volume["secret"]["secretName"])
+    assert secret["type"] == "kubernetes.io/tls"
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == volume["name"]]
+    for variable, key in (("PDBROKER_TLS_CERT", "tls.crt"), ("PDBROKER_TLS_KEY", "tls.key"),
+                          ("PDBROKER_TLS_CLIENT_CA", "ca.crt")):  # fmt: skip
+        assert config[variable] == f"{mount['mountPath']}/{key}" and key in secret["data"]
+    assert "PDBROKER_INSECURE" not in config
 
     store = urlsplit(config["PDBROKER_STORE"])
     redis_service = find("Service", store.hostname)
@@ -128,6 +135,7 @@ def test_compose_runs_two_replicas_on_redis_with_a_collector() -> None:
         assert urlsplit(env["OTEL_EXPORTER_OTLP_ENDPOINT"]).hostname == "otel-collector"
         assert broker["build"]["dockerfile"] == "deploy/Dockerfile"
         assert broker["depends_on"]["redis"]["condition"] == "service_healthy"
+        assert broker["command"] == ["serve", "--insecure"]  # development: plaintext, said so
         published.add(broker["ports"][0].split(":")[0])
     assert len(published) == 2  # each replica reachable on its own host port
     collector = yaml.safe_load((DEPLOY / "otel-collector.yaml").read_text())

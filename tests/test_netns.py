@@ -178,7 +178,7 @@ def fleet(topology: Topology) -> Iterator[Fleet]:
     address = f"{topology.address('broker')}:50151"
     broker = subprocess.Popen(
         ["ip", "netns", "exec", topology.ns("broker"), sys.executable, "-m", "broker.cli", "serve",
-         "--listen", address, "--lease-ttl-ms", str(LEASE_MS),
+         "--insecure", "--listen", address, "--lease-ttl-ms", str(LEASE_MS),
          "--default-ttl-ms", str(TRANSFER_TTL_MS), "--log-level", "WARNING"],
         stdout=subprocess.PIPE, text=True, cwd=ROOT,
     )

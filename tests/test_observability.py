@@ -336,6 +336,7 @@ def test_status_and_transfer_commands_against_a_live_broker(tmp_path: Path) -> N
                 "-m",
                 "broker.cli",
                 "serve",
+                "--insecure",
                 "--listen",
                 "127.0.0.1:0",
                 "--log-level",

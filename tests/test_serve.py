@@ -19,7 +19,7 @@ from broker.v1 import broker_pb2_grpc as pb_grpc
 
 def serve(*flags: str, **env: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "broker.cli", "serve", *flags],
+        [sys.executable, "-m", "broker.cli", "serve", "--insecure", *flags],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -1,11 +1,17 @@
 """``pdbroker serve``: run the broker (in-memory state, or Redis with ``--store``) until
-SIGINT/SIGTERM."""
+SIGINT/SIGTERM.
+
+The port speaks TLS (``--tls-cert``/``--tls-key``), with client certificates
+(``--tls-client-ca``) and/or bearer tokens (``--auth-tokens``) identifying and authorizing
+callers; plaintext only with ``--insecure``, which logs a warning (:mod:`broker.security`).
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import gc
+import logging
 import os
 import signal
 from typing import TYPE_CHECKING
@@ -16,11 +22,35 @@ from broker.state import StateStore
 from broker.tracing import configure_tracing
 
 if TYPE_CHECKING:
+    from broker.security import ServerSecurity
     from broker.server import BrokerServer
+
+log = logging.getLogger("broker.serve")
 
 _DEFAULTS = ServiceConfig()
 #: Allocations between young-generation collections (CPython's default is 700).
 GC_YOUNG_THRESHOLD = 50_000
+#: File options of the port's security: (flag, environment variable, help).
+_SECURITY_FILES = (
+    ("--tls-cert", "PDBROKER_TLS_CERT", "the broker's certificate chain (PEM): serve TLS"),
+    ("--tls-key", "PDBROKER_TLS_KEY", "the private key of --tls-cert (PEM)"),
+    (
+        "--tls-client-ca",
+        "PDBROKER_TLS_CLIENT_CA",
+        (
+            "CA certificates (PEM) that sign client certificates: require one from every "
+            "caller (mutual TLS); its common name and subject alternative names identify it"
+        ),
+    ),
+    (
+        "--auth-tokens",
+        "PDBROKER_AUTH_TOKENS",
+        (
+            "file of 'NAME: TOKEN' lines: callers may identify as NAME with 'authorization: "
+            "Bearer TOKEN' (TLS only)"
+        ),
+    ),
+)
 #: Positive integer options: (flag, environment variable, default, help).
 _INT_OPTIONS = (
     (
@@ -47,6 +77,13 @@ _INT_OPTIONS = (
         "PDBROKER_MAX_TRANSFERS",
         _DEFAULTS.max_transfers,
         "transfers held at once",
+    ),
+    ("--max-ranks", "PDBROKER_MAX_RANKS", _DEFAULTS.max_ranks, "ranks registered at once"),
+    (
+        "--max-read-ms",
+        "PDBROKER_MAX_READ_MS",
+        _DEFAULTS.max_read_ms,
+        "how long an unreported plan holds its prefill blocks after its transfer ended",
     ),
     ("--reap-interval-ms", "PDBROKER_REAP_INTERVAL_MS", 100, "how often expiry is checked"),
 )
@@ -77,6 +114,27 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="serve Prometheus /metrics on this port of the --listen host; 0 picks one "
         "[PDBROKER_METRICS_PORT, else off]",
     )
+    for flag, env, text in _SECURITY_FILES:
+        p.add_argument(flag, metavar="FILE", help=f"{text} [{env}]")
+    p.add_argument(
+        "--admin-identities",
+        metavar="NAMES",
+        help="comma-separated caller names (certificate or token names) allowed the operator "
+        "calls: ListEngines, ListTransfers, any GetTransfer and AbortTransfer "
+        "[PDBROKER_ADMIN_IDENTITIES]",
+    )
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        default=None,
+        help="serve plaintext without authentication (development only) [PDBROKER_INSECURE=1]",
+    )
+    p.add_argument(
+        "--health-port",
+        type=int,
+        help="also serve gRPC health alone, in plaintext, on this port of the --listen host, "
+        "for probes that cannot speak TLS; 0 picks one [PDBROKER_HEALTH_PORT, else off]",
+    )
     p.set_defaults(run=run)
 
 
@@ -88,13 +146,16 @@ def _resolve(args: argparse.Namespace) -> None:
         args.log_level = os.environ.get("PDBROKER_LOG_LEVEL", "INFO")
     if args.store is None:
         args.store = os.environ.get("PDBROKER_STORE", "memory")
-    if args.metrics_port is None and os.environ.get("PDBROKER_METRICS_PORT"):
-        raw = os.environ["PDBROKER_METRICS_PORT"]
-        if not raw.isdigit():
-            raise SystemExit(f"pdbroker serve: error: PDBROKER_METRICS_PORT={raw!r} is not a port")
-        args.metrics_port = int(raw)
-    if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
-        raise SystemExit("pdbroker serve: error: --metrics-port must be in [0, 65536)")
+    for flag, env in (("--metrics-port", "PDBROKER_METRICS_PORT"),
+                      ("--health-port", "PDBROKER_HEALTH_PORT")):  # fmt: skip
+        name = flag.removeprefix("--").replace("-", "_")
+        if getattr(args, name) is None and os.environ.get(env):
+            raw = os.environ[env]
+            if not raw.isdigit():
+                raise SystemExit(f"pdbroker serve: error: {env}={raw!r} is not a port")
+            setattr(args, name, int(raw))
+        if getattr(args, name) is not None and not 0 <= getattr(args, name) < 65536:
+            raise SystemExit(f"pdbroker serve: error: {flag} must be in [0, 65536)")
     for flag, env, default, _ in _INT_OPTIONS:
         name = flag.removeprefix("--").replace("-", "_")
         if getattr(args, name) is None:
@@ -109,8 +170,37 @@ def _resolve(args: argparse.Namespace) -> None:
             raise SystemExit(f"pdbroker serve: error: {flag} must be positive")
 
 
+def _security(args: argparse.Namespace) -> ServerSecurity:
+    """The port's security from the flags, else the environment; exits naming the flag of a
+    missing or contradictory setting."""
+    from broker.security import ServerSecurity
+
+    files = {}
+    for flag, env, _ in _SECURITY_FILES:
+        name = flag.removeprefix("--").replace("-", "_")
+        files[name] = getattr(args, name) or os.environ.get(env, "")
+    admins = args.admin_identities
+    if admins is None:
+        admins = os.environ.get("PDBROKER_ADMIN_IDENTITIES", "")
+    insecure = args.insecure
+    if insecure is None:
+        raw = os.environ.get("PDBROKER_INSECURE", "")
+        if raw.lower() not in ("", "0", "1", "false", "true"):
+            raise SystemExit(f"pdbroker serve: error: PDBROKER_INSECURE={raw!r} is not 0 or 1")
+        insecure = raw.lower() in ("1", "true")
+    try:
+        return ServerSecurity(
+            admin_identities=frozenset(n.strip() for n in admins.split(",") if n.strip()),
+            insecure=insecure,
+            **files,
+        )
+    except ValueError as exc:
+        raise SystemExit(f"pdbroker serve: error: {exc}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     _resolve(args)
+    security = _security(args)
     configure_logging(args.log_level, args.log_format)
     # Off unless OTEL_TRACES_EXPORTER / OTEL_EXPORTER_OTLP_*ENDPOINT ask for traces.
     tracer_provider = configure_tracing(
@@ -122,6 +212,8 @@ def run(args: argparse.Namespace) -> int:
         lease_ttl_ms=args.lease_ttl_ms,
         retention_ms=args.retention_ms,
         max_transfers=args.max_transfers,
+        max_read_ms=args.max_read_ms,
+        max_ranks=args.max_ranks,
     )
     metrics = None
     if args.metrics_port is not None:
@@ -132,14 +224,38 @@ def run(args: argparse.Namespace) -> int:
         port = metrics.serve(args.metrics_port, host)
         print(f"pdbroker serve: metrics on http://{_url_host(host)}:{port}/metrics", flush=True)
     service = BrokerService(_open_store(args.store, config), config=config, observer=metrics)
-    from broker.server import BrokerServer  # grpc: only for the commands that need it
-
     try:
-        asyncio.run(_serve(BrokerServer(service, args.listen, args.reap_interval_ms)))
+        asyncio.run(_serve(_server(service, args, security)))
     finally:
         if tracer_provider is not None:
             tracer_provider.shutdown()  # flush the last spans
     return 0
+
+
+def _server(
+    service: BrokerService, args: argparse.Namespace, security: ServerSecurity
+) -> BrokerServer:
+    """The server, its certificates and tokens read; logs its mode (a warning when callers
+    are not authenticated)."""
+    from broker.server import BrokerServer  # grpc: only for the commands that need it
+
+    try:
+        server = BrokerServer(
+            service, args.listen, args.reap_interval_ms, security, args.health_port
+        )
+    except ValueError as exc:  # an unreadable certificate, key or tokens file
+        raise SystemExit(f"pdbroker serve: error: {exc}") from None
+    if security.insecure:
+        log.warning(
+            "--insecure: serving plaintext without authentication; any process that reaches "
+            "%s may act as any engine (use --tls-cert/--tls-key outside development)",
+            args.listen,
+        )
+    elif security.authenticates:
+        log.info("serving %s", security.describe())
+    else:
+        log.warning("serving %s (add --tls-client-ca or --auth-tokens)", security.describe())
+    return server
 
 
 def _url_host(host: str) -> str:
@@ -160,7 +276,10 @@ def _open_store(url: str, config: ServiceConfig) -> StateStore | None:
     store = RedisStateStore.from_url(
         url,
         rank_ttl_ms=3 * config.lease_ttl_ms,
-        transfer_ttl_ms=config.max_ttl_ms + config.retention_ms + config.lease_ttl_ms,
+        transfer_ttl_ms=config.max_ttl_ms
+        + config.max_read_ms
+        + config.retention_ms
+        + config.lease_ttl_ms,
     )
     try:
         store.client.ping()
@@ -181,6 +300,9 @@ async def _serve(server: BrokerServer) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    if server.health_port is not None:
+        print(f"pdbroker serve: health on {_url_host(server.listen.rsplit(':', 1)[0])}:"
+              f"{server.health_port}", flush=True)  # fmt: skip
     # Printed last: once a supervisor reads this line, SIGTERM stops the broker cleanly.
     print(f"pdbroker serve: listening on {server.address}", flush=True)
     await stop.wait()

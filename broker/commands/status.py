@@ -5,6 +5,10 @@ read-only RPCs (``ListEngines``, ``ListTransfers``, ``GetTransfer``).
 their age) and the finished ones still kept. ``transfer``: one transfer's state, trace id,
 timeline, plans and releases. ``--json`` prints one JSON object instead. gRPC is imported
 only when one of them runs.
+
+Against a broker that authorizes callers, both need an operator's credentials (a name in its
+``--admin-identities``): ``--tls-ca`` with a client certificate (``--tls-cert``,
+``--tls-key``) or a ``--token-file``.
 """
 
 from __future__ import annotations
@@ -18,10 +22,18 @@ from typing import TYPE_CHECKING, Any
 from broker.tracing import trace_id_of
 
 if TYPE_CHECKING:
+    from broker.security import ChannelSecurity
     from broker.v1 import broker_pb2 as pb
 
 DEFAULT_BROKER = "127.0.0.1:50151"
 _DEFAULT_LIMIT = 20
+#: Connection options: (flag, environment variable, help).
+_SECURITY_FILES = (
+    ("--tls-ca", "PDBROKER_TLS_CA", "CA certificate (PEM) of the broker's certificate: use TLS"),
+    ("--tls-cert", "PDBROKER_TLS_CLIENT_CERT", "client certificate (PEM) for mutual TLS"),
+    ("--tls-key", "PDBROKER_TLS_CLIENT_KEY", "the private key of --tls-cert (PEM)"),
+    ("--token-file", "PDBROKER_TOKEN_FILE", "file holding a bearer token (TLS only)"),
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -43,6 +55,31 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--broker", help=f"HOST:PORT [PDBROKER_BROKER, else {DEFAULT_BROKER}]")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds per call")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    for flag, env, text in _SECURITY_FILES:
+        p.add_argument(flag, metavar="FILE", help=f"{text} [{env}, else plaintext]")
+
+
+def _security(args: argparse.Namespace) -> ChannelSecurity:
+    """How to connect, from the flags, else the environment; exits naming a bad option."""
+    from broker.security import ChannelSecurity
+
+    files = {}
+    for flag, env, _ in _SECURITY_FILES:
+        name = flag.removeprefix("--").replace("-", "_")
+        files[name] = getattr(args, name) or os.environ.get(env, "")
+    try:
+        return ChannelSecurity.from_files(
+            files["tls_ca"], files["tls_cert"], files["tls_key"], files["token_file"]
+        )
+    except ValueError as exc:
+        raise _security_error(args, exc) from None
+
+
+def _security_error(args: argparse.Namespace, exc: ValueError) -> SystemExit:
+    """``exc`` as the command's error, naming the flag of the field it names (the flags are
+    the :class:`~broker.security.ChannelSecurity` fields)."""
+    field, _, detail = str(exc).partition(": ")
+    return SystemExit(f"pdbroker {args.command}: error: --{field.replace('_', '-')}: {detail}")
 
 
 def _call(args: argparse.Namespace, method: str, request: Any) -> Any:
@@ -52,14 +89,17 @@ def _call(args: argparse.Namespace, method: str, request: Any) -> Any:
     from broker.v1 import broker_pb2_grpc as pb_grpc
 
     address = args.broker or os.environ.get("PDBROKER_BROKER") or DEFAULT_BROKER
+    security = _security(args)
     try:
-        with grpc.insecure_channel(address) as channel:
+        with security.channel(address) as channel:
             return getattr(pb_grpc.BrokerStub(channel), method)(request, timeout=args.timeout)
     except grpc.RpcError as exc:
         raise SystemExit(
             f"pdbroker {args.command}: error: {method} at {address}: "
             f"{exc.code().name}: {exc.details()}"
         ) from None
+    except ValueError as exc:  # an unreadable certificate, key or CA file
+        raise _security_error(args, exc) from None
 
 
 def _name(enum_type: Any, value: int, prefix: str) -> str:

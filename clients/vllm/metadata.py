@@ -16,6 +16,8 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from broker.security import ChannelSecurity
+
 #: Set by the proxy on the prefill leg: run the prompt here, keep the state for a decode engine.
 DO_REMOTE_DECODE = "do_remote_decode"
 #: Set on the decode leg: the prompt's state waits at the broker under :data:`TRANSFER_ID`.
@@ -48,7 +50,9 @@ class ConnectorSettings:
     ``model_name``: what prefill and decode engines of one model both call it (default: the
     served model name), prefixed to the layout digest in the model fingerprint.
     ``progress_interval_s``: how often a prefill rank polls its NIXL agent (readers' wire-up
-    and their notifications need it).
+    and their notifications need it). ``tls_ca``, ``tls_cert``, ``tls_key``, ``token_file``:
+    the broker connection's :class:`~broker.security.ChannelSecurity` (files; plaintext when
+    ``tls_ca`` is empty); a client certificate or token must name the engine's ``engine_id``.
     """
 
     broker: str
@@ -57,6 +61,10 @@ class ConnectorSettings:
     read_timeout_s: float = 30.0
     progress_interval_s: float = 0.001
     model_name: str = ""
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    token_file: str = ""
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> ConnectorSettings:
@@ -69,8 +77,18 @@ class ConnectorSettings:
         if not isinstance(extra.get("broker"), str) or ":" not in extra["broker"]:
             raise ValueError('kv_connector_extra_config.broker: required, "HOST:PORT" of the broker')
         # Every other field has a default whose type the value is converted to.
-        return cls(**{name: value if known[name].default is MISSING
-                      else type(known[name].default)(value) for name, value in extra.items()})
+        settings = cls(**{name: value if known[name].default is MISSING
+                          else type(known[name].default)(value) for name, value in extra.items()})
+        settings.channel_security()  # a bad combination or unreadable token fails at start-up
+        return settings
+
+    def channel_security(self) -> ChannelSecurity:
+        """How this engine connects to the broker; ``ValueError`` names the bad key."""
+        try:
+            return ChannelSecurity.from_files(self.tls_ca, self.tls_cert, self.tls_key,
+                                              self.token_file)
+        except ValueError as exc:
+            raise ValueError(f"kv_connector_extra_config: {exc}") from None
 
 
 @dataclass(frozen=True)

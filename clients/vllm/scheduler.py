@@ -182,7 +182,7 @@ class SchedulerHalf:
 
     def _broker(self) -> pb_grpc.BrokerStub:
         if self._stub is None:
-            self._channel = grpc.insecure_channel(self.settings.broker)
+            self._channel = self.settings.channel_security().channel(self.settings.broker)
             self._stub = pb_grpc.BrokerStub(self._channel)
         return self._stub
 

@@ -84,17 +84,18 @@ class WorkerHalf:
                                self.model_name)
         memory = derive_rank_memory(self.kv_cache_config, kv_caches, self.tp_size, self.tp_rank,
                                     self.facts, get_conv_state_layout())
-        timeout = self.settings.call_timeout_s
+        timeout, security = self.settings.call_timeout_s, self.settings.channel_security()
         if self.producer:
             client: AsyncEngineClient = AsyncPrefillClient(
                 self.settings.broker, self.engine_id, layout, {self.tp_rank: memory.regions},
                 on_release=self._on_release, progress_interval_s=self.settings.progress_interval_s,
-                idle_interval_s=self.settings.progress_interval_s, call_timeout_s=timeout)
+                idle_interval_s=self.settings.progress_interval_s, call_timeout_s=timeout,
+                security=security)
         else:
             client = AsyncDecodeClient(self.settings.broker, self.engine_id, layout,
                                        {self.tp_rank: memory.regions},
                                        read_timeout_s=self.settings.read_timeout_s,
-                                       call_timeout_s=timeout)
+                                       call_timeout_s=timeout, security=security)
         self._loop = LoopThread(f"pdbroker-{self.engine_id}-rank{self.tp_rank}")
         try:
             self._loop.run(client.start())

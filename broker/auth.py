@@ -1,0 +1,211 @@
+"""Who is calling, and what they may do: identities from client certificates and bearer
+tokens, and the broker's authorization rules.
+
+**Identity.** A caller is known by names: with mutual TLS, its certificate's common name and
+every subject alternative name (DNS, URI, ...); with a tokens file, the name its bearer token
+(``authorization: Bearer TOKEN`` metadata) maps to. A caller that presents a token must
+present a known one; a caller with no name at all is UNAUTHENTICATED.
+
+**Rules** (PERMISSION_DENIED otherwise, the message naming the field):
+
+* an engine acts only as itself: ``engine_id`` of RegisterRank, PublishBlocks,
+  GetTransferPlan, ReportTransfer and WatchReleases must be one of the caller's names, and
+  KeepAlive/Deregister only renew or end leases of its own ranks (``lease_id``);
+* a report must come from the decode engine holding the plan (``plan_id``); which decode
+  engines may fetch a transfer's plans is the publication's ``allowed_decode_engines``
+  (checked by :class:`~broker.service.BrokerService`);
+* a transfer's *parties* are its prefill engine and the decode engines that may read it (the
+  one that claimed it; before that those the publication allows, every decode engine when it
+  names none): parties and operators may GetTransfer and AbortTransfer it — a decode engine
+  that may read a transfer could as well claim it, so letting it abort adds no power;
+* operators (the ``admins`` names) may also ListEngines and ListTransfers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn
+
+from broker.errors import PermissionDeniedError, UnauthenticatedError
+from broker.state import StateStore
+
+log = logging.getLogger(__name__)
+
+#: Keys of a gRPC auth context holding the verified client certificate's names.
+_CERTIFICATE_NAME_KEYS = ("x509_common_name", "x509_subject_alternative_name")
+#: Shortest token a tokens file may hold (characters).
+MIN_TOKEN_CHARS = 16
+
+
+@dataclass(frozen=True)
+class Identity:
+    """The names a caller proved (certificate names, the token's name)."""
+
+    names: frozenset[str]
+
+    def __str__(self) -> str:
+        return "/".join(sorted(self.names))
+
+
+class TokenTable:
+    """Bearer tokens and the identity each stands for, kept as SHA-256 digests only.
+
+    The file has one ``NAME: TOKEN`` per line (``#`` starts a comment); a name may have several
+    tokens (rotation), a token only one name, and tokens have at least
+    :data:`MIN_TOKEN_CHARS` characters.
+    """
+
+    def __init__(self, names_by_token: dict[str, str]) -> None:
+        self._names = {_digest(token): name for token, name in names_by_token.items()}
+
+    @classmethod
+    def load(cls, path: str | Path) -> TokenTable:
+        """Read a tokens file; ``ValueError`` names the file and line of a bad entry."""
+        names_by_token: dict[str, str] = {}
+        for number, raw in enumerate(Path(path).read_text().splitlines(), 1):
+            line = raw.split("#", 1)[0].strip()
+            if not line:
+                continue
+            name, sep, token = (part.strip() for part in line.partition(":"))
+            where = f"{path}:{number}"
+            if not sep or not name or not token or len(token.split()) != 1:
+                raise ValueError(f"{where}: expected 'NAME: TOKEN'")
+            if len(token) < MIN_TOKEN_CHARS:
+                raise ValueError(
+                    f"{where}: the token of {name!r} is shorter than {MIN_TOKEN_CHARS} characters"
+                )
+            if names_by_token.setdefault(token, name) != name:
+                raise ValueError(f"{where}: {name!r} reuses the token of {names_by_token[token]!r}")
+        if not names_by_token:
+            raise ValueError(f"{path}: no tokens")
+        return cls(names_by_token)
+
+    def name_of(self, token: str) -> str | None:
+        return self._names.get(_digest(token))
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()
+
+
+class Authenticator:
+    """Turns a call's verified client certificate and bearer token into an :class:`Identity`.
+
+    ``certificates``: the server verifies client certificates (mutual TLS), so their names
+    count. ``tokens``: bearer tokens are accepted (None: ignored).
+    """
+
+    def __init__(self, certificates: bool, tokens: TokenTable | None) -> None:
+        self.certificates = certificates
+        self.tokens = tokens
+
+    def identify(self, context: Any) -> Identity:
+        """The caller of the call whose ``grpc.aio.ServicerContext`` is ``context``; raises
+        :class:`UnauthenticatedError` on a bad or missing credential."""
+        names: set[str] = set()
+        if self.certificates:
+            auth = context.auth_context()
+            names.update(v.decode() for key in _CERTIFICATE_NAME_KEYS for v in auth.get(key, ()))
+        if self.tokens is not None:
+            token = _bearer_token(context.invocation_metadata())
+            if token:
+                name = self.tokens.name_of(token)
+                if name is None:
+                    _unauthenticated(context, "unknown bearer token")
+                names.add(name)
+        if not names:
+            _unauthenticated(
+                context, "no bearer token" if self.tokens else "no client certificate name"
+            )
+        return Identity(frozenset(names))
+
+
+def _unauthenticated(context: Any, message: str) -> NoReturn:
+    log.warning("unauthenticated call from %s: %s", context.peer(), message)
+    raise UnauthenticatedError("authorization", message)
+
+
+def _bearer_token(metadata: Iterable[tuple[str, Any]] | None) -> str:
+    """The token of ``authorization: Bearer TOKEN`` ('' when the call carries none)."""
+    for key, value in metadata or ():
+        if key == "authorization":
+            scheme, _, token = str(value).partition(" ")
+            if scheme.lower() != "bearer" or not token.strip():
+                raise UnauthenticatedError("authorization", "expected 'Bearer TOKEN'")
+            return token.strip()
+    return ""
+
+
+class AccessGuard:
+    """The rules of the module docstring over the broker's records (read only).
+
+    Checks of objects the broker does not know (a lease, plan or transfer id) pass, so the
+    service answers NOT_FOUND as it would without authorization.
+    """
+
+    def __init__(
+        self, authenticator: Authenticator, store: StateStore, admins: frozenset[str] = frozenset()
+    ) -> None:
+        self.authenticator = authenticator
+        self.store = store
+        self.admins = admins
+
+    def identify(self, context: Any) -> Identity:
+        return self.authenticator.identify(context)
+
+    def act_as(self, who: Identity, engine_id: str, field: str = "engine_id") -> None:
+        if engine_id not in who.names:
+            _deny(field, f"caller {who} may not act for engine {engine_id!r}")
+
+    def hold_lease(self, who: Identity, lease_id: str) -> None:
+        record = self.store.rank_by_lease(lease_id)
+        if record is not None:
+            self.act_as(who, record.registration.engine_id, "lease_id")
+
+    def report_plan(self, who: Identity, plan_id: str) -> None:
+        transfer_id = self.store.transfer_of_plan(plan_id)
+        transfer = None if transfer_id is None else self.store.get_transfer(transfer_id)
+        if transfer is not None and transfer.decode_engine_id not in who.names:
+            _deny(
+                "plan_id",
+                f"plan {plan_id} belongs to decode engine "
+                f"{transfer.decode_engine_id!r}, not to caller {who}",
+            )
+
+    def see_transfer(self, who: Identity, transfer_id: str) -> None:
+        """Parties of the transfer and operators only (GetTransfer, AbortTransfer)."""
+        if who.names & self.admins:
+            return
+        transfer = self.store.get_transfer(transfer_id)
+        if transfer is None or transfer.prefill_engine_id in who.names:
+            return
+        if transfer.decode_engine_id:
+            readers = who.names & {transfer.decode_engine_id}
+        elif transfer.allowed_decode_engines:
+            readers = who.names & transfer.allowed_decode_engines
+        else:
+            readers = who.names
+        if not any(self._reads(name) for name in readers):
+            _deny(
+                "transfer_id",
+                f"caller {who} is neither a party to transfer {transfer_id!r} nor an operator",
+            )
+
+    def administer(self, who: Identity) -> None:
+        """Operators only (ListEngines, ListTransfers)."""
+        if not who.names & self.admins:
+            _deny("authorization", f"caller {who} is not an operator")
+
+    def _reads(self, engine_id: str) -> bool:
+        """Whether ``engine_id`` is a registered engine that reads (decode or both)."""
+        ranks = self.store.engine_ranks(engine_id)
+        return bool(ranks) and ranks[0].registration.role.reads
+
+
+def _deny(field: str, message: str) -> NoReturn:
+    log.warning("permission denied: %s: %s", field, message)
+    raise PermissionDeniedError(field, message)
