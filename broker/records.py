@@ -141,12 +141,20 @@ class PlanRecord:
     block_ids: BlockIds
     rank_plan: RankPlan
     handed_out: bool = False
+    #: When it was handed out (ms since epoch); a plan handed out and not yet reported is
+    #: *live*: the prefill ranks it reads are not released until it reports or dies.
+    handed_out_at_ms: int = 0
     status: ReportStatus | None = None
     bytes_moved: int = 0
     duration_us: int = 0
     error: str = ""
-    #: Reported DONE while no source was released yet: only then is what it read usable.
+    #: Reported DONE while the transfer was still live: only then is what it read usable.
     intact: bool = False
+
+    @property
+    def live(self) -> bool:
+        """Handed out and not reported: decode may be reading its sources right now."""
+        return self.handed_out and self.status is None
 
     @property
     def prefill_ranks(self) -> tuple[int, ...]:
@@ -185,6 +193,10 @@ class TransferRecord:
     #: W3C traceparent of the transfer's trace: the publisher's, else the broker's publish
     #: span; '' when nobody traces. Spans about the transfer anywhere descend from it.
     traceparent: str = ""
+    #: Why it ended, for the prefill ranks still held by live plans when it did (released
+    #: with this reason once those plans report or die); None while unfinished.
+    end_reason: ReleaseReason | None = None
+    end_detail: str = ""
 
 
 @dataclass(frozen=True)

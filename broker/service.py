@@ -15,8 +15,15 @@ Transfer state machine (see :class:`~broker.records.TransferState`)::
 
 Release rule: prefill rank *p* is released COMPLETED once every decode rank whose plan reads
 from it reported DONE. When the transfer ends otherwise, every rank not yet released is
-released at once (CONSUMER_FAILED if one of its readers failed, else the transfer's reason);
-a decode rank that reports DONE after a source was released learns ``intact=False``.
+released (CONSUMER_FAILED if one of its readers failed, else the transfer's reason) — except
+ranks a *live* plan reads (handed out, not reported): fencing holds those until the plan
+reports, its decode rank goes away, or ``max_read_ms`` passes, so prefill never frees blocks a
+decode rank may still be reading. A DONE report for a transfer that ended meanwhile is
+answered ABORTED (:class:`~broker.errors.AbortedError`): the data is invalid, recompute.
+
+Replicas: each public call runs as one :meth:`~broker.state.StateStore.transact`, so brokers
+sharing a store serialise on the records they touch; metrics, logs and watcher wake-ups run
+once, after the call's writes committed.
 
 Observability: every timeline entry of a transfer is also a log line carrying its transfer
 and trace ids (DEBUG, WARNING when it fails, expires or is aborted); spans ``broker.publish``,
@@ -35,7 +42,9 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial, wraps
 from itertools import chain
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -54,12 +63,14 @@ from broker.api import (
 from broker.clock import Clock, SystemClock
 from broker.descriptors import absolute_descriptors
 from broker.errors import (
+    AbortedError,
     AlreadyExistsError,
     IncompatibleLayoutsError,
     InvalidFieldError,
     LayoutError,
     LimitExceededError,
     NotFoundError,
+    PdbrokerError,
     PermissionDeniedError,
     PreconditionError,
     RequestError,
@@ -85,6 +96,7 @@ from broker.records import (
 from broker.state import InMemoryStateStore, StateStore
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 LEASE_EXPIRED = "lease expired"
 #: Timeline events logged at WARNING (the others at DEBUG).
 _PROBLEMS = frozenset(
@@ -102,9 +114,45 @@ class ServiceConfig:
     #: How long finished transfers stay queryable (GetTransfer, idempotent reports).
     retention_ms: int = 60_000
     max_transfers: int = 100_000
+    #: Registered ranks at once, over all engines.
+    max_ranks: int = 4096
     planner_cache_size: int = 64
     #: Delivered release events kept per prefill rank for streams that resume.
     release_resume_window: int = 1024
+    #: How long a live plan (handed out, not reported) may hold its prefill ranks after its
+    #: transfer ended; then it counts as failed and they are released.
+    max_read_ms: int = 60_000
+
+
+def _atomic(method: Callable[..., T]) -> Callable[..., T]:
+    """Run a public call as one store transaction; the side effects it queued with
+    :meth:`BrokerService._later` run once, after its writes committed. Domain errors commit
+    the writes made before them (an expiry noticed on the way), then propagate."""
+
+    @wraps(method)
+    def call(self: BrokerService, *args: Any, **kwargs: Any) -> T:
+        if self._effects is not None:  # called from another public call
+            return method(self, *args, **kwargs)
+        effects: list[Callable[[], None]] = []
+
+        def attempt() -> tuple[T | None, PdbrokerError | None]:
+            effects.clear()
+            self._effects = effects
+            try:
+                return method(self, *args, **kwargs), None
+            except PdbrokerError as exc:
+                return None, exc
+            finally:
+                self._effects = None
+
+        result, error = self.store.transact(attempt)
+        for effect in effects:
+            effect()
+        if error is not None:
+            raise error
+        return result  # type: ignore[return-value]
+
+    return call
 
 
 # --------------------------------------------------------------------------- service
@@ -127,6 +175,8 @@ class BrokerService:
         self._layouts: dict[tuple[str, int], EngineLayout] = {}
         self._planners: OrderedDict[tuple[str, int, str, int], PairPlanner] = OrderedDict()
         self._listeners: list[Callable[[RankKey], None]] = []
+        #: Side effects of the call in progress, run after it commits (see :func:`_atomic`).
+        self._effects: list[Callable[[], None]] | None = None
 
     def add_release_listener(self, listener: Callable[[RankKey], None]) -> None:
         """``listener(key)`` is called when a release is queued for prefill rank ``key`` or
@@ -135,6 +185,7 @@ class BrokerService:
 
     # ------------------------------------------------------------------ registration
 
+    @_atomic
     def register_rank(self, reg: RankRegistration) -> Lease:
         """Register (or re-register, failing the old registration's transfers) one rank."""
         now = self.clock.now_ms()
@@ -152,7 +203,14 @@ class BrokerService:
                     f"engine {reg.engine_id!r} registered its other ranks "
                     f"with {name}={_show(theirs)}, got {_show(getattr(reg, name))}",
                 )
-        for other in self.store.ranks():
+        ranks = self.store.ranks()
+        if len(ranks) >= self.config.max_ranks and all(
+            r.registration.key != reg.key for r in ranks
+        ):
+            raise LimitExceededError(
+                "tp_rank", f"the broker already holds {self.config.max_ranks} registered ranks"
+            )
+        for other in ranks:
             if (
                 other.registration.agent_name == reg.agent_name
                 and other.registration.key != reg.key
@@ -177,7 +235,7 @@ class BrokerService:
             self.store.next_counter("generation"),
         )
         self.store.put_rank(record)
-        self.observer.rank_registered(reg.role)
+        self._later(self.observer.rank_registered, reg.role)
         return Lease(
             record.lease_id,
             self.config.lease_ttl_ms,
@@ -185,6 +243,7 @@ class BrokerService:
             complete,
         )
 
+    @_atomic
     def keep_alive(self, lease_id: str) -> int:
         """Renew a lease; returns its TTL (ms). NOT_FOUND once expired."""
         now = self.clock.now_ms()
@@ -196,6 +255,7 @@ class BrokerService:
         self.store.put_rank(record)
         return self.config.lease_ttl_ms
 
+    @_atomic
     def deregister(self, lease_id: str) -> None:
         self._remove_rank(self._lease(lease_id), "deregistered")
 
@@ -221,6 +281,7 @@ class BrokerService:
 
     # ------------------------------------------------------------------ transfers
 
+    @_atomic
     def publish(self, pub: Publication) -> int:
         """Accept a prefill engine's blocks; returns the expiry instant (ms since epoch)."""
         with tracing.span(
@@ -266,9 +327,10 @@ class BrokerService:
             record, now, "published", f"by {pub.engine_id}, {pub.num_tokens} tokens, ttl {ttl} ms"
         )
         self.store.put_transfer(record)
-        self.observer.transfer_published()
+        self._later(self.observer.transfer_published)
         return record.expires_at_ms
 
+    @_atomic
     def get_plan(self, query: PlanQuery) -> PlanResult:
         """The decode rank's reads. The first call for a transfer claims it for the decode
         engine and plans every decode rank, which fixes each prefill rank's consumers."""
@@ -295,7 +357,9 @@ class BrokerService:
                     }
                 )
         if first:
-            self.observer.plan_handed_out(time.perf_counter() - started, result, cache_hit)
+            self._later(
+                self.observer.plan_handed_out, time.perf_counter() - started, result, cache_hit
+            )
         return result
 
     def _get_plan(
@@ -358,7 +422,7 @@ class BrokerService:
         )
         first = not plan.handed_out
         if first:
-            plan.handed_out = True
+            plan.handed_out, plan.handed_out_at_ms = True, now
             self._record(
                 transfer,
                 now,
@@ -369,9 +433,11 @@ class BrokerService:
         self.store.put_transfer(transfer)
         return result, cache_hit, first
 
+    @_atomic
     def report(self, report: Report) -> ReportOutcome:
         """Record a decode rank's outcome (the first report of a plan wins) and release the
-        prefill ranks it settles."""
+        prefill ranks it settles. A DONE report (or its repetition) for a transfer that ended
+        while the rank read is recorded, then answered with :class:`AbortedError`."""
         now = self.clock.now_ms()
         transfer_id = self.store.transfer_of_plan(report.plan_id)
         transfer = None if transfer_id is None else self.store.get_transfer(transfer_id)
@@ -396,6 +462,13 @@ class BrokerService:
                 span.set_attributes(
                     {"pdbroker.duplicate": outcome.duplicate, "pdbroker.intact": outcome.intact}
                 )
+        if report.status is ReportStatus.DONE and not outcome.intact:
+            raise AbortedError(
+                "plan_id",
+                f"transfer {transfer.transfer_id!r} ended ({transfer.state.value}: "
+                f"{plan.error or transfer.end_detail}) while decode rank {plan.decode_rank} "
+                "read it: the data is invalid, recompute",
+            )
         return outcome
 
     def _report(
@@ -423,9 +496,7 @@ class BrokerService:
         self._expire_if_due(transfer, now)
         plan.status, plan.bytes_moved = report.status, report.bytes_moved
         plan.duration_us, plan.error = report.duration_us, report.error
-        plan.intact = report.status is ReportStatus.DONE and not any(
-            p in transfer.released for p in plan.prefill_ranks
-        )
+        plan.intact = report.status is ReportStatus.DONE and not transfer.state.terminal
         self._record(
             transfer,
             now,
@@ -444,9 +515,12 @@ class BrokerService:
                 )
             else:
                 self._settle(transfer, now)
+        else:
+            self._release_unheld(transfer, now)  # this plan no longer holds its sources
         self.store.put_transfer(transfer)
         return ReportOutcome(False, transfer.state, plan.intact)
 
+    @_atomic
     def abort(self, transfer_id: str, reason: str) -> TransferState:
         """End a transfer now; returns its (possibly earlier) terminal state."""
         now = self.clock.now_ms()
@@ -465,6 +539,7 @@ class BrokerService:
             self.store.put_transfer(transfer)
         return transfer.state
 
+    @_atomic
     def get_transfer(self, transfer_id: str) -> TransferRecord:
         return self._transfer(transfer_id, self.clock.now_ms())
 
@@ -518,18 +593,41 @@ class BrokerService:
     # ------------------------------------------------------------------ time
 
     def reap(self) -> None:
-        """Expire leases and transfers that are due; forget finished transfers after the
-        retention period. Called periodically by the server."""
+        """Expire leases and transfers that are due, end live plans of ended transfers past
+        ``max_read_ms``, forget finished transfers after the retention period. Called
+        periodically by the server; each item is its own transaction."""
         now = self.clock.now_ms()
         for record in self.store.ranks():
             if record.lease_expires_at_ms <= now:
-                self._remove_rank(record, LEASE_EXPIRED)
+                self._expire_lease(record.registration.key)
         for transfer in self.store.due_transfers(now):
-            if transfer.state.terminal:
-                self.store.delete_transfer(transfer.transfer_id)
-            else:
-                self._expire_if_due(transfer, now)
-                self.store.put_transfer(transfer)
+            self._reap_transfer(transfer.transfer_id)
+
+    @_atomic
+    def _expire_lease(self, key: RankKey) -> None:
+        record = self.store.get_rank(key)
+        if record is not None and record.lease_expires_at_ms <= self.clock.now_ms():
+            self._remove_rank(record, LEASE_EXPIRED)
+
+    @_atomic
+    def _reap_transfer(self, transfer_id: str) -> None:
+        now = self.clock.now_ms()
+        transfer = self.store.get_transfer(transfer_id)
+        if transfer is None or transfer.deadline_ms > now:
+            return
+        if not transfer.state.terminal:
+            self._expire_if_due(transfer, now)
+        elif len(transfer.released) < transfer.prefill_tp_size:
+            for plan in transfer.plans.values():
+                if plan.live and plan.handed_out_at_ms + self.config.max_read_ms <= now:
+                    plan.status = ReportStatus.FAILED
+                    plan.error = f"no report within max_read_ms={self.config.max_read_ms}"
+                    self._record(transfer, now, "read timed out", f"decode rank {plan.decode_rank}")
+            self._release_unheld(transfer, now)
+        else:
+            self.store.delete_transfer(transfer_id)
+            return
+        self.store.put_transfer(transfer)
 
     # ------------------------------------------------------------------ internals
 
@@ -688,7 +786,7 @@ class BrokerService:
         """Enter terminal ``state``; the reaper forgets the transfer after the retention."""
         transfer.state, transfer.finished_at_ms = state, now
         transfer.deadline_ms = now + self.config.retention_ms
-        self.observer.transfer_finished(state)
+        self._later(self.observer.transfer_finished, state)
 
     def _expire_if_due(self, transfer: TransferRecord, now: int) -> bool:
         if transfer.state.terminal or now < transfer.expires_at_ms:
@@ -704,17 +802,38 @@ class BrokerService:
         detail: str,
         now: int,
     ) -> None:
-        """Enter a terminal state and release every prefill rank not yet released."""
+        """Enter a terminal state and release every prefill rank no live plan reads."""
         self._finished(transfer, state, now)
+        transfer.end_reason, transfer.end_detail = reason, detail
         self._record(transfer, now, state.value, detail)
+        self._release_unheld(transfer, now)
+
+    def _release_unheld(self, transfer: TransferRecord, now: int) -> None:
+        """For an ended transfer: release each prefill rank not yet released that no live
+        plan reads; while some are held, the reaper looks again when the first live plan's
+        ``max_read_ms`` ends."""
+        reason = transfer.end_reason or ReleaseReason.ABORTED
+        held_until = []
         for p in range(transfer.prefill_tp_size):
             if p in transfer.released:
                 continue
-            readers = transfer.consumers.get(p, frozenset())
-            failed = any(transfer.plans[d].status is ReportStatus.FAILED for d in readers)
+            readers = [transfer.plans[d] for d in transfer.consumers.get(p, frozenset())]
+            live = [plan.handed_out_at_ms for plan in readers if plan.live]
+            if live:
+                held_until.append(min(live) + self.config.max_read_ms)
+                continue
+            failed = any(plan.status is ReportStatus.FAILED for plan in readers)
             self._release(
-                transfer, p, ReleaseReason.CONSUMER_FAILED if failed else reason, detail, now
+                transfer,
+                p,
+                ReleaseReason.CONSUMER_FAILED if failed else reason,
+                transfer.end_detail,
+                now,
             )
+        if held_until:
+            transfer.deadline_ms = min(held_until)
+        elif transfer.finished_at_ms is not None:
+            transfer.deadline_ms = max(now, transfer.finished_at_ms) + self.config.retention_ms
 
     def _release(
         self, transfer: TransferRecord, p: int, reason: ReleaseReason, detail: str, now: int
@@ -747,7 +866,7 @@ class BrokerService:
             )
             self.store.append_release(key, event)
             self._notify(key)
-        self.observer.rank_released(reason, (now - transfer.published_at_ms) / 1000)
+        self._later(self.observer.rank_released, reason, (now - transfer.published_at_ms) / 1000)
 
     def _remove_rank(self, record: RankRecord, why: str) -> None:
         """Forget a rank and fail the unfinished transfers it takes part in."""
@@ -755,13 +874,14 @@ class BrokerService:
         key = record.registration.key
         engine_id, tp_rank = key
         self.store.delete_rank(key)
-        self.observer.rank_removed(record.registration.role, why == LEASE_EXPIRED)
+        self._later(self.observer.rank_removed, record.registration.role, why == LEASE_EXPIRED)
         self.store.drop_releases(key)
         self.store.drop_contacts(key)
         for cached in [k for k in self._layouts if k[0] == engine_id]:
             del self._layouts[cached]
         for transfer in self.store.transfers():
             if transfer.state.terminal:
+                self._drop_live_plan(transfer, record, f"decode rank {tp_rank} {why}", now)
                 continue
             if (
                 transfer.prefill_engine_id == engine_id
@@ -793,13 +913,33 @@ class BrokerService:
             self.store.put_transfer(transfer)
         self._notify(key)
 
+    def _drop_live_plan(
+        self, transfer: TransferRecord, decode: RankRecord, why: str, now: int
+    ) -> None:
+        """An ended transfer's live plan whose decode rank went away fails: what it held is
+        released."""
+        engine_id, tp_rank = decode.registration.key
+        plan = transfer.plans.get(tp_rank)
+        if (
+            transfer.decode_engine_id != engine_id
+            or decode.generation > transfer.decode_generation
+            or plan is None
+            or not plan.live
+        ):
+            return
+        plan.status, plan.error = ReportStatus.FAILED, why
+        self._record(transfer, now, "reader lost", why)
+        self._release_unheld(transfer, now)
+        self.store.put_transfer(transfer)
+
     def _record(self, transfer: TransferRecord, now: int, event: str, detail: str = "") -> None:
         """Append to the transfer's timeline and log the entry with its transfer and trace
         ids."""
         transfer.timeline.append(TimelineEntry(now, event, detail))
         level = logging.WARNING if event in _PROBLEMS else logging.DEBUG
         if log.isEnabledFor(level):
-            log.log(
+            self._later(
+                log.log,
                 level,
                 "%s%s",
                 event,
@@ -809,7 +949,14 @@ class BrokerService:
 
     def _notify(self, key: RankKey) -> None:
         for listener in self._listeners:
-            listener(key)
+            self._later(listener, key)
+
+    def _later(self, effect: Callable[..., object], *args: Any, **kwargs: Any) -> None:
+        """Run ``effect`` once the call in progress committed (now outside any call)."""
+        if self._effects is None:
+            effect(*args, **kwargs)
+        else:
+            self._effects.append(partial(effect, *args, **kwargs))
 
     def _plan_result(
         self,

@@ -7,16 +7,33 @@ interface; :class:`InMemoryStateStore` keeps them in dicts of one process.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from operator import attrgetter
+from typing import TypeVar
 
 from broker.records import RankKey, RankRecord, ReleaseEvent, TransferRecord
+
+T = TypeVar("T")
 
 
 class StateStore(ABC):
     """Registrations, transfers (with their plans), plan index, agent contacts and release
     queues. Methods never raise for missing keys: getters return ``None``, deletes no-op."""
+
+    def transact(self, operation: Callable[[], T]) -> T:
+        """Run ``operation`` (one service call's reads and writes) atomically with respect to
+        other brokers sharing this store, and return its result; it may run more than once.
+        A store only one broker uses just calls it."""
+        return operation()
+
+    def subscribe_releases(self, callback: Callable[[RankKey], None]) -> Callable[[], None]:
+        """Have ``callback(key)`` called when a broker sharing this store queues a release
+        for prefill rank ``key`` or drops its queue; returns the function that stops it. A
+        store only one broker uses needs no such calls (the service tells its own server)."""
+        return lambda: None
 
     # ---- counters
 
@@ -239,7 +256,7 @@ class InMemoryStateStore(StateStore):
         if not queue:
             return
         cursor = self._delivered.get(key, 0)
-        delivered = sum(1 for e in queue if e.sequence <= cursor)
+        delivered = bisect.bisect_right(queue, cursor, key=attrgetter("sequence"))
         if delivered > keep_delivered:
             del queue[: delivered - keep_delivered]
 

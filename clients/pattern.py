@@ -126,6 +126,15 @@ def _pages(rank: RankLayout, regions: Sequence[np.ndarray], block: int) -> list[
     return [region[block * rank.page_bytes:(block + 1) * rank.page_bytes] for region in regions]
 
 
+def scrub_pages(rank: RankLayout, regions: Sequence[np.ndarray], block_ids: BlockIds) -> None:
+    """Overwrite a request's pages on one rank with :data:`POISON`, as a freed block's next
+    owner would: a reader still copying them afterwards finds mismatches, not the data."""
+    for ids in block_ids:
+        for block in ids:
+            for page in _pages(rank, regions, block):
+                page.fill(POISON)
+
+
 def fill_prefill(contents: Contents, rank: RankLayout, regions: Sequence[np.ndarray],
                  block_ids: BlockIds, salt: int) -> None:
     """Write a request's pages on one prefill rank: junk everywhere, then every group's state

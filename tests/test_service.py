@@ -17,6 +17,7 @@ from broker_helpers import (
 
 from broker.api import PlanQuery, Publication, Report
 from broker.errors import (
+    AbortedError,
     AlreadyExistsError,
     IncompatibleLayoutsError,
     InvalidFieldError,
@@ -35,11 +36,17 @@ from broker.service import BrokerService, ServiceConfig
 pytestmark = pytest.mark.usefixtures("default_store")
 TTL_MS = 5_000
 LEASE_MS = 60_000  # longer than TTL and retention: only lease tests reach it
+READ_MS = 120_000  # how long a live plan holds its sources after its transfer ended
 
 
 def make_service(**config: int) -> tuple[BrokerService, FakeClock]:
     clock = FakeClock()
-    settings = {"default_ttl_ms": TTL_MS, "lease_ttl_ms": LEASE_MS, "retention_ms": 10_000} | config
+    settings = {
+        "default_ttl_ms": TTL_MS,
+        "lease_ttl_ms": LEASE_MS,
+        "retention_ms": 10_000,
+        "max_read_ms": READ_MS,
+    } | config
     return BrokerService(clock=clock, config=ServiceConfig(**settings)), clock
 
 
@@ -173,14 +180,14 @@ def test_failed_report_releases_every_prefill_rank_with_consumer_failed() -> Non
     p0, p1 = (service.get_plan(query(sc, d)) for d in range(2))
     outcome = service.report(Report(p0.plan_id, "D", 0, ReportStatus.FAILED, 0, 10, "nixl error"))
     assert outcome.state is TransferState.FAILED and not outcome.intact
-    assert released(service, 2) == {
-        0: [("t1", ReleaseReason.CONSUMER_FAILED)],
-        1: [("t1", ReleaseReason.CONSUMER_FAILED)],
-    }
-    # The other rank's data is unusable now: its source was freed before it reported.
-    late = done(service, p1.plan_id, 1)
-    assert (late.state, late.intact) == (TransferState.FAILED, False)
+    # Decode rank 1 may still be reading prefill rank 1: fenced until it reports.
+    assert released(service, 2) == {0: [("t1", ReleaseReason.CONSUMER_FAILED)], 1: []}
+    with pytest.raises(AbortedError, match="recompute"):
+        done(service, p1.plan_id, 1)
     assert released(service, 2)[1] == [("t1", ReleaseReason.CONSUMER_FAILED)]
+    with pytest.raises(AbortedError):  # a repeated report gets the same answer
+        done(service, p1.plan_id, 1)
+    assert len(released(service, 2)[1]) == 1
 
 
 def test_report_validation() -> None:
@@ -348,12 +355,41 @@ def test_in_progress_transfer_expires_and_late_report_is_not_intact() -> None:
     done(service, p0.plan_id, 0)
     clock.advance(TTL_MS)
     service.reap()
-    assert released(service, 2) == {
-        0: [("t1", ReleaseReason.COMPLETED)],
-        1: [("t1", ReleaseReason.EXPIRED)],
-    }
-    late = done(service, p1.plan_id, 1)
-    assert (late.state, late.intact) == (TransferState.EXPIRED, False)
+    assert service.get_transfer("t1").state is TransferState.EXPIRED
+    # Decode rank 1's plan is live: prefill rank 1 stays fenced while it may be read.
+    assert released(service, 2) == {0: [("t1", ReleaseReason.COMPLETED)], 1: []}
+    with pytest.raises(AbortedError, match="expired.*recompute"):
+        done(service, p1.plan_id, 1)
+    assert released(service, 2)[1] == [("t1", ReleaseReason.EXPIRED)]
+
+
+def test_a_live_plan_that_never_reports_holds_its_sources_for_max_read_ms() -> None:
+    read_ms = LEASE_MS // 2
+    service, clock, sc = setup(2, 2, max_read_ms=read_ms)
+    publish(service, sc)
+    plan = service.get_plan(query(sc, 0))
+    service.abort("t1", "operator")
+    assert released(service, 2) == {0: [], 1: [("t1", ReleaseReason.ABORTED)]}
+    clock.advance(read_ms - 1)
+    service.reap()
+    assert released(service, 2)[0] == []
+    clock.advance(1)
+    service.reap()
+    assert released(service, 2)[0] == [("t1", ReleaseReason.CONSUMER_FAILED)]
+    with pytest.raises(AbortedError, match="max_read_ms"):
+        done(service, plan.plan_id, 0)
+    assert len(released(service, 2)[0]) == 1
+
+
+def test_a_decode_rank_lost_while_reading_an_ended_transfer_frees_its_sources() -> None:
+    service, _, sc = setup(2, 2)
+    publish(service, sc)
+    service.get_plan(query(sc, 0))
+    service.abort("t1", "operator")
+    assert released(service, 2)[0] == []
+    d0 = next(r for r in service.store.ranks() if r.registration.key == ("D", 0))
+    service.deregister(d0.lease_id)
+    assert released(service, 2)[0] == [("t1", ReleaseReason.CONSUMER_FAILED)]
 
 
 def test_finished_transfers_are_forgotten_after_retention() -> None:
@@ -361,6 +397,8 @@ def test_finished_transfers_are_forgotten_after_retention() -> None:
     publish(service, sc)
     plan = service.get_plan(query(sc, 0))
     service.abort("t1", "operator")
+    failed = Report(plan.plan_id, "D", 0, ReportStatus.FAILED, 0, 10, "aborted")
+    assert not service.report(failed).intact  # the decode rank gave up: nothing is held
     clock.advance(9_999)
     service.reap()
     assert service.get_transfer("t1").state is TransferState.ABORTED
@@ -378,16 +416,15 @@ def test_abort_releases_everything_and_is_idempotent() -> None:
     publish(service, sc)
     plan = service.get_plan(query(sc, 0))
     assert service.abort("t1", "cancelled by user") is TransferState.ABORTED
-    assert released(service, 2) == {
-        0: [("t1", ReleaseReason.ABORTED)],
-        1: [("t1", ReleaseReason.ABORTED)],
-    }
+    # Decode rank 0 holds a live plan on prefill rank 0: fenced until it reports.
+    assert released(service, 2) == {0: [], 1: [("t1", ReleaseReason.ABORTED)]}
     assert service.abort("t1", "again") is TransferState.ABORTED
-    assert len(released(service, 2)[0]) == 1
+    assert len(released(service, 2)[1]) == 1
     with pytest.raises(PreconditionError, match="aborted"):
         service.get_plan(query(sc, 1))
-    outcome = done(service, plan.plan_id, 0)
-    assert (outcome.state, outcome.intact) == (TransferState.ABORTED, False)
+    with pytest.raises(AbortedError, match="aborted.*recompute"):
+        done(service, plan.plan_id, 0)
+    assert released(service, 2)[0] == [("t1", ReleaseReason.ABORTED)]
     with pytest.raises(NotFoundError):
         service.abort("nope", "")
     timeline = [e.event for e in service.get_transfer("t1").timeline]
@@ -429,9 +466,11 @@ def test_lost_prefill_rank_fails_its_transfers() -> None:
     clock.advance(1)
     service.reap()
     for t in ("t1", "t2"):
-        record = service.get_transfer(t)
-        assert record.state is TransferState.FAILED
-        assert record.released[0] is ReleaseReason.ABORTED
+        assert service.get_transfer(t).state is TransferState.FAILED
+    # t2's decode rank 0 may still read prefill rank 0: fenced until it reports.
+    assert released(service, 2) == {0: [("t1", ReleaseReason.ABORTED)], 1: []}
+    with pytest.raises(AbortedError):
+        done(service, service.get_transfer("t2").plans[0].plan_id, 0)
     assert released(service, 2) == {
         0: [("t1", ReleaseReason.ABORTED), ("t2", ReleaseReason.ABORTED)],
         1: [],
@@ -538,3 +577,13 @@ def test_release_cursor_resumes_and_new_watchers_start_after_delivered_events() 
     lease = service.store.get_rank(("P", 0)).lease_id
     service.deregister(lease)
     assert service.releases(("P", 0), generation, 0) is None
+
+
+def test_registrations_beyond_max_ranks_are_refused() -> None:
+    service, _ = make_service(max_ranks=3)
+    sc = build_scenario(hybrid(), 2, 2, 100)
+    register_engine(service, sc.prefill, "P", Role.PREFILL, 0)
+    service.register_rank(registration(sc.decode, "D", Role.DECODE, 0, 1))
+    with pytest.raises(LimitExceededError, match="3 registered ranks"):
+        service.register_rank(registration(sc.decode, "D", Role.DECODE, 1, 1))
+    service.register_rank(registration(sc.prefill, "P", Role.PREFILL, 1, 0))  # re-registering

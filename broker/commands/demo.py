@@ -37,6 +37,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--inflight", type=int, default=2,
                    help="requests per engine pair between publish and release (sizes the KV caches)")
     p.add_argument("--seed", type=int, default=0, help="seeds token counts, salts and block order")
+    p.add_argument("--broker", metavar="ADDR[,ADDR...]",
+                   help="run the engines against these running brokers (plaintext replicas sharing "
+                        "a store, e.g. `pdbroker serve --store redis://... --insecure`) instead of "
+                        "starting one; engines fail over between them")
     p.add_argument("--trace", action="store_true",
                    help="trace every process into a receiver in the demo and print the span tree "
                         "of the first transfer (overrides OTEL_* trace exporter settings)")
@@ -47,10 +51,11 @@ def run(args: argparse.Namespace) -> int:
     if args.requests <= 0 or args.inflight <= 0:
         raise SystemExit("pdbroker demo: error: --requests and --inflight must be positive")
     from broker.presets import resolve_model
-    from clients.loopback import PairSpec, run_fleet
+    from clients.loopback import PairSpec, RunningBrokers, run_fleet
 
     pairs = [PairSpec(label, resolve_model(name), p_tp, d_tp, lo, hi)
              for label, name, p_tp, d_tp, lo, hi in PAIRS]
+    brokers = RunningBrokers(args.broker) if args.broker else None
     spans: list[ReceivedSpan] = []
     if args.trace:
         from clients.trace_receiver import TraceReceiver
@@ -58,11 +63,11 @@ def run(args: argparse.Namespace) -> int:
         with TraceReceiver() as receiver:
             os.environ.update(receiver.environment())  # inherited by every process of the fleet
             report = run_fleet(pairs, args.requests, inflight=args.inflight, seed=args.seed,
-                               on_progress=_progress_bar)
+                               on_progress=_progress_bar, broker=brokers)
             spans = receiver.spans()  # complete: every process flushed its spans on exit
     else:
         report = run_fleet(pairs, args.requests, inflight=args.inflight, seed=args.seed,
-                           on_progress=_progress_bar)
+                           on_progress=_progress_bar, broker=brokers)
     print(file=sys.stderr)
     print(format_report(report))
     if args.trace:

@@ -131,7 +131,9 @@ class BrokerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReportTransfer(self, request, context):
-        """A decode rank reports the outcome of one plan. Idempotent: the first report wins.
+        """A decode rank reports the outcome of one plan. Idempotent: the first report wins. While
+        a plan is handed out and unreported its prefill blocks are never released (fencing);
+        DONE for a transfer that ended meanwhile is answered ABORTED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
