@@ -17,6 +17,7 @@ COMMAND_MODULES = (
     "broker.commands.serve",
     "broker.commands.demo",
     "broker.commands.status",
+    "broker.commands.soak",
 )
 
 
