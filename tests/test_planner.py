@@ -5,14 +5,20 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from test_planner_properties import check_plan_by_simulation
 
 from broker.errors import IncompatibleLayoutsError, LayoutError, RequestError
-from broker.layout import (EngineLayout, GroupKind, GroupLayout, RankLayout, Segment,
-                           contiguous_strides)
+from broker.layout import (
+    EngineLayout,
+    GroupKind,
+    GroupLayout,
+    RankLayout,
+    Segment,
+    contiguous_strides,
+)
 from broker.models import AttentionParams, MambaParams, ModelSpec, build_engine_layout
 from broker.planner import PairPlanner, TransferRequest
 from broker.scenarios import build_scenario
-from test_planner_properties import check_plan_by_simulation
 
 MAMBA2 = MambaParams("mamba2", conv_kernel=4, intermediate_size=64, num_heads=16, head_dim=4,
                      n_groups=2, state_size=8)

@@ -6,11 +6,17 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from simulate import UNSET, apply_plan, blank_memory, label_memory, placed_blocks
 
 from broker.layout import GroupKind
-from broker.models import AttentionParams, MambaParams, ModelSpec, build_engine_layout, hma_block_size
+from broker.models import (
+    AttentionParams,
+    MambaParams,
+    ModelSpec,
+    build_engine_layout,
+    hma_block_size,
+)
 from broker.planner import PairPlanner, TransferRequest
-from simulate import UNSET, apply_plan, blank_memory, label_memory, placed_blocks
 
 TP_SIZES = (1, 2, 4, 8)
 DTYPES = ("bfloat16", "float32", "fp8")
@@ -19,8 +25,8 @@ DTYPES = ("bfloat16", "float32", "fp8")
 @st.composite
 def mamba_params(draw) -> MambaParams:
     kind = draw(st.sampled_from(("mamba1", "mamba2", "gdn")))
-    common = dict(conv_kernel=draw(st.sampled_from((2, 3, 4))),
-                  conv_dtype=draw(st.sampled_from(DTYPES)), ssm_dtype=draw(st.sampled_from(DTYPES)))
+    common = {"conv_kernel": draw(st.sampled_from((2, 3, 4))),
+                  "conv_dtype": draw(st.sampled_from(DTYPES)), "ssm_dtype": draw(st.sampled_from(DTYPES))}
     if kind == "mamba1":
         return MambaParams(kind, intermediate_size=draw(st.sampled_from((8, 16))),
                            state_size=draw(st.sampled_from((1, 2, 3))), **common)

@@ -68,8 +68,8 @@ def format_layout(engine: EngineLayout, summary: dict) -> str:
     rank = engine.ranks[0]
     lines = [
         f"model         {engine.model} (tp={engine.tp_size}, rank 0 of {engine.tp_size})",
-        f"block size    {summary['block_size']} tokens, kernel block "
-        f"{summary['kernel_block_size']} tokens",
+        (f"block size    {summary['block_size']} tokens, kernel block "
+        f"{summary['kernel_block_size']} tokens"),
         f"page bytes    {rank.page_bytes:,} (regions: {rank.num_regions})",
         "",
         "groups",
@@ -80,16 +80,16 @@ def format_layout(engine: EngineLayout, summary: dict) -> str:
     attention = next((g for g in rank.groups if g.is_attention), None)
     if attention is not None:
         kv = attention.segment("kv")
-        lines += ["", f"attention page: {attention.kernel_blocks_per_page} kernel block(s) of "
+        lines += ["", (f"attention page: {attention.kernel_blocks_per_page} kernel block(s) of "
                       f"{attention.kernel_block_bytes:,} bytes, each {kv.tensor} {kv.shape} "
                       f"{kv.dtype} (heads {kv.shard_interval[0]}..{kv.shard_interval[1] - 1} "
-                      f"of {kv.global_extent})"]
+                      f"of {kv.global_extent})")]
     mamba = _mamba_group(rank)
     if mamba is not None:
         lines += ["", "mamba page",
                   f"  {'offset':>12} {'bytes':>12}  {'tensor':<8} {'shape':<16} dtype"]
         for s in mamba.segments:
-            lines.append(f"  {s.offset:>12,} {s.nbytes:>12,}  {s.tensor:<8} {str(s.shape):<16} "
+            lines.append(f"  {s.offset:>12,} {s.nbytes:>12,}  {s.tensor:<8} {s.shape!s:<16} "
                          f"{s.dtype}")
         padding = summary["mamba"]["padding_bytes"]
         lines.append(f"  {rank.page_bytes - padding:>12,} {padding:>12,}  padding "

@@ -78,9 +78,9 @@ def format_plan(plan: TransferPlan) -> str:
     saved = plan.naive_bytes - plan.nbytes
     lines += [
         "",
-        f"bytes:       {plan.nbytes:,} (naive padded pages {plan.naive_bytes:,}; "
-        f"saves {saved:,} = {100 * saved / max(plan.naive_bytes, 1):.1f}%)",
-        f"descriptors: {plan.num_descriptors:,} (vLLM per-block scheme {plan.vllm_descriptors:,}; "
-        f"ratio {plan.num_descriptors / max(plan.vllm_descriptors, 1):.3f})",
+        (f"bytes:       {plan.nbytes:,} (naive padded pages {plan.naive_bytes:,}; "
+        f"saves {saved:,} = {100 * saved / max(plan.naive_bytes, 1):.1f}%)"),
+        (f"descriptors: {plan.num_descriptors:,} (vLLM per-block scheme {plan.vllm_descriptors:,}; "
+        f"ratio {plan.num_descriptors / max(plan.vllm_descriptors, 1):.3f})"),
     ]
     return "\n".join(lines)
