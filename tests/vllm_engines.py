@@ -1,152 +1,83 @@
-"""vLLM 0.33 engines on CPU for the connector tests, built from vLLM's own pieces.
+"""vLLM 0.33 engines on CPU for the connector tests, built from vLLM's own pieces
+(:mod:`clients.vllm.cpu_engine`: config, KV-cache groups, cache tensors). An :class:`Engine`
+runs vLLM's ``Scheduler`` (which builds the scheduler-side connector itself) with one
+worker-side connector per TP rank.
 
-A model's config comes from a preset's ``config.json`` (:data:`broker.presets.PRESET_CONFIGS`)
-through vLLM's ``ModelConfig``/``VllmConfig``; the hybrid block size from vLLM's
-``Platform._align_hybrid_block_size`` for an attention backend (FlashAttention: any multiple
-of 16 tokens; FlashInfer: kernel blocks of 16, 32 or 64); Mamba state shapes and dtypes from
-the model class's ``get_mamba_state_shape_from_config``/``get_mamba_state_dtype_from_config``;
-KV-cache groups, the ``KVCacheConfig`` and the cache tensors from vLLM's own planner and
-allocator. Only layer names and kinds come from our preset parser (vLLM learns them by
-instantiating the model). An :class:`Engine` then runs vLLM's ``Scheduler`` (which builds the
-scheduler-side connector itself) with one worker-side connector per TP rank.
-
-Importing this module sets ``VLLM_TARGET_DEVICE=cpu`` (the CUDA wheel on a CPU host: vLLM's
-CPU platform, which supports the hybrid allocator) and ``VLLM_SSM_CONV_STATE_LAYOUT=DS``, and
-skips the importing test module, saying why, when vLLM cannot be imported (outside CI).
+Importing this module configures vLLM for CPU (see :mod:`clients.vllm.cpu_engine`) and skips
+the importing test module, saying why, when vLLM cannot be imported (outside CI).
 """
 
 from __future__ import annotations
 
-import json
 import os
-import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-os.environ.setdefault("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
 try:
     import torch
-    from vllm.config import (
-        CacheConfig,
-        KVTransferConfig,
-        ModelConfig,
-        ParallelConfig,
-        VllmConfig,
-        set_current_vllm_config,
-    )
+
+    from clients.vllm.cpu_engine import allocate, kv_cache_config, vllm_config, write_model
 except ImportError as exc:  # pragma: no cover - depends on the environment
     if os.environ.get("CI") == "true":
         raise
-    pytest.skip(f"vllm cannot be imported ({exc}); pip install -e '.[vllm]'",
-                allow_module_level=True)
+    pytest.skip(
+        f"vllm cannot be imported ({exc}); pip install -e '.[vllm]'", allow_module_level=True
+    )
 
+from vllm.config import KVTransferConfig, VllmConfig, set_current_vllm_config
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-from vllm.model_executor.models import ModelRegistry
-from vllm.platforms.interface import Platform
 from vllm.sampling_params import SamplingParams
 from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
-from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
-from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_kv_cache_groups
 from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import (
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheSpec,
-    MambaSpec,
-)
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
-from vllm.v1.worker.utils import (
-    allocate_kv_cache,
-    customize_attention_spec,
-    select_common_block_size,
-)
 
-from broker.layout import GroupKind
-from broker.presets import PRESET_CONFIGS, model_from_hf_file
 from clients.vllm.connector import PdBrokerConnector
 from clients.vllm.metadata import ConnectorSettings, PdBrokerMetadata
 from clients.vllm.worker import WorkerHalf
 
-#: vLLM's Mamba backend of each model family (the mixer class's ``mamba_type``).
-MAMBA_TYPES = {"nemotron_h": MambaAttentionBackendEnum.MAMBA2,
-               "qwen3_5": MambaAttentionBackendEnum.GDN_ATTN}
+__all__ = ["write_model"]  # the tests' model directories, re-exported
+
 #: Bytes a decode engine's memory holds wherever no transfer may write.
 POISON = 0xA5
-CONNECTOR = {"kv_connector": "PdBrokerConnector", "kv_connector_module_path": "clients.vllm.connector"}
+CONNECTOR = {
+    "kv_connector": "PdBrokerConnector",
+    "kv_connector_module_path": "clients.vllm.connector",
+}
 
 
-def write_model(preset: str, directory: Path) -> Path:
-    """A model directory holding the preset's ``config.json``."""
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(PRESET_CONFIGS[preset]))
-    return directory
-
-
-def engine_config(model_dir: Path, tp: int, *, backend: type = FlashAttentionBackend,
-                  role: str = "", engine_id: str = "", extra: dict[str, Any] | None = None,
-                  **cache: Any) -> VllmConfig:
+def engine_config(
+    model_dir: Path,
+    tp: int,
+    *,
+    backend: type = FlashAttentionBackend,
+    role: str = "",
+    engine_id: str = "",
+    extra: dict[str, Any] | None = None,
+    **cache: Any,
+) -> VllmConfig:
     """vLLM's config of an engine serving ``model_dir`` at ``tp``, its hybrid block size
     aligned for ``backend``; ``role`` set: with this connector in that role."""
-    model = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, language_model_only=True)
-    transfer = KVTransferConfig(**CONNECTOR, kv_role=role, engine_id=engine_id,
-                                kv_load_failure_policy="recompute",
-                                kv_connector_extra_config=extra or {}) if role else None
-    config = VllmConfig(model_config=model, parallel_config=ParallelConfig(tensor_parallel_size=tp),
-                        cache_config=CacheConfig(enable_prefix_caching=False, **cache),
-                        kv_transfer_config=transfer)
-    # The engine core resolves the layout from the connector's requirement (NIXL's too).
-    config.cache_config.kv_cache_layout = PdBrokerConnector.get_required_kvcache_layout(config)
-    Platform._align_hybrid_block_size(config, backend)
-    return config
-
-
-def layer_specs(config: VllmConfig, backend: type = FlashAttentionBackend) -> dict[str, KVCacheSpec]:
-    """Each KV-carrying layer's spec, in model order, as the model's layers declare them
-    (names and kinds from the model's ``config.json``, through our preset parser)."""
-    model, cache = config.model_config, config.cache_config
-    spec = model_from_hf_file(Path(model.model))
-    layers = sorted(((name, kind) for kind, names in spec.groups for name in names),
-                    key=lambda layer: int(re.search(r"layers\.(\d+)\.", layer[0]).group(1)))
-    model_cls, _ = ModelRegistry.resolve_model_cls(model.architecture, model_config=model)
-    attention = customize_attention_spec(backend, FullAttentionSpec(
-        block_size=cache.block_size, num_kv_heads=model.get_num_kv_heads(config.parallel_config),
-        head_size=model.get_head_size(), dtype=model.dtype))
-    mamba = MambaSpec(shapes=tuple(model_cls.get_mamba_state_shape_from_config(config)),
-                      dtypes=tuple(model_cls.get_mamba_state_dtype_from_config(config)),
-                      block_size=cache.mamba_block_size or cache.block_size,
-                      page_size_padded=cache.mamba_page_size_padded,
-                      mamba_type=MAMBA_TYPES[model.hf_config.model_type])
-    return {name: attention if kind is GroupKind.ATTENTION else mamba for name, kind in layers}
-
-
-def kv_cache_config(config: VllmConfig, num_blocks: int,
-                    backend: type = FlashAttentionBackend) -> KVCacheConfig:
-    """vLLM's grouping and placement of the model's layers over ``num_blocks`` blocks."""
-    groups = get_kv_cache_groups(config, layer_specs(config, backend))
-    probe = get_kv_cache_config_from_groups(config, groups, 1 << 50)
-    per_block = probe.kv_cache_tensors[0].size // probe.num_blocks
-    return get_kv_cache_config_from_groups(config, groups, per_block * num_blocks)
-
-
-def allocate(config: VllmConfig, kv_config: KVCacheConfig,
-             backend: type = FlashAttentionBackend) -> dict[str, torch.Tensor]:
-    """The per-layer cache views a worker hands ``register_kv_caches``."""
-    kernel_block_sizes = [
-        select_common_block_size(g.kv_cache_spec.block_size, [backend], [g.kv_cache_spec])
-        if isinstance(g.kv_cache_spec, FullAttentionSpec) else g.kv_cache_spec.block_size
-        for g in kv_config.kv_cache_groups]
-    return allocate_kv_cache(kv_config, torch.device("cpu"),
-                             config.cache_config.get_resolved_kv_cache_layout(), kernel_block_sizes)
+    transfer = (
+        KVTransferConfig(
+            **CONNECTOR,
+            kv_role=role,
+            engine_id=engine_id,
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config=extra or {},
+        )
+        if role
+        else None
+    )
+    return vllm_config(model_dir, tp, transfer, PdBrokerConnector, backend, **cache)
 
 
 def init_vllm_distributed(port: int) -> None:
@@ -183,26 +114,38 @@ class Engine:
     state must be up, :func:`init_vllm_distributed`), else one :class:`WorkerHalf` per rank
     (a process holds one vLLM TP rank). Worker outputs merge in vLLM's ``KVOutputAggregator``."""
 
-    def __init__(self, config: VllmConfig, num_blocks: int, backend: type = FlashAttentionBackend,
-                 poison: bool = False) -> None:
+    def __init__(
+        self,
+        config: VllmConfig,
+        num_blocks: int,
+        backend: type = FlashAttentionBackend,
+        poison: bool = False,
+    ) -> None:
         self.config = config
         self.kv_config = kv_cache_config(config, num_blocks, backend)
         config.cache_config.num_gpu_blocks = self.kv_config.num_blocks
         block_size, hash_block_size = resolve_kv_cache_block_sizes(self.kv_config, config)
-        self.scheduler = Scheduler(config, self.kv_config, StructuredOutputManager(config),
-                                   block_size=block_size, hash_block_size=hash_block_size)
+        self.scheduler = Scheduler(
+            config,
+            self.kv_config,
+            StructuredOutputManager(config),
+            block_size=block_size,
+            hash_block_size=hash_block_size,
+        )
         tp = config.parallel_config.tensor_parallel_size
         self.caches = [allocate(config, self.kv_config, backend) for _ in range(tp)]
         if poison:
             for cache in self.caches:
                 storage_bytes(next(iter(cache.values()))).fill_(POISON)
         if tp == 1:
-            self.workers: list[Any] = [KVConnectorFactory.create_connector(
-                config, KVConnectorRole.WORKER, self.kv_config)]
+            self.workers: list[Any] = [
+                KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, self.kv_config)
+            ]
         else:
             assert config.kv_transfer_config is not None
             settings = ConnectorSettings.from_extra_config(
-                config.kv_transfer_config.kv_connector_extra_config)
+                config.kv_transfer_config.kv_connector_extra_config
+            )
             self.workers = [WorkerHalf(config, self.kv_config, settings, tp, r) for r in range(tp)]
         self.aggregator = KVOutputAggregator(tp)
         try:
@@ -216,10 +159,21 @@ class Engine:
     def free_blocks(self) -> int:
         return self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
 
-    def add(self, request_id: str, prompt: Sequence[int], max_tokens: int,
-            kv_transfer_params: dict[str, Any] | None) -> Request:
-        request = Request(request_id, list(prompt), SamplingParams(
-            max_tokens=max_tokens, extra_args={"kv_transfer_params": kv_transfer_params}), None)
+    def add(
+        self,
+        request_id: str,
+        prompt: Sequence[int],
+        max_tokens: int,
+        kv_transfer_params: dict[str, Any] | None,
+    ) -> Request:
+        request = Request(
+            request_id,
+            list(prompt),
+            SamplingParams(
+                max_tokens=max_tokens, extra_args={"kv_transfer_params": kv_transfer_params}
+            ),
+            None,
+        )
         self.scheduler.add_request(request)
         return request
 
@@ -233,16 +187,27 @@ class Engine:
         results = [self._worker_step(w, out) for w in self.workers]
         # The scheduler already counted this step's tokens as computed; a request whose
         # tokens are all computed now samples (a prefill chunk short of the prompt does not).
-        sampled = {r: [token] if self.scheduler.requests[r].num_computed_tokens
-                   >= self.scheduler.requests[r].num_tokens else []
-                   for r in out.num_scheduled_tokens}
+        sampled = {
+            r: [token]
+            if self.scheduler.requests[r].num_computed_tokens
+            >= self.scheduler.requests[r].num_tokens
+            else []
+            for r in out.num_scheduled_tokens
+        }
         ids = list(sampled)
-        runner_outputs = [ModelRunnerOutput(
-            req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-            sampled_token_ids=[sampled[r] for r in ids],
-            kv_connector_output=KVConnectorOutput(
-                finished_sending=r.finished_sending, finished_recving=r.finished_recving,
-                failed_recving=r.failed_recving)) for r in results]
+        runner_outputs = [
+            ModelRunnerOutput(
+                req_ids=ids,
+                req_id_to_index={r: i for i, r in enumerate(ids)},
+                sampled_token_ids=[sampled[r] for r in ids],
+                kv_connector_output=KVConnectorOutput(
+                    finished_sending=r.finished_sending,
+                    finished_recving=r.finished_recving,
+                    failed_recving=r.failed_recving,
+                ),
+            )
+            for r in results
+        ]
         merged = self.aggregator.aggregate(runner_outputs)
         engine_outputs = self.scheduler.update_from_output(out, merged)
         return out, [o for outs in engine_outputs.values() for o in outs.outputs]

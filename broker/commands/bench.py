@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import importlib.util
 import json
+import math
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from broker.planner import PairPlanner, RankPlan
+from broker.planner import PairPlanner
 from broker.scenarios import Scenario, build_scenario
 
 #: (name, preset, prefill tp, decode tp, tokens, kernel block size; 0 = logical block size)
@@ -23,6 +27,8 @@ PLANNER_SCENARIOS = (
 
 @dataclass
 class PlannerResult:
+    """One scenario of ``bench planner``; the ``vllm_*`` figures are None without vLLM."""
+
     name: str
     tokens: int
     warm_median_us: float
@@ -33,6 +39,15 @@ class PlannerResult:
     bytes: int
     optimal_bytes: int
     naive_bytes: int
+    vllm_measured_descriptors: int | None
+    vllm_handshake_ms: float | None
+
+
+#: What ``vllm_warm_median_us`` times (the JSON's ``vllm_scope``).
+VLLM_SCOPE = (
+    "vLLM's NixlPullConnectorWorker, decode rank 0, on CPU, NIXL's C++ agent recorded: "
+    "start_load_kv for one new request's metadata to its last make_prepped_xfer call"
+)
 
 
 #: (name, preset, tp, kv dtype) of the transfer-volume sweep (seed blog's volume vs ISL).
@@ -58,29 +73,80 @@ DESCRIPTOR_PAIRS = (
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="run a benchmark")
     kinds = p.add_subparsers(dest="kind", required=True)
-    planner = kinds.add_parser("planner", help="per-plan latency of the in-process planner")
-    planner.add_argument("--iterations", type=int, default=1000)
+    planner = kinds.add_parser(
+        "planner", help="per-plan latency of the in-process planner, and of vLLM's connector"
+    )
+    planner.add_argument("--iterations", type=int, default=1000, help="calls per trial")
+    planner.add_argument("--trials", type=int, default=5, help="trials; the lowest median counts")
+    planner.add_argument(
+        "--scenario",
+        action="append",
+        choices=[s[0] for s in PLANNER_SCENARIOS],
+        help="only this scenario (repeatable; default all)",
+    )
+    planner.add_argument(
+        "--no-vllm", action="store_true", help="skip vLLM's side even if vLLM is installed"
+    )
     planner.set_defaults(run=run_planner)
     volume = kinds.add_parser("bytes", help="bytes per request vs input length: naive vs plan")
     volume.set_defaults(run=run_bytes)
     descs = kinds.add_parser("descriptors", help="descriptors per request: plan vs vLLM")
     descs.add_argument("--tokens", type=int, default=32768)
     descs.set_defaults(run=run_descriptors)
-    transfer = kinds.add_parser("transfer", help="NIXL throughput of real plans between two processes")
+    transfer = kinds.add_parser(
+        "transfer", help="NIXL throughput of real plans between two processes"
+    )
     transfer.add_argument("--model", default="nemotron-3-nano-30b-a3b")
     transfer.add_argument("--prefill-tp", type=int, default=1)
     transfer.add_argument("--decode-tp", type=int, default=1)
     transfer.add_argument("--tokens", type=int, default=32768)
     transfer.add_argument("--kernel-block-size", type=int, default=0)
     transfer.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    transfer.add_argument("--prefill-device", type=int, default=0, help="GPU of the prefill process")
+    transfer.add_argument(
+        "--prefill-device", type=int, default=0, help="GPU of the prefill process"
+    )
     transfer.add_argument("--decode-device", type=int, default=0, help="GPU of the decode process")
     transfer.add_argument("--repeats", type=int, default=5)
     transfer.set_defaults(run=run_transfer)
-    for kind in (planner, volume, descs, transfer):
+    control = kinds.add_parser(
+        "control-plane",
+        help="GetTransferPlan throughput and p50/p99 over gRPC vs concurrent clients; "
+        "first contact of a new prefill/decode pair",
+    )
+    control.add_argument(
+        "--clients",
+        type=lambda text: [int(n) for n in text.split(",")],
+        default=[1, 2, 4, 8, 16, 32, 64],
+        help="comma-separated counts of concurrent decode clients",
+    )
+    control.add_argument("--seconds", type=float, default=3.0, help="timed per client count")
+    control.add_argument(
+        "--client-procs", type=int, default=2, help="processes the clients are spread over"
+    )
+    control.add_argument(
+        "--pairs", type=int, default=20, help="new decode engines timed to their first plan"
+    )
+    control.add_argument(
+        "--baseline",
+        action="store_true",
+        help="also time ListEngines per client count: what gRPC alone allows",
+    )
+    control.add_argument("--model", default="nemotron-3-nano-30b-a3b")
+    control.add_argument("--prefill-tp", type=int, default=2)
+    control.add_argument("--decode-tp", type=int, default=2)
+    control.add_argument("--tokens", type=int, default=32768)
+    control.add_argument(
+        "--profile", type=Path, default=None, help="run the broker under cProfile, stats here"
+    )
+    control.set_defaults(run=run_control_plane)
+    for kind in (planner, volume, descs, transfer, control):
         kind.add_argument("--json", action="store_true", help="print one JSON object")
-        kind.add_argument("--out", type=Path, default=None,
-                          help="directory for the JSON result (and a PNG plot where useful)")
+        kind.add_argument(
+            "--out",
+            type=Path,
+            default=None,
+            help="directory for the JSON result (and a PNG plot where useful)",
+        )
 
 
 def optimal_bytes(sc: Scenario, decode_rank: int) -> int:
@@ -99,44 +165,99 @@ def optimal_bytes(sc: Scenario, decode_rank: int) -> int:
     return total
 
 
-def time_plans(pair: PairPlanner, sc: Scenario, iterations: int, trials: int = 5,
-               ) -> tuple[float, RankPlan]:
-    """Warm ``plan_rank`` time of decode rank 0 in microseconds: the lowest of ``trials``
-    medians of ``iterations`` calls each (this VM's timings are bimodal; the minimum of
-    medians is the repeatable figure)."""
-    plan = pair.plan_rank(0, sc.request)
-    medians = []
+def lowest_medians_us(
+    samplers: list[Callable[[], int]], iterations: int, trials: int
+) -> list[float]:
+    """Per sampler (a call returning nanoseconds), the lowest of ``trials`` medians of
+    ``iterations`` samples, in microseconds. Samples alternate between the samplers, so that
+    whatever else the machine does falls on all alike; this VM's timings drift between two
+    levels ~1.8x apart, the minimum of medians is the repeatable figure."""
+    lowest = [math.inf] * len(samplers)
     for _ in range(trials):
-        samples = []
+        samples: list[list[int]] = [[] for _ in samplers]
         for _ in range(iterations):
-            start = time.perf_counter_ns()
-            pair.plan_rank(0, sc.request)
-            samples.append(time.perf_counter_ns() - start)
-        medians.append(statistics.median(samples))
-    return min(medians) / 1e3, plan
+            for sampler, found in zip(samplers, samples):
+                found.append(sampler())
+        lowest = [min(low, statistics.median(found)) for low, found in zip(lowest, samples)]
+    return [low / 1e3 for low in lowest]
 
 
 def run_planner(args: argparse.Namespace) -> int:
+    """Our planner's per-request time next to vLLM's connector for the same request."""
     from broker.presets import resolve_model
+
+    vllm = None
+    if not args.no_vllm and importlib.util.find_spec("vllm") is not None:
+        from clients.vllm import nixl_reference as vllm
 
     results = []
     for name, preset, p_tp, d_tp, tokens, kbs in PLANNER_SCENARIOS:
+        if args.scenario and name not in args.scenario:
+            continue
         sc = build_scenario(resolve_model(preset), p_tp, d_tp, tokens, kernel_block_size=kbs)
         start = time.perf_counter()
         pair = PairPlanner(sc.prefill, sc.decode)
-        pair.plan_rank(0, sc.request)
+        plan = pair.plan_rank(0, sc.request)
         cold_ms = (time.perf_counter() - start) * 1e3
-        warm_us, plan = time_plans(pair, sc, args.iterations)
-        results.append(PlannerResult(name, tokens, round(warm_us, 1), None, round(cold_ms, 2),
-                                     plan.num_descriptors, plan.vllm_descriptors, plan.nbytes,
-                                     optimal_bytes(sc, 0), plan.naive_bytes))
-    lines = [f"{'scenario (decode rank 0)':<36} {'warm us':>8} {'cold ms':>8} {'descs':>6} "
-             f"{'vLLM descs':>10} {'ratio':>6} {'bytes':>13} {'naive bytes':>13}"]
-    lines += [f"{r.name:<36} {r.warm_median_us:>8.1f} {r.cold_ms:>8.2f} {r.descriptors:>6} "
-              f"{r.vllm_descriptors:>10} {r.descriptors / r.vllm_descriptors:>6.3f} "
-              f"{r.bytes:>13,} {r.naive_bytes:>13,}" for r in results]
-    _emit(args, "planner", {"planner": [asdict(r) for r in results]}, "\n".join(lines))
+
+        def ours(pair: PairPlanner = pair, sc: Scenario = sc) -> int:
+            start = time.perf_counter_ns()
+            pair.plan_rank(0, sc.request)
+            return time.perf_counter_ns() - start
+
+        side = vllm.VllmDecodeSide(preset, sc, kbs) if vllm else None
+        try:
+            samplers = [ours, side.sample] if side else [ours]
+            medians = lowest_medians_us(samplers, args.iterations, args.trials)
+        finally:
+            if side:
+                side.close()
+        results.append(
+            PlannerResult(
+                name,
+                tokens,
+                round(medians[0], 1),
+                round(medians[1], 1) if side else None,
+                round(cold_ms, 2),
+                plan.num_descriptors,
+                plan.vllm_descriptors,
+                plan.nbytes,
+                optimal_bytes(sc, 0),
+                plan.naive_bytes,
+                side.descriptors if side else None,
+                round(side.handshake_s * 1e3, 2) if side else None,
+            )
+        )
+    result = {
+        "planner": [asdict(r) for r in results],
+        "vllm_version": importlib.metadata.version("vllm") if vllm else None,
+        "vllm_scope": VLLM_SCOPE if vllm else None,
+    }
+    _emit(args, "planner", result, _planner_table(results))
     return 0
+
+
+def _planner_table(results: list[PlannerResult]) -> str:
+    def num(value: float | None, width: int, spec: str = "") -> str:
+        return f"{'-' if value is None else format(value, spec):>{width}}"
+
+    lines = [
+        (
+            f"{'scenario (decode rank 0)':<36} {'warm us':>8} {'vLLM us':>8} {'ratio':>6} "
+            f"{'cold ms':>8} {'descs':>6} {'vLLM descs':>10} {'posted':>7} {'bytes':>13} "
+            f"{'naive bytes':>13}"
+        )
+    ]
+    for r in results:
+        ratio = r.vllm_warm_median_us / r.warm_median_us if r.vllm_warm_median_us else None
+        lines.append(
+            f"{r.name:<36} {r.warm_median_us:>8.1f} {num(r.vllm_warm_median_us, 8, '.1f')} "
+            f"{num(ratio, 6, '.2f')} {r.cold_ms:>8.2f} {r.descriptors:>6} {r.vllm_descriptors:>10} "
+            f"{num(r.vllm_measured_descriptors, 7)} {r.bytes:>13,} {r.naive_bytes:>13,}"
+        )
+    if any(r.vllm_warm_median_us for r in results):
+        lines.append(f"vLLM us: {VLLM_SCOPE}; ratio: vLLM us / warm us; posted: its descriptors")
+    return "\n".join(lines)
 
 
 def _emit(args: argparse.Namespace, name: str, result: dict, table: str) -> None:
@@ -159,17 +280,24 @@ def run_bytes(args: argparse.Namespace) -> int:
         for tokens in INPUT_LENGTHS:
             sc = build_scenario(model, tp, tp, tokens, kernel_block_size=BYTES_KERNEL_BLOCK)
             plan = PairPlanner(sc.prefill, sc.decode).plan(sc.request)
-            points.append({"tokens": tokens, "naive_bytes": plan.naive_bytes,
-                           "plan_bytes": plan.nbytes,
-                           "optimal_bytes": sum(optimal_bytes(sc, d) for d in range(tp))})
+            points.append(
+                {
+                    "tokens": tokens,
+                    "naive_bytes": plan.naive_bytes,
+                    "plan_bytes": plan.nbytes,
+                    "optimal_bytes": sum(optimal_bytes(sc, d) for d in range(tp)),
+                }
+            )
         series.append({"name": name, "points": points})
     result = {"bytes": series}
     lines = [f"{'model':<28} {'tokens':>7} {'naive MiB':>10} {'plan MiB':>10} {'saved':>7}"]
     for s in series:
         for pt in s["points"]:
             saved = 1 - pt["plan_bytes"] / pt["naive_bytes"]
-            lines.append(f"{s['name']:<28} {pt['tokens']:>7} {pt['naive_bytes'] / 2**20:>10.1f} "
-                         f"{pt['plan_bytes'] / 2**20:>10.1f} {100 * saved:>6.1f}%")
+            lines.append(
+                f"{s['name']:<28} {pt['tokens']:>7} {pt['naive_bytes'] / 2**20:>10.1f} "
+                f"{pt['plan_bytes'] / 2**20:>10.1f} {100 * saved:>6.1f}%"
+            )
     _emit(args, "bytes", result, "\n".join(lines))
     if args.out:
         _plot_bytes(series, args.out / "bytes.png")
@@ -185,12 +313,28 @@ def _plot_bytes(series: list[dict], path: Path) -> None:
     fig, (ax, saved) = plt.subplots(1, 2, figsize=(11, 4.5))
     for s in series:
         tokens = [p["tokens"] for p in s["points"]]
-        line, = ax.plot(tokens, [p["plan_bytes"] / 2**30 for p in s["points"]], "-o", ms=3,
-                        label=f"{s['name']} plan")
-        ax.plot(tokens, [p["naive_bytes"] / 2**30 for p in s["points"]], "--", color=line.get_color(),
-                label=f"{s['name']} naive")
-        saved.plot(tokens, [(p["naive_bytes"] - p["plan_bytes"]) / 2**20 for p in s["points"]], "-o",
-                   ms=3, color=line.get_color(), label=s["name"])
+        (line,) = ax.plot(
+            tokens,
+            [p["plan_bytes"] / 2**30 for p in s["points"]],
+            "-o",
+            ms=3,
+            label=f"{s['name']} plan",
+        )
+        ax.plot(
+            tokens,
+            [p["naive_bytes"] / 2**30 for p in s["points"]],
+            "--",
+            color=line.get_color(),
+            label=f"{s['name']} naive",
+        )
+        saved.plot(
+            tokens,
+            [(p["naive_bytes"] - p["plan_bytes"]) / 2**20 for p in s["points"]],
+            "-o",
+            ms=3,
+            color=line.get_color(),
+            label=s["name"],
+        )
     for axis in (ax, saved):
         axis.set_xscale("log", base=2)
         axis.set_xlabel("input length (tokens)")
@@ -215,11 +359,21 @@ def run_descriptors(args: argparse.Namespace) -> int:
         for allocation, stride in (("contiguous", 1), ("fragmented", 2)):
             sc = build_scenario(resolve_model(preset), p_tp, d_tp, args.tokens, stride=stride)
             plan = PairPlanner(sc.prefill, sc.decode).plan(sc.request)
-            rows.append({"name": name, "allocation": allocation, "tokens": args.tokens,
-                         "descriptors": plan.num_descriptors, "vllm_descriptors": plan.vllm_descriptors})
+            rows.append(
+                {
+                    "name": name,
+                    "allocation": allocation,
+                    "tokens": args.tokens,
+                    "descriptors": plan.num_descriptors,
+                    "vllm_descriptors": plan.vllm_descriptors,
+                }
+            )
     lines = [f"{'pair':<28} {'allocation':<11} {'descs':>7} {'vLLM':>7} {'ratio':>6}"]
-    lines += [f"{r['name']:<28} {r['allocation']:<11} {r['descriptors']:>7} {r['vllm_descriptors']:>7} "
-              f"{r['descriptors'] / r['vllm_descriptors']:>6.3f}" for r in rows]
+    lines += [
+        f"{r['name']:<28} {r['allocation']:<11} {r['descriptors']:>7} {r['vllm_descriptors']:>7} "
+        f"{r['descriptors'] / r['vllm_descriptors']:>6.3f}"
+        for r in rows
+    ]
     _emit(args, "descriptors", {"descriptors": rows}, "\n".join(lines))
     return 0
 
@@ -229,20 +383,122 @@ def run_transfer(args: argparse.Namespace) -> int:
     from broker.presets import resolve_model
     from clients.transfer_bench import run_transfer_bench
 
-    sc = build_scenario(resolve_model(args.model), args.prefill_tp, args.decode_tp, args.tokens,
-                        kernel_block_size=args.kernel_block_size)
-    figures = run_transfer_bench(sc, args.device, args.prefill_device, args.decode_device,
-                                 args.repeats)
+    sc = build_scenario(
+        resolve_model(args.model),
+        args.prefill_tp,
+        args.decode_tp,
+        args.tokens,
+        kernel_block_size=args.kernel_block_size,
+    )
+    figures = run_transfer_bench(
+        sc, args.device, args.prefill_device, args.decode_device, args.repeats
+    )
     f = figures
-    table = "\n".join([
-        f"{args.model} {args.tokens} tokens tp{args.prefill_tp}->tp{args.decode_tp}, decode rank 0, "
-        f"{f.device}: {f.bytes / 2**20:.1f} MiB",
-        f"  coalesced plan   {f.coalesced_descriptors:>7} descriptors  {f.coalesced_gbps:>8.2f} GB/s",
-        f"  per-block (vLLM) {f.per_block_descriptors:>7} descriptors  {f.per_block_gbps:>8.2f} GB/s",
-        f"  one descriptor   {1:>7} descriptor   {f.single_desc_gbps:>8.2f} GB/s",
-        f"  memcpy (1 proc)  {'':>7}              {f.memcpy_gbps:>8.2f} GB/s",
-        f"  coalesced / one descriptor = {f.coalesced_gbps / f.single_desc_gbps:.2f}, "
-        f"coalesced / per-block = {f.coalesced_gbps / f.per_block_gbps:.2f}",
-    ])
+    table = "\n".join(
+        [
+            (
+                f"{args.model} {args.tokens} tokens tp{args.prefill_tp}->tp{args.decode_tp}, "
+                f"decode rank 0, {f.device}: {f.bytes / 2**20:.1f} MiB"
+            ),
+            f"  coalesced plan   {f.coalesced_descriptors:>7} descriptors  {f.coalesced_gbps:>8.2f} GB/s",
+            f"  per-block (vLLM) {f.per_block_descriptors:>7} descriptors  {f.per_block_gbps:>8.2f} GB/s",
+            f"  one descriptor   {1:>7} descriptor   {f.single_desc_gbps:>8.2f} GB/s",
+            f"  memcpy (1 proc)  {'':>7}              {f.memcpy_gbps:>8.2f} GB/s",
+            (
+                f"  coalesced / one descriptor = {f.coalesced_gbps / f.single_desc_gbps:.2f}, "
+                f"coalesced / per-block = {f.coalesced_gbps / f.per_block_gbps:.2f}"
+            ),
+        ]
+    )
     _emit(args, "transfer", {"transfer": f.as_dict()}, table)
     return 0
+
+
+def run_control_plane(args: argparse.Namespace) -> int:
+    """``GetTransferPlan`` over gRPC per client count, then first contact of new pairs."""
+    from broker.presets import resolve_model
+    from clients.control_plane_bench import TARGET_P99_MS, TARGET_PLANS_PER_S, control_plane
+
+    sc = build_scenario(resolve_model(args.model), args.prefill_tp, args.decode_tp, args.tokens)
+    r = control_plane(
+        sc, args.clients, args.seconds, args.client_procs, args.pairs, args.baseline, args.profile
+    )
+    fc = r["first_contact"]
+    head = (
+        f"{'clients':>7} {'procs':>5} {'plans/s':>8} {'p50 ms':>7} {'p99 ms':>7} {'broker us':>9}"
+    )
+    if args.baseline:
+        head += f" {'floor/s':>8} {'p99 ms':>7} {'broker us':>9}"
+    lines = [
+        (
+            f"{r['model']} {r['tokens']} tokens TP{r['prefill_tp']}->TP{r['decode_tp']}: "
+            f"{r['descriptors_per_plan']} descriptors, {r['bytes_per_plan']:,} bytes per plan; "
+            f"{r['cpus']} CPUs, 1-min load average {r['load_average_1m'][0]} -> "
+            f"{r['load_average_1m'][1]}"
+        ),
+        head,
+    ]
+    for p in r["phases"]:
+        line = (
+            f"{p['clients']:>7} {p['client_procs']:>5} {p['plan_per_s']:>8,.0f} "
+            f"{p['plan_p50_ms']:>7.2f} {p['plan_p99_ms']:>7.2f} {p['plan_broker_cpu_us']:>9.0f}"
+        )
+        if args.baseline:
+            line += (
+                f" {p['list_engines_per_s']:>8,.0f} {p['list_engines_p99_ms']:>7.2f} "
+                f"{p['list_engines_broker_cpu_us']:>9.0f}"
+            )
+        lines.append(line + (" (ran out of transfers)" if p["ran_out"] else ""))
+    lines.append(
+        f"target: >= {TARGET_PLANS_PER_S:,} plans/s with p99 < {TARGET_P99_MS} ms; broker us: "
+        "broker CPU per call; floor: ListEngines from the same clients"
+    )
+    lines.append(
+        f"first contact (new decode engine, {r['decode_tp']} ranks registered -> first plan): "
+        f"median {fc['median_ms']} ms (registered after {fc['registered_median_ms']} ms), "
+        f"p90 {fc['p90_ms']} ms, max {fc['max_ms']} ms over {fc['pairs']} pairs"
+    )
+    _emit(args, "control_plane", {"control_plane": r}, "\n".join(lines))
+    if args.out:
+        _plot_control_plane(r, args.out / "control_plane.png", TARGET_PLANS_PER_S, TARGET_P99_MS)
+    return 0
+
+
+def _plot_control_plane(r: dict, path: Path, target_per_s: float, target_p99_ms: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    clients = [p["clients"] for p in r["phases"]]
+    fig, (rate, latency) = plt.subplots(1, 2, figsize=(11, 4.5))
+    rate.plot(clients, [p["plan_per_s"] for p in r["phases"]], "-o", ms=3, label="GetTransferPlan")
+    latency.plot(clients, [p["plan_p99_ms"] for p in r["phases"]], "-o", ms=3, label="plan p99")
+    latency.plot(clients, [p["plan_p50_ms"] for p in r["phases"]], "--o", ms=3, label="plan p50")
+    if "list_engines_per_s" in r["phases"][0]:
+        floor = [p["list_engines_per_s"] for p in r["phases"]]
+        rate.plot(clients, floor, "--", color="gray", label="ListEngines (gRPC floor)")
+        floor_p99 = [p["list_engines_p99_ms"] for p in r["phases"]]
+        latency.plot(clients, floor_p99, "--", color="gray", label="ListEngines p99")
+    rate.axhline(target_per_s, color="red", lw=0.8, ls=":", label="target")
+    latency.axhline(target_p99_ms, color="red", lw=0.8, ls=":", label="target p99")
+    for axis in (rate, latency):
+        axis.set_xscale("log", base=2)
+        axis.set_xticks(clients, [str(n) for n in clients])
+        axis.set_xlabel("concurrent decode clients")
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=7)
+    rate.set_ylabel("calls per second")
+    rate.set_ylim(bottom=0)
+    latency.set_ylabel("latency at the client (ms)")
+    latency.set_yscale("log")
+    latency.yaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1, 2, 5)))
+    latency.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+    latency.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    title = f"{r['model']} {r['tokens'] // 1024}k TP{r['prefill_tp']}->TP{r['decode_tp']}"
+    rate.set_title(f"Throughput, {title}, {r['cpus']} CPUs")
+    latency.set_title("Latency")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,154 @@
+"""A vLLM 0.33 engine's configuration, KV-cache groups and cache tensors on CPU, from vLLM's
+own pieces (the connector tests and ``pdbroker bench planner`` build engines with it).
+
+A model's config comes from a preset's ``config.json`` (:data:`broker.presets.PRESET_CONFIGS`)
+through vLLM's ``ModelConfig``/``VllmConfig``; the hybrid block size from vLLM's
+``Platform._align_hybrid_block_size`` for an attention backend (FlashAttention: any multiple
+of 16 tokens; FlashInfer: kernel blocks of 16, 32 or 64); Mamba state shapes and dtypes from
+the model class's ``get_mamba_state_shape_from_config``/``get_mamba_state_dtype_from_config``;
+KV-cache groups, the ``KVCacheConfig`` and the cache tensors from vLLM's own planner and
+allocator. Only layer names and kinds come from our preset parser (vLLM learns them by
+instantiating the model).
+
+Importing this module sets ``VLLM_TARGET_DEVICE=cpu`` (the CUDA wheel on a CPU host: vLLM's
+CPU platform, which supports the hybrid allocator) and ``VLLM_SSM_CONV_STATE_LAYOUT=DS``
+unless they are set, before vLLM is imported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
+
+import torch
+from vllm.config import (
+    CacheConfig,
+    KVTransferConfig,
+    ModelConfig,
+    ParallelConfig,
+    VllmConfig,
+)
+from vllm.model_executor.models import ModelRegistry
+from vllm.platforms.interface import Platform
+from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+from vllm.v1.core.kv_cache_planning import (
+    get_kv_cache_config_from_groups,
+    get_kv_cache_groups,
+)
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheSpec,
+    MambaSpec,
+)
+from vllm.v1.worker.utils import (
+    allocate_kv_cache,
+    customize_attention_spec,
+    select_common_block_size,
+)
+
+from broker.layout import GroupKind
+from broker.presets import PRESET_CONFIGS, model_from_hf_file
+
+#: vLLM's Mamba backend of each model family (the mixer class's ``mamba_type``).
+MAMBA_TYPES = {
+    "nemotron_h": MambaAttentionBackendEnum.MAMBA2,
+    "qwen3_5": MambaAttentionBackendEnum.GDN_ATTN,
+}
+
+
+def write_model(preset: str, directory: Path) -> Path:
+    """A model directory holding the preset's ``config.json``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(PRESET_CONFIGS[preset]))
+    return directory
+
+
+def vllm_config(
+    model_dir: Path,
+    tp: int,
+    transfer: KVTransferConfig | None,
+    connector: Any,
+    backend: type = FlashAttentionBackend,
+    **cache: Any,
+) -> VllmConfig:
+    """vLLM's config of an engine serving ``model_dir`` at ``tp`` with ``transfer``, its KV
+    cache layout the one ``connector`` (class) requires, its hybrid block size aligned for
+    ``backend``; ``cache``: more ``CacheConfig`` fields (e.g. ``block_size``)."""
+    model = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, language_model_only=True)
+    config = VllmConfig(
+        model_config=model,
+        parallel_config=ParallelConfig(tensor_parallel_size=tp),
+        cache_config=CacheConfig(enable_prefix_caching=False, **cache),
+        kv_transfer_config=transfer,
+    )
+    # The engine core resolves the layout from the connector's requirement.
+    config.cache_config.kv_cache_layout = connector.get_required_kvcache_layout(config)
+    Platform._align_hybrid_block_size(config, backend)
+    return config
+
+
+def layer_specs(
+    config: VllmConfig, backend: type = FlashAttentionBackend
+) -> dict[str, KVCacheSpec]:
+    """Each KV-carrying layer's spec, in model order, as the model's layers declare them
+    (names and kinds from the model's ``config.json``, through our preset parser)."""
+    model, cache = config.model_config, config.cache_config
+    spec = model_from_hf_file(Path(model.model))
+    layers = sorted(
+        ((name, kind) for kind, names in spec.groups for name in names),
+        key=lambda layer: int(re.search(r"layers\.(\d+)\.", layer[0]).group(1)),
+    )
+    model_cls, _ = ModelRegistry.resolve_model_cls(model.architecture, model_config=model)
+    attention = customize_attention_spec(
+        backend,
+        FullAttentionSpec(
+            block_size=cache.block_size,
+            num_kv_heads=model.get_num_kv_heads(config.parallel_config),
+            head_size=model.get_head_size(),
+            dtype=model.dtype,
+        ),
+    )
+    mamba = MambaSpec(
+        shapes=tuple(model_cls.get_mamba_state_shape_from_config(config)),
+        dtypes=tuple(model_cls.get_mamba_state_dtype_from_config(config)),
+        block_size=cache.mamba_block_size or cache.block_size,
+        page_size_padded=cache.mamba_page_size_padded,
+        mamba_type=MAMBA_TYPES[model.hf_config.model_type],
+    )
+    return {name: attention if kind is GroupKind.ATTENTION else mamba for name, kind in layers}
+
+
+def kv_cache_config(
+    config: VllmConfig, num_blocks: int, backend: type = FlashAttentionBackend
+) -> KVCacheConfig:
+    """vLLM's grouping and placement of the model's layers over ``num_blocks`` blocks."""
+    groups = get_kv_cache_groups(config, layer_specs(config, backend))
+    probe = get_kv_cache_config_from_groups(config, groups, 1 << 50)
+    per_block = probe.kv_cache_tensors[0].size // probe.num_blocks
+    return get_kv_cache_config_from_groups(config, groups, per_block * num_blocks)
+
+
+def allocate(
+    config: VllmConfig, kv_config: KVCacheConfig, backend: type = FlashAttentionBackend
+) -> dict[str, torch.Tensor]:
+    """The per-layer cache views a worker hands ``register_kv_caches``."""
+    kernel_block_sizes = [
+        select_common_block_size(g.kv_cache_spec.block_size, [backend], [g.kv_cache_spec])
+        if isinstance(g.kv_cache_spec, FullAttentionSpec)
+        else g.kv_cache_spec.block_size
+        for g in kv_config.kv_cache_groups
+    ]
+    return allocate_kv_cache(
+        kv_config,
+        torch.device("cpu"),
+        config.cache_config.get_resolved_kv_cache_layout(),
+        kernel_block_sizes,
+    )
