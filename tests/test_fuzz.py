@@ -241,13 +241,27 @@ def test_fuzz_live_broker(live: tuple[LiveBroker, Fuzzer, Requests]) -> None:
     assert broker.thread.is_alive()
 
 
-def test_atheris_harness() -> None:
+#: libFuzzer's memory limit for the harness. Linux keeps a process's peak RSS across exec, so
+#: the harness starts with the peak of the pytest process that forked it (GBs once vLLM was
+#: imported) and libFuzzer's 2 GB default would call that an out-of-memory input.
+ATHERIS_RSS_LIMIT_MB = 16384
+
+
+def test_atheris_harness(tmp_path: Path) -> None:
     """tests/fuzz_atheris.py (libFuzzer-guided bytes) for ATHERIS_RUNS inputs."""
     if importlib.util.find_spec("atheris") is None:
         pytest.skip("atheris is not installed (the test extra has it on Linux x86_64, 3.11+)")
     harness = Path(__file__).with_name("fuzz_atheris.py")
     done = subprocess.run(
-        [sys.executable, str(harness), f"-runs={ATHERIS_RUNS}", "-seed=1", "-max_len=4096"],
+        [
+            sys.executable,
+            str(harness),
+            f"-runs={ATHERIS_RUNS}",
+            "-seed=1",
+            "-max_len=4096",
+            f"-rss_limit_mb={ATHERIS_RSS_LIMIT_MB}",
+            f"-artifact_prefix={tmp_path}/",
+        ],
         capture_output=True,
         text=True,
         timeout=300,
