@@ -262,6 +262,29 @@ def registration_from_proto(msg: pb.RegisterRankRequest) -> RankRegistration:
     )
 
 
+def registration_to_proto(reg: RankRegistration) -> pb.RegisterRankRequest:
+    """The registration as the ``RegisterRankRequest`` it was (or could have been) sent as."""
+    return pb.RegisterRankRequest(
+        engine_id=reg.engine_id,
+        role=_ROLE_TO_PB[reg.role],
+        tp_size=reg.tp_size,
+        tp_rank=reg.tp_rank,
+        agent_name=reg.agent_name,
+        agent_metadata=reg.agent_metadata,
+        regions=[
+            pb.Region(
+                base_addr=r.base_addr,
+                length_bytes=r.length_bytes,
+                device_id=r.device_id,
+                memory_kind=_MEMORY_KIND_TO_PB[r.memory_kind],
+            )
+            for r in reg.regions
+        ],
+        layout=rank_layout_to_proto(reg.layout),
+        model_fingerprint=reg.model_fingerprint,
+    )
+
+
 def lease_to_proto(lease: Lease) -> pb.RegisterRankResponse:
     return pb.RegisterRankResponse(
         lease_id=lease.lease_id,

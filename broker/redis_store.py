@@ -52,10 +52,9 @@ from typing import Any, TypeVar
 import numpy as np
 import redis
 
-from broker.convert import rank_layout_to_proto, registration_from_proto
+from broker.convert import registration_from_proto, registration_to_proto
 from broker.planner import RankPlan, SourceReads
 from broker.records import (
-    MemoryKind,
     PlanRecord,
     RankKey,
     RankRecord,
@@ -63,7 +62,6 @@ from broker.records import (
     ReleaseEvent,
     ReleaseReason,
     ReportStatus,
-    Role,
     TimelineEntry,
     TransferRecord,
     TransferState,
@@ -77,8 +75,6 @@ T = TypeVar("T")
 REDELIVER_MS = 5_000
 #: Plan runs (32 bytes each) kept decoded in memory across transfers.
 PLAN_CACHE_RUNS = 4_000_000
-_ROLES = {Role.PREFILL: pb.ROLE_PREFILL, Role.DECODE: pb.ROLE_DECODE, Role.BOTH: pb.ROLE_BOTH}
-_KINDS = {MemoryKind.DRAM: pb.MEMORY_KIND_DRAM, MemoryKind.VRAM: pb.MEMORY_KIND_VRAM}
 _RANK_FIELDS = ("reg", "lease", "exp", "at", "gen")
 _COLUMNS = 4  # region, local_offset, remote_offset, length
 
@@ -316,7 +312,7 @@ class RedisStateStore(StateStore):
         args = [
             member,
             key[1],
-            _registration_bytes(record.registration),
+            registration_to_proto(record.registration).SerializeToString(),
             record.lease_id,
             record.lease_expires_at_ms,
             record.registered_at_ms,
@@ -623,29 +619,6 @@ class RedisStateStore(StateStore):
 def _parse_member(member: bytes) -> RankKey:
     tp_rank, engine_id = member.decode().split(":", 1)
     return engine_id, int(tp_rank)
-
-
-def _registration_bytes(reg: RankRegistration) -> bytes:
-    """The registration as the ``RegisterRankRequest`` it was (or could have been) sent as."""
-    return pb.RegisterRankRequest(
-        engine_id=reg.engine_id,
-        role=_ROLES[reg.role],
-        tp_size=reg.tp_size,
-        tp_rank=reg.tp_rank,
-        agent_name=reg.agent_name,
-        agent_metadata=reg.agent_metadata,
-        regions=[
-            pb.Region(
-                base_addr=r.base_addr,
-                length_bytes=r.length_bytes,
-                device_id=r.device_id,
-                memory_kind=_KINDS[r.memory_kind],
-            )
-            for r in reg.regions
-        ],
-        layout=rank_layout_to_proto(reg.layout),
-        model_fingerprint=reg.model_fingerprint,
-    ).SerializeToString()
 
 
 def _ids(groups: list[list[int]]) -> tuple[tuple[int, ...], ...]:
