@@ -114,7 +114,8 @@ class Report:
 
 @dataclass(frozen=True)
 class ReportOutcome:
-    """``intact``: recorded DONE before any source was released, so the data is usable."""
+    """``intact``: recorded DONE while the transfer was live (its sources fenced), so the
+    data is usable."""
 
     duplicate: bool
     state: TransferState

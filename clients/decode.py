@@ -152,8 +152,8 @@ class AsyncDecodeClient(AsyncEngineClient):
         if error:
             raise TransferError(error)
         if not outcome.intact:
-            raise TransferError(f"a source of plan {plan.plan_id} was released before the report "
-                                f"(transfer {pb.TransferState.Name(outcome.state)}); the data is unusable")
+            raise TransferError(f"data invalid, recompute: plan {plan.plan_id}'s transfer ended "
+                                f"({pb.TransferState.Name(outcome.state)}) before the report")
         return RankFetch(session.tp_rank, plan.plan_id, tuple(s.prefill_rank for s in plan.sources),
                          plan.total_bytes, plan.num_descriptors, plan.naive_bytes,
                          plan.vllm_descriptors, planned - started, read - planned,
