@@ -172,14 +172,40 @@ def prepare(broker: BrokerProcess, sc: Scenario, count: int) -> list[str]:
 
 
 def _receiver_process(conn: mp.connection.Connection) -> None:
-    """An OTLP receiver on idle CPU time: sends its environment, then on any message the
-    number of ``broker.plan`` spans received."""
+    """An OTLP receiver on idle CPU time: sends its environment, then answers each message
+    but ``stop`` with the numbers of ``broker.plan`` spans and of all spans received so far."""
     if hasattr(os, "SCHED_IDLE"):
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     with TraceReceiver() as receiver:
         conn.send(receiver.environment())
-        conn.recv()
-        conn.send(sum(s.name == "broker.plan" for s in receiver.spans()))
+        while conn.recv() != "stop":
+            spans = receiver.spans()
+            conn.send((sum(s.name == "broker.plan" for s in spans), len(spans)))
+
+
+def exporter_pid(broker: BrokerProcess) -> int | None:
+    """The pid of the broker's span exporter child (``python -m broker.trace_export``)."""
+    proc = Path(f"/proc/{broker.process.pid}")
+    for children in proc.glob("task/*/children"):
+        for pid in children.read_text().split():
+            if b"broker.trace_export" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return int(pid)
+    return None
+
+
+def received(conn: mp.connection.Connection) -> tuple[int, int]:
+    """``broker.plan`` spans and all spans the receiver holds."""
+    conn.send("count")
+    return conn.recv()
+
+
+def drained(conn: mp.connection.Connection, plans: int, timeout_s: float = 60.0) -> int:
+    """Wait (up to ``timeout_s``) until the receiver holds ``plans`` ``broker.plan`` spans
+    (the last the traced broker made); returns how many spans it holds."""
+    deadline = time.monotonic() + timeout_s
+    while (counts := received(conn))[0] < plans and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return counts[1]
 
 
 def start_brokers(receiver: dict[str, str], transfers: int) -> dict[str, BrokerProcess]:
@@ -224,7 +250,8 @@ def main() -> int:
     decode_ids = [list(g) for g in sc.request.decode_block_ids]
     total = args.transfers * (args.rounds + 1)  # one untimed warm-up round
     samples: dict[str, list[tuple[float, float]]] = {mode: [] for mode in MODES}
-    traced_plans = 0
+    traced_plans = exported_before = 0
+    exporter_cpu = 0.0
     conn, child_conn = mp.Pipe()
     receiver = mp.get_context("spawn").Process(target=_receiver_process, args=(child_conn,))
     receiver.start()
@@ -232,20 +259,29 @@ def main() -> int:
         brokers = start_brokers(conn.recv(), total)
         try:
             names = {mode: prepare(b, sc, total) for mode, b in brokers.items()}
+            exporter = exporter_pid(brokers["on"])
             for r in range(args.rounds + 1):
                 batch = slice(r * args.transfers, (r + 1) * args.transfers)
+                if r == 1:  # the exporter child's CPU from here to the end of its export
+                    exporter_cpu = -cpu_seconds(exporter) if exporter else 0.0
+                    exported_before = received(conn)[1]
                 result = run_round(brokers, {m: names[m][batch] for m in MODES}, args, decode_ids)
                 traced_plans += result["on"][2]
                 if r:
                     for mode in MODES:
                         samples[mode].append(result[mode][:2])
+            exported = drained(conn, traced_plans) - exported_before
+            if exporter:
+                exporter_cpu += cpu_seconds(exporter)
         finally:
             for broker in brokers.values():
                 broker.stop()  # the traced one flushes its spans
-        conn.send("count")
-        plan_spans = conn.recv()
+        plan_spans = received(conn)[0]
+        conn.send("stop")
     finally:
         receiver.kill()
+    # Spans exported from the first timed round on (some may be of the warm-up round).
+    exporter_us = exporter_cpu / exported * 1e6 if exporter and exported else None
 
     ratios = [on / off for (off, _), (on, _) in zip(samples["off"], samples["on"])]
     loss = 1 - statistics.median(ratios)
@@ -268,6 +304,7 @@ def main() -> int:
         "on_median_plans_per_s": round(rate["on"], 1),
         "off_broker_cpu_us_per_plan": round(cpu["off"], 1),
         "on_broker_cpu_us_per_plan": round(cpu["on"], 1),
+        "exporter_cpu_us_per_span": None if exporter_us is None else round(exporter_us, 1),
         "throughput_loss": round(loss, 4),
         "plans_on_traced_broker": traced_plans,
         "plan_spans_exported": plan_spans,
@@ -291,6 +328,11 @@ def main() -> int:
             f"broker.plan spans received from the traced broker: {plan_spans} "
             f"for its {traced_plans} plans"
         )
+        if exporter_us is not None:
+            print(
+                f"its span exporter child: {exporter_us:.1f} us CPU per span "
+                f"({exporter_cpu:.2f} s for the {exported} spans exported from round 1 on)"
+            )
         print(
             f"throughput change with tracing on (median of the rounds' on/off ratios "
             f"{', '.join(f'{r:.3f}' for r in ratios)}): {-100 * loss:+.1f}% "
