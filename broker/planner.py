@@ -6,7 +6,7 @@ same global elements, intersects them and emits byte runs that are contiguous on
 along the TP-sharded axis, preferring the ranks vLLM pairs with that decode rank, so a
 replicated head is read once. Per (decode rank, group, chunk shape) the runs relative to the
 page starts form a cached :class:`Template`; a request only adds block offsets with numpy and
-coalesces runs that continue each other on both sides.
+coalesces runs that continue each other on both sides, for all its decode ranks in one pass.
 
 Invariants, enforced on every plan: every run lies inside its region on both sides; no two
 runs write the same decode byte (templates are checked once, block ids per request); the
@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from itertools import chain, pairwise
 
 import numpy as np
@@ -27,8 +28,9 @@ from broker.layout import EngineLayout, GroupLayout, Segment
 from broker.limits import LIMITS
 
 _I64 = np.int64
-#: Rows of a template table: prefill rank, region, decode offset, prefill offset, length.
-_COLUMNS = ("prefill_rank", "region", "local_offset", "remote_offset", "length")
+#: Rows of a template table: source (decode rank * prefill TP size + prefill rank), region,
+#: coalescing key (source * regions per rank + region), decode offset, prefill offset, length.
+_SOURCE, _REGION, _KEY, _LOCAL, _REMOTE, _LENGTH = range(6)
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,7 @@ class SourceReads:
     remote_offset: np.ndarray
     length: np.ndarray
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         return int(self.length.sum())
 
@@ -141,37 +143,36 @@ class Template:
 
 
 class _TemplateTable:
-    """Every template of one decode rank, each repeated over its group's regions, stored as
-    the rows of one ``(5, runs)`` array (:data:`_COLUMNS`) so that a request expands all its
-    block pairs with one gather."""
+    """Every template of a pair (all decode ranks), each repeated over its group's regions,
+    stored as the columns of one ``(6, runs)`` array (rows :data:`_SOURCE` .. :data:`_LENGTH`)
+    so that a request expands the block pairs of all its decode ranks with one gather.
+    ``meta`` holds per template its first column, its number of columns, vLLM's descriptor
+    count for it, and whether a run starts at both page starts and whether one ends at both
+    page ends (only such runs can merge with a run of another block pair)."""
 
     def __init__(self) -> None:
         self.ids: dict[tuple, int] = {}
-        self.start = np.zeros(0, dtype=_I64)
-        self.size = np.zeros(0, dtype=_I64)
-        self.vllm_units = np.zeros(0, dtype=_I64)
-        self.starts_pages = np.zeros(0, dtype=bool)
-        self.ends_pages = np.zeros(0, dtype=bool)
-        self.runs = np.zeros((len(_COLUMNS), 0), dtype=_I64)
+        self.meta = np.zeros((5, 0), dtype=_I64)
+        self.runs = np.zeros((6, 0), dtype=_I64)
 
-    def add(self, key: tuple, tpl: Template, num_regions: int, p_page: int, d_page: int) -> int:
-        """Append ``tpl`` repeated over ``num_regions`` regions; returns its id. Records whether
-        a run starts at both page starts or ends at both page ends: only such runs can merge
-        with a run of another block pair."""
+    def add(self, key: tuple, tpl: Template, num_regions: int, first_source: int,
+            regions_per_rank: int, p_page: int, d_page: int) -> int:
+        """Append ``tpl`` repeated over ``num_regions`` regions, its prefill ranks numbered
+        from ``first_source``; returns its id."""
         runs = tpl.length.size
-        tid = self.ids[key] = self.size.size
-        self.starts_pages = np.append(self.starts_pages, bool(
-            np.any((tpl.local_offset == 0) & (tpl.remote_offset == 0))))
-        self.ends_pages = np.append(self.ends_pages, bool(np.any(
-            (tpl.local_offset + tpl.length == d_page) & (tpl.remote_offset + tpl.length == p_page))))
-        self.start = np.append(self.start, self.runs.shape[1])
-        self.size = np.append(self.size, runs * num_regions)
-        self.vllm_units = np.append(self.vllm_units, tpl.vllm_units * num_regions)
-        added = np.stack([np.tile(tpl.prefill_rank, num_regions),
-                          np.repeat(np.arange(num_regions, dtype=_I64), runs),
+        tid = self.ids[key] = self.meta.shape[1]
+        source = np.tile(tpl.prefill_rank + first_source, num_regions)
+        region = np.repeat(np.arange(num_regions, dtype=_I64), runs)
+        added = np.stack([source, region, source * regions_per_rank + region,
                           np.tile(tpl.local_offset, num_regions),
                           np.tile(tpl.remote_offset, num_regions),
                           np.tile(tpl.length, num_regions)])
+        starts_pages = np.any((tpl.local_offset == 0) & (tpl.remote_offset == 0))
+        ends_pages = np.any((tpl.local_offset + tpl.length == d_page)
+                            & (tpl.remote_offset + tpl.length == p_page))
+        column = [self.runs.shape[1], runs * num_regions, tpl.vllm_units * num_regions,
+                  int(starts_pages), int(ends_pages)]
+        self.meta = np.append(self.meta, np.array(column, dtype=_I64)[:, None], axis=1)
         self.runs = np.concatenate([self.runs, added], axis=1)
         return tid
 
@@ -238,6 +239,43 @@ def coalesce(keys: np.ndarray, d_off: np.ndarray, p_off: np.ndarray, length: np.
     return keys[starts], d_off[starts], p_off[starts], np.add.reduceat(length, starts)
 
 
+def _group_by_source(runs: np.ndarray) -> np.ndarray:
+    """Template-table columns ordered by source, keeping their order within one."""
+    source = runs[_SOURCE]
+    if bool((source[1:] < source[:-1]).any()):
+        return runs.take(np.argsort(source, kind="stable"), axis=1)
+    return runs
+
+
+def _coalesce_columns(runs: np.ndarray, local_bits: int | None) -> np.ndarray:
+    """:func:`coalesce` for the columns of a template-table gather: sorted by (key, decode
+    offset), runs that continue each other on both sides merged. With ``local_bits`` (decode
+    offsets are below ``2**local_bits`` and ``key << local_bits`` fits in int64) one argsort
+    of ``key << local_bits | offset`` orders them: pairs are unique, as no two runs of a decode
+    rank write the same byte."""
+    if local_bits is None:
+        order = np.lexsort((runs[_LOCAL], runs[_KEY]))
+    else:
+        # Stable: a merge sort runs through the sorted stretches each block pair brings.
+        order = np.argsort((runs[_KEY] << local_bits) | runs[_LOCAL], kind="stable")
+    runs = runs.take(order, axis=1)
+    n = runs.shape[1]
+    if n < 2:
+        return runs
+    key, local, remote, length = runs[_KEY], runs[_LOCAL], runs[_REMOTE], runs[_LENGTH]
+    breaks = np.empty(n, dtype=bool)
+    breaks[0] = True
+    np.not_equal(key[1:], key[:-1], out=breaks[1:])
+    breaks[1:] |= local[1:] != local[:-1] + length[:-1]
+    breaks[1:] |= remote[1:] != remote[:-1] + length[:-1]
+    starts = breaks.nonzero()[0]
+    if starts.size == n:
+        return runs
+    merged = runs.take(starts, axis=1)
+    merged[_LENGTH] = np.add.reduceat(length, starts)
+    return merged
+
+
 # --------------------------------------------------------------------------- pair planner
 
 
@@ -251,28 +289,42 @@ class PairPlanner:
 
     prefill: EngineLayout
     decode: EngineLayout
+    #: Templates per decode rank the shared table holds before it is started afresh.
     max_templates: int = 4096
-    #: Runs of one template over all its group's regions, and of a decode rank's template
-    #: table before it is started afresh (a request that needs more is refused).
+    #: Runs of one template over all its group's regions (a request that needs more is
+    #: refused), and per decode rank of the template table before it is started afresh.
     max_template_runs: int = LIMITS.max_template_runs
     #: Runs (descriptors before coalescing) of one decode rank's plan.
     max_plan_runs: int = LIMITS.max_plan_runs
     #: False keeps vLLM's granularity (one run per segment per kernel block per source);
     #: benchmarks use it to compare against vLLM's descriptor scheme.
     coalesce: bool = True
-    _tables: list[_TemplateTable] = field(default_factory=list, init=False, repr=False)
+    _table: _TemplateTable = field(default_factory=_TemplateTable, init=False, repr=False)
     _attention_groups: list[int] = field(default_factory=list, init=False, repr=False)
+    #: Page bytes per decode rank, and (decode, prefill) page bytes as a column.
+    _d_pages: list[int] = field(default_factory=list, init=False, repr=False)
+    _page_column: np.ndarray | None = field(default=None, init=False, repr=False)
+    #: Bits of a decode offset when ``key << bits | offset`` fits in int64 (else None).
+    _local_bits: int | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         check_compatible(self.prefill, self.decode)
-        self._tables = [_TemplateTable() for _ in range(self.decode.tp_size)]
         self._attention_groups = [g for g, group in enumerate(self.decode.groups) if group.is_attention]
+        self._d_pages = [rank.page_bytes for rank in self.decode.ranks]
+        local_bits = max(rank.region_bytes for rank in self.decode.ranks).bit_length()
+        max_key = self.decode.tp_size * self.prefill.tp_size * max(
+            rank.num_regions for rank in self.decode.ranks)
+        if max_key.bit_length() + local_bits <= 62:
+            self._local_bits = local_bits
+        if len(set(self._d_pages)) == 1:
+            self._page_column = np.array(
+                [[self._d_pages[0]], [self.prefill.ranks[0].page_bytes]], dtype=_I64)
 
     # ---- public API
 
     def plan(self, request: TransferRequest) -> TransferPlan:
-        """Plans of every decode rank."""
-        return TransferPlan(tuple(self.plan_rank(d, request) for d in range(self.decode.tp_size)))
+        """Plans of every decode rank, made together: one pass over all their runs."""
+        return TransferPlan(self._plan_ranks(range(self.decode.tp_size), request))
 
     def source_ranks(self, decode_rank: int) -> tuple[int, ...]:
         """Prefill ranks in the order they are asked for data: vLLM's partners of this
@@ -290,49 +342,104 @@ class PairPlanner:
         :class:`LimitExceededError` past ``max_template_runs`` / ``max_plan_runs``."""
         if not 0 <= decode_rank < self.decode.tp_size:
             raise RequestError("decode_rank", f"{decode_rank} outside [0, {self.decode.tp_size})")
+        return self._plan_ranks((decode_rank,), request)[0]
+
+    def _plan_ranks(self, ranks: Sequence[int], request: TransferRequest) -> tuple[RankPlan, ...]:
+        """The plans of ``ranks``. The request's block pairs (the same for every decode rank)
+        map to each rank's templates; one gather expands them all, block offsets are added,
+        runs that continue each other merge, and the runs split by decode and prefill rank."""
         self._check_request(request)
-        table = self._tables[decode_rank]
-        if len(table.ids) >= self.max_templates or table.runs.shape[1] >= self.max_template_runs:
+        tp = self.decode.tp_size
+        table = self._table
+        if len(table.ids) >= self.max_templates * tp or (
+                table.runs.shape[1] >= self.max_template_runs * tp):
             # Only between requests: the ids collected below index one table.
-            self._tables[decode_rank] = _TemplateTable()
-        # One slot per block pair (attention: per chunk of tokens): its template and pages.
-        slot_tpl: list[int] = []
+            table = self._table = _TemplateTable()
+        chunks, slot_p, slot_d, naive_pages = self._block_pairs(request)
+        slots = len(slot_p)
+        tids: list[int] = []
+        for d in ranks:
+            for g, chunk, count in chunks:
+                tids += [self._template_id(d, g, chunk)] * count
+        if not slots:
+            return tuple(RankPlan(d, (), naive_pages * self._d_pages[d], 0) for d in ranks)
+        start, size, units, starts_pages, ends_pages = table.meta.take(tids, axis=1)
+        ends = size.cumsum()
+        rank_ends = ends[slots - 1::slots].tolist()
+        for d, (lo, hi) in zip(ranks, pairwise([0, *rank_ends])):
+            if hi - lo > self.max_plan_runs:
+                raise LimitExceededError(
+                    "block_ids", f"the plan of decode rank {d} needs {hi - lo} runs, "
+                    f"at most {self.max_plan_runs}")
+        per_rank = range(0, len(tids), slots)
+        vllm_units = np.add.reduceat(units, per_rank).tolist()
+        total = rank_ends[-1]
+        if not total:
+            return tuple(RankPlan(d, (), naive_pages * self._d_pages[d], n)
+                         for d, n in zip(ranks, vllm_units))
+        runs = table.runs.take(np.arange(total, dtype=_I64) + (start - ends + size).repeat(size), axis=1)
+        block_offsets = np.array((slot_d * len(ranks), slot_p * len(ranks)), dtype=_I64)
+        if self._page_column is not None:
+            block_offsets *= self._page_column
+        else:
+            block_offsets[0] *= np.repeat([self._d_pages[d] for d in ranks], slots)
+            block_offsets[1] *= self.prefill.ranks[0].page_bytes
+        runs[_LOCAL:_REMOTE + 1] += block_offsets.repeat(size, axis=1)
+        # A rank's runs merge only if one of its block pairs ends where another could start;
+        # decided per rank, so that its plan is the same however many ranks are planned.
+        mergeable = [False] * len(ranks)
+        if self.coalesce:
+            mergeable = (np.logical_or.reduceat(starts_pages, per_rank)
+                         & np.logical_or.reduceat(ends_pages, per_rank)).tolist()
+        if all(mergeable):
+            runs = _coalesce_columns(runs, self._local_bits)
+        elif not any(mergeable):
+            runs = _group_by_source(runs)
+        else:  # gathered runs are rank after rank
+            runs = np.concatenate(
+                [_coalesce_columns(part, self._local_bits) if merge else _group_by_source(part)
+                 for part, merge in zip(np.split(runs, rank_ends[:-1], axis=1), mergeable)],
+                axis=1)
+        return self._split(ranks, runs, naive_pages, vllm_units)
+
+    def _split(self, ranks: Sequence[int], runs: np.ndarray, naive_pages: int,
+               vllm_units: list[int]) -> tuple[RankPlan, ...]:
+        """Runs ordered by source, as one :class:`RankPlan` per decode rank."""
+        source = runs[_SOURCE]
+        cuts = ((source[1:] != source[:-1]).nonzero()[0] + 1).tolist()
+        by_rank: dict[int, list[SourceReads]] = {d: [] for d in ranks}
+        p_tp = self.prefill.tp_size
+        for lo, hi in pairwise([0, *cuts, source.size]):
+            d, p = divmod(int(source[lo]), p_tp)
+            by_rank[d].append(SourceReads(p, runs[_REGION, lo:hi], runs[_LOCAL, lo:hi],
+                                          runs[_REMOTE, lo:hi], runs[_LENGTH, lo:hi]))
+        return tuple(RankPlan(d, tuple(by_rank[d]), naive_pages * self._d_pages[d], units)
+                     for d, units in zip(ranks, vllm_units))
+
+    def _block_pairs(self, request: TransferRequest,
+                     ) -> tuple[list[tuple[int, tuple[int, int, int] | None, int]], list[int],
+                                list[int], int]:
+        """The request's block pairs, the same for every decode rank: runs of ``(group,
+        chunk, count)`` (template keys, in slot order), the prefill and decode block id of
+        each slot, and the number of decode pages written (over all layers)."""
+        chunks: list[tuple[int, tuple[int, int, int] | None, int]] = []
         slot_p: list[int] = []
         slot_d: list[int] = []
         naive_pages = 0
         for g, d_group in enumerate(self.decode.groups):
             p_ids, d_ids = request.prefill_block_ids[g], request.decode_block_ids[g]
             if d_group.is_attention:
-                tpls, p_sel, d_sel, pages = self._attention_slots(
-                    decode_rank, g, request.num_tokens, p_ids, d_ids)
+                shapes, p_sel, d_sel, pages = self._attention_chunks(g, request.num_tokens, p_ids, d_ids)
+                chunks += [(g, shape, count) for shape, count in shapes]
             else:
                 n = min(len(p_ids), len(d_ids))
-                tpls = [self._template_id(decode_rank, g, None)] * n
+                if n:
+                    chunks.append((g, None, n))
                 p_sel, d_sel, pages = p_ids[len(p_ids) - n:], d_ids[:n], n
-            slot_tpl += tpls
             slot_p += p_sel
             slot_d += d_sel
             naive_pages += pages * len(d_group.layers)
-        d_page = self.decode.ranks[decode_rank].page_bytes
-        table = self._tables[decode_rank]
-        tpl = np.array(slot_tpl, dtype=_I64)
-        sizes = table.size[tpl]
-        total = int(sizes.sum())
-        if total > self.max_plan_runs:
-            raise LimitExceededError(
-                "block_ids", f"the plan of decode rank {decode_rank} needs {total} runs, "
-                f"at most {self.max_plan_runs}")
-        if not total:
-            return RankPlan(decode_rank, (), naive_pages * d_page, 0)
-        row = np.arange(total, dtype=_I64) + np.repeat(table.start[tpl] - (np.cumsum(sizes) - sizes), sizes)
-        p_rank, region, d_off, p_off, length = table.runs[:, row]
-        p_page = self.prefill.ranks[0].page_bytes
-        p_off += np.repeat(np.array(slot_p, dtype=_I64) * p_page, sizes)
-        d_off += np.repeat(np.array(slot_d, dtype=_I64) * d_page, sizes)
-        mergeable = self.coalesce and bool(table.starts_pages[tpl].any() and table.ends_pages[tpl].any())
-        return self._assemble(decode_rank, p_rank, region, d_off, p_off, length, mergeable,
-                              naive_pages * d_page,
-                              int(table.vllm_units[tpl].sum()))
+        return chunks, slot_p, slot_d, naive_pages
 
     # ---- request handling
 
@@ -364,12 +471,11 @@ class PairPlanner:
                     f"{len(request.prefill_block_ids[g])} blocks of {block_size} "
                     f"tokens cannot hold num_tokens={request.num_tokens}")
 
-    def _attention_slots(self, decode_rank: int, g: int, num_tokens: int,
-                         p_ids: Sequence[int], d_ids: Sequence[int],
-                         ) -> tuple[list[int], list[int], list[int], int]:
+    def _attention_chunks(self, g: int, num_tokens: int, p_ids: Sequence[int], d_ids: Sequence[int],
+                          ) -> tuple[list[tuple[tuple[int, int, int], int]], list[int], list[int], int]:
         """Split the tokens decode is missing into chunks that lie in one prefill and one
-        decode page; returns per chunk its template id and both block ids, and the number of
-        decode pages written."""
+        decode page; returns the chunk shapes (with how many consecutive chunks have each),
+        both block ids per chunk, and the number of decode pages written."""
         p_group, d_group = self.prefill.groups[g], self.decode.groups[g]
         p_bs, d_bs = p_group.block_size, d_group.block_size
         needed = -(-num_tokens // d_bs)
@@ -383,9 +489,9 @@ class PairPlanner:
         if p_bs == d_bs:  # chunks are whole pages but the last
             count = -(-(last - first) // d_bs)
             tail = last - first - (count - 1) * d_bs
-            tpls = [self._template_id(decode_rank, g, (0, 0, d_bs))] * (count - 1)
-            tpls.append(self._template_id(decode_rank, g, (0, 0, tail)))
-            return tpls, list(p_ids[skip:skip + count]), list(d_ids[:count]), count
+            shapes = [((0, 0, d_bs), count - 1), ((0, 0, tail), 1)] if count > 1 else [
+                ((0, 0, tail), 1)]
+            return shapes, list(p_ids[skip:skip + count]), list(d_ids[:count]), count
         starts = np.union1d(np.arange(first, last, d_bs, dtype=_I64),
                             np.arange(_round_up(first, p_bs), last, p_bs, dtype=_I64))
         starts = np.union1d(starts, [first])
@@ -393,46 +499,23 @@ class PairPlanner:
         p_index, d_index = starts // p_bs, starts // d_bs
         shapes = zip((starts - p_index * p_bs).tolist(), (starts - d_index * d_bs).tolist(),
                      (ends - starts).tolist())
-        tpls = [self._template_id(decode_rank, g, shape) for shape in shapes]
         d_sel = np.asarray(d_ids, dtype=_I64)[d_index - skip]
-        return (tpls, np.asarray(p_ids, dtype=_I64)[p_index].tolist(), d_sel.tolist(),
-                int(np.unique(d_sel).size))
-
-    def _assemble(self, decode_rank: int, p_rank: np.ndarray, region: np.ndarray,
-                  d_off: np.ndarray, p_off: np.ndarray, length: np.ndarray, mergeable: bool,
-                  naive_bytes: int, vllm_units: int) -> RankPlan:
-        """Coalesce across block pairs (only if some could merge), group runs by source."""
-        if mergeable:
-            num_regions = self.decode.ranks[decode_rank].num_regions
-            keys, d_off, p_off, length = coalesce(p_rank * num_regions + region, d_off, p_off, length)
-            p_rank, region = np.divmod(keys, num_regions)
-        first, last = int(p_rank.min()), int(p_rank.max())
-        if first == last:
-            return RankPlan(decode_rank, (SourceReads(first, region, d_off, p_off, length),),
-                            naive_bytes, vllm_units)
-        if not mergeable:
-            order = np.argsort(p_rank, kind="stable")
-            p_rank, region, d_off, p_off, length = (
-                c[order] for c in (p_rank, region, d_off, p_off, length))
-        cuts = np.searchsorted(p_rank, np.arange(first, last + 2)).tolist()
-        sources = tuple(
-            SourceReads(first + i, region[lo:hi], d_off[lo:hi], p_off[lo:hi], length[lo:hi])
-            for i, (lo, hi) in enumerate(pairwise(cuts)) if hi > lo
-        )
-        return RankPlan(decode_rank, sources, naive_bytes, vllm_units)
+        return ([(shape, 1) for shape in shapes], np.asarray(p_ids, dtype=_I64)[p_index].tolist(),
+                d_sel.tolist(), int(np.unique(d_sel).size))
 
     # ---- templates
 
     def _template_id(self, decode_rank: int, g: int, chunk: tuple[int, int, int] | None) -> int:
-        """Id in the decode rank's table of the template for group ``g`` and ``chunk``
+        """Id in the pair's table of ``decode_rank``'s template for group ``g`` and ``chunk``
         (``(prefill page token, decode page token, tokens)``; ``None`` for a Mamba block)."""
-        table = self._tables[decode_rank]
-        key = (g, chunk)
+        table = self._table
+        key = (decode_rank, g, chunk)
         tid = table.ids.get(key)
         if tid is None:
             tpl = self._build_template(decode_rank, g, chunk)
             tid = table.add(key, tpl, len(self.decode.groups[g].layers),
-                            self.prefill.ranks[0].page_bytes, self.decode.ranks[decode_rank].page_bytes)
+                            decode_rank * self.prefill.tp_size, self.decode.ranks[decode_rank].num_regions,
+                            self.prefill.ranks[0].page_bytes, self._d_pages[decode_rank])
         return tid
 
     def _build_template(self, decode_rank: int, g: int,

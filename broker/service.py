@@ -718,13 +718,18 @@ class BrokerService:
         try:
             return planner.plan_rank(decode_rank, request)
         except RequestError as exc:
-            if exc.field.startswith("decode_block_ids"):
-                raise RequestError(
-                    "block_ids" + exc.field.removeprefix("decode_block_ids"), exc.detail
-                ) from None
-            raise PreconditionError(
-                "transfer_id", f"published request cannot be planned: {exc}"
-            ) from None
+            raise _planning_error(exc) from None
+
+    def _plan_all(
+        self, planner: PairPlanner, transfer: TransferRecord, block_ids: BlockIds
+    ) -> tuple[RankPlan, ...]:
+        """Every decode rank's plan, made together (decode ranks of one engine share block
+        ids)."""
+        request = TransferRequest(transfer.num_tokens, transfer.block_ids, block_ids)
+        try:
+            return planner.plan(request).ranks
+        except RequestError as exc:
+            raise _planning_error(exc) from None
 
     def _claim(
         self,
@@ -736,13 +741,17 @@ class BrokerService:
     ) -> None:
         """Plan every decode rank with the asker's block ids (decode ranks of one engine
         share block ids); this fixes the consumers of each prefill rank."""
-        plans = {}
         claim = secrets.token_hex(10)  # plan ids: unguessable, unique per claim and rank
-        for d in range(planner.decode.tp_size):
-            rank_plan = self._rank_plan(planner, transfer, d, query.block_ids)
-            plans[d] = PlanRecord(
-                f"{claim}-{d}", transfer.transfer_id, d, query.block_ids, rank_plan
+        plans = {
+            rank_plan.decode_rank: PlanRecord(
+                f"{claim}-{rank_plan.decode_rank}",
+                transfer.transfer_id,
+                rank_plan.decode_rank,
+                query.block_ids,
+                rank_plan,
             )
+            for rank_plan in self._plan_all(planner, transfer, query.block_ids)
+        }
         transfer.plans = plans
         for plan in plans.values():
             self.store.index_plan(plan.plan_id, transfer.transfer_id)
@@ -1002,6 +1011,14 @@ class BrokerService:
             transfer.expires_at_ms,
             traceparent,
         )
+
+
+def _planning_error(exc: RequestError) -> PdbrokerError:
+    """A planner error as the service's: bad decode block ids name ``block_ids``; a
+    published request that cannot be planned fails the transfer's precondition."""
+    if exc.field.startswith("decode_block_ids"):
+        return RequestError("block_ids" + exc.field.removeprefix("decode_block_ids"), exc.detail)
+    return PreconditionError("transfer_id", f"published request cannot be planned: {exc}")
 
 
 def _check_published_blocks(layout: EngineLayout, pub: Publication) -> None:

@@ -92,6 +92,16 @@ def scenario(draw):
     return prefill, decode, TransferRequest(num_tokens, split(p_perm, p_lists), split(d_perm, d_lists))
 
 
+def assert_same_plan(one, other) -> None:
+    """Equal plans, run for run in the same order."""
+    assert (one.decode_rank, one.naive_bytes, one.vllm_descriptors) == (
+        other.decode_rank, other.naive_bytes, other.vllm_descriptors)
+    assert [s.prefill_rank for s in one.sources] == [s.prefill_rank for s in other.sources]
+    for a, b in zip(one.sources, other.sources):
+        for column in ("region", "local_offset", "remote_offset", "length"):
+            np.testing.assert_array_equal(getattr(a, column), getattr(b, column))
+
+
 def check_plan_by_simulation(prefill, decode, request) -> None:
     pair = PairPlanner(prefill, decode)
     p_mem = [label_memory(rank, placed_blocks(prefill, request, "prefill"), UNSET)
@@ -103,8 +113,10 @@ def check_plan_by_simulation(prefill, decode, request) -> None:
     kbs = decode.groups[attention].kernel_block_size
     last_token = min(-(-request.num_tokens // kbs) * kbs,
                      len(request.prefill_block_ids[attention]) * prefill.groups[attention].block_size)
+    together = PairPlanner(prefill, decode).plan(request).ranks  # all ranks in one pass
     for d_rank, rank in enumerate(decode.ranks):
         plan = pair.plan_rank(d_rank, request)
+        assert_same_plan(plan, together[d_rank])
         for src in plan.sources:  # every run inside a registered region on both sides
             assert src.local_offset.min() >= 0 and src.remote_offset.min() >= 0
             assert (src.local_offset + src.length).max() <= rank.region_bytes
