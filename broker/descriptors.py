@@ -27,20 +27,60 @@ def absolute_descriptors(
     length positive and every run inside ``[0, length_bytes)`` of its region. The checks
     cannot overflow: ``offset <= region_length - length`` with both sides non-negative.
     """
-    out = np.empty((region.size, 3), dtype=np.int64)
     if not region.size:
-        return out
-    if int(region.min()) < 0 or int(region.max()) >= region_table.shape[1]:
+        return np.empty((0, 3), dtype=np.int64)
+    if int(length.min()) <= 0:
+        raise OutOfRegionError(f"{side}: a descriptor has no length")
+    return _absolute(
+        region_table, region, (int(region.min()), int(region.max())), offset, length,
+        int(length.max()), side,
+    )  # fmt: skip
+
+
+def descriptor_pair(
+    local_table: np.ndarray,
+    remote_table: np.ndarray,
+    region: np.ndarray,
+    local_offset: np.ndarray,
+    remote_offset: np.ndarray,
+    length: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`absolute_descriptors` of the same runs on both sides, ``(local, remote)``; what
+    the sides share (region indices, lengths) is checked once."""
+    if not region.size:
+        return np.empty((0, 3), dtype=np.int64), np.empty((0, 3), dtype=np.int64)
+    if int(length.min()) <= 0:
+        raise OutOfRegionError("local and remote: a descriptor has no length")
+    regions, longest = (int(region.min()), int(region.max())), int(length.max())
+    return (
+        _absolute(local_table, region, regions, local_offset, length, longest, "local"),
+        _absolute(remote_table, region, regions, remote_offset, length, longest, "remote"),
+    )
+
+
+def _absolute(
+    region_table: np.ndarray,
+    region: np.ndarray,
+    regions: tuple[int, int],
+    offset: np.ndarray,
+    length: np.ndarray,
+    longest: int,
+    side: str,
+) -> np.ndarray:
+    """:func:`absolute_descriptors` given the lowest and highest region index and the longest
+    length (all lengths known positive)."""
+    if regions[0] < 0 or regions[1] >= region_table.shape[1]:
         raise OutOfRegionError(
             f"{side}: region index outside the {region_table.shape[1]} registered"
         )
-    if int(offset.min()) < 0 or int(length.min()) <= 0:
-        raise OutOfRegionError(f"{side}: a descriptor has a negative offset or no length")
+    if int(offset.min()) < 0:
+        raise OutOfRegionError(f"{side}: a descriptor has a negative offset")
     # Ending within the shortest region is enough; only otherwise look up each one's length.
-    if int(offset.max()) + int(length.max()) > int(region_table[1].min()) and bool(
+    if int(offset.max()) + longest > int(region_table[1].min()) and bool(
         (offset > region_table[1][region] - length).any()
     ):
         raise OutOfRegionError(f"{side}: a descriptor leaves its registered region")
+    out = np.empty((region.size, 3), dtype=np.int64)
     np.add(region_table[0][region], offset, out=out[:, 0])
     out[:, 1] = length
     out[:, 2] = region_table[2][region]

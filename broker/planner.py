@@ -18,7 +18,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
 from itertools import chain, pairwise
 
 import numpy as np
@@ -61,10 +60,12 @@ class SourceReads:
     local_offset: np.ndarray
     remote_offset: np.ndarray
     length: np.ndarray
+    #: Bytes read: the sum of ``length`` (computed when not given).
+    nbytes: int = -1
 
-    @cached_property
-    def nbytes(self) -> int:
-        return int(self.length.sum())
+    def __post_init__(self) -> None:
+        if self.nbytes < 0:
+            object.__setattr__(self, "nbytes", int(self.length.sum()))
 
     @property
     def num_descriptors(self) -> int:
@@ -406,13 +407,14 @@ class PairPlanner:
                vllm_units: list[int]) -> tuple[RankPlan, ...]:
         """Runs ordered by source, as one :class:`RankPlan` per decode rank."""
         source = runs[_SOURCE]
-        cuts = ((source[1:] != source[:-1]).nonzero()[0] + 1).tolist()
+        starts = [0, *((source[1:] != source[:-1]).nonzero()[0] + 1).tolist()]
+        nbytes = np.add.reduceat(runs[_LENGTH], starts).tolist()
         by_rank: dict[int, list[SourceReads]] = {d: [] for d in ranks}
         p_tp = self.prefill.tp_size
-        for lo, hi in pairwise([0, *cuts, source.size]):
+        for (lo, hi), size in zip(pairwise([*starts, source.size]), nbytes):
             d, p = divmod(int(source[lo]), p_tp)
             by_rank[d].append(SourceReads(p, runs[_REGION, lo:hi], runs[_LOCAL, lo:hi],
-                                          runs[_REMOTE, lo:hi], runs[_LENGTH, lo:hi]))
+                                          runs[_REMOTE, lo:hi], runs[_LENGTH, lo:hi], size))
         return tuple(RankPlan(d, tuple(by_rank[d]), naive_pages * self._d_pages[d], units)
                      for d, units in zip(ranks, vllm_units))
 

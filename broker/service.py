@@ -61,7 +61,7 @@ from broker.api import (
     TransferListing,
 )
 from broker.clock import Clock, SystemClock
-from broker.descriptors import absolute_descriptors
+from broker.descriptors import descriptor_pair
 from broker.errors import (
     AbortedError,
     AlreadyExistsError,
@@ -774,10 +774,11 @@ class BrokerService:
 
     @staticmethod
     def _count_consumers(transfer: TransferRecord) -> None:
-        transfer.consumers = {
-            p: frozenset(d for d, plan in transfer.plans.items() if p in plan.prefill_ranks)
-            for p in range(transfer.prefill_tp_size)
-        }
+        readers: list[set[int]] = [set() for _ in range(transfer.prefill_tp_size)]
+        for d, plan in transfer.plans.items():
+            for p in plan.prefill_ranks:
+                readers[p].add(d)
+        transfer.consumers = {p: frozenset(r) for p, r in enumerate(readers)}
 
     def _settle(self, transfer: TransferRecord, now: int) -> None:
         """Release every prefill rank whose consumers all reported DONE; complete the
@@ -982,21 +983,21 @@ class BrokerService:
             p_rank = p_ranks[reads.prefill_rank]
             p_reg = p_rank.registration
             first = self.store.add_contact(d_reg.key, f"{p_reg.agent_name}#{p_rank.generation}")
+            local, remote = descriptor_pair(
+                d_reg.region_table,
+                p_reg.region_table,
+                reads.region,
+                reads.local_offset,
+                reads.remote_offset,
+                reads.length,
+            )
             sources.append(
                 SourceDescriptors(
                     reads.prefill_rank,
                     p_reg.agent_name,
                     p_reg.agent_metadata if first or query.want_agent_metadata else b"",
-                    absolute_descriptors(
-                        d_reg.region_table, reads.region, reads.local_offset, reads.length, "local"
-                    ),
-                    absolute_descriptors(
-                        p_reg.region_table,
-                        reads.region,
-                        reads.remote_offset,
-                        reads.length,
-                        "remote",
-                    ),
+                    local,
+                    remote,
                     reads.nbytes,
                     f"pdbroker:{transfer.transfer_id}:{plan.plan_id}:{reads.prefill_rank}".encode(),
                     d_reg.regions[0].memory_kind,

@@ -5,7 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from broker.descriptors import OutOfRegionError, absolute_descriptors, pack, unpack
+from broker.descriptors import (
+    OutOfRegionError,
+    absolute_descriptors,
+    descriptor_pair,
+    pack,
+    unpack,
+)
 
 #: Two regions: 4 KiB at 0x1000 on device 0, 8 KiB at 0x10000 on device 3.
 TABLE = np.array([[0x1000, 0x10000], [4096, 8192], [0, 3]], dtype=np.int64)
@@ -44,3 +50,33 @@ def test_anything_outside_a_region_is_refused(region, offset, length) -> None:
 def test_unpack_refuses_a_partial_descriptor() -> None:
     with pytest.raises(ValueError):
         unpack(b"\0" * 25)
+
+
+def test_a_pair_equals_each_side_alone() -> None:
+    remote_table = np.array([[0x80000, 0x90000], [8192, 8192], [1, 1]], dtype=np.int64)
+    region, local_offset, length = runs([0, 1, 1], [0, 4096, 100], [4096, 4096, 8])
+    remote_offset = np.array([4096, 0, 8000], dtype=np.int64)
+    local, remote = descriptor_pair(
+        TABLE, remote_table, region, local_offset, remote_offset, length
+    )
+    assert local.tolist() == absolute_descriptors(TABLE, region, local_offset, length, "").tolist()
+    assert remote.tolist() == [[0x81000, 4096, 1], [0x90000, 4096, 1], [0x91F40, 8, 1]]
+    assert [a.shape for a in descriptor_pair(TABLE, TABLE, *runs([], [], []), length[:0])] == [
+        (0, 3),
+        (0, 3),
+    ]
+
+
+@pytest.mark.parametrize(
+    "side,remote_offset",
+    [("remote", [0, 8185]), ("remote", [-1, 0]), ("local and remote", None)],
+)
+def test_a_pair_refuses_either_side_leaving_its_region(side, remote_offset) -> None:
+    region, local_offset, length = runs([0, 1], [0, 0], [8, 8])
+    if remote_offset is None:  # a run of no length
+        length = np.array([8, 0], dtype=np.int64)
+        remote_offset = [0, 0]
+    with pytest.raises(OutOfRegionError, match=f"^{side}:"):
+        descriptor_pair(
+            TABLE, TABLE, region, local_offset, np.array(remote_offset, dtype=np.int64), length
+        )
