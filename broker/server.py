@@ -234,7 +234,8 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         try:
             self.authorize(context, _as_engine, request)
             key = (convert.ident(request.engine_id, "engine_id"), request.tp_rank)
-            generation, cursor = self.service.release_stream(*key, request.after_sequence)
+            lease_id = request.lease_id and convert.ident(request.lease_id, "lease_id")
+            generation, cursor = self.service.release_stream(*key, request.after_sequence, lease_id)
         except Exception as exc:  # noqa: BLE001
             await _abort(context, exc)
         wake = asyncio.Event()

@@ -564,10 +564,13 @@ class BrokerService:
 
     # ------------------------------------------------------------------ releases
 
-    def release_stream(self, engine_id: str, tp_rank: int, after_sequence: int) -> tuple[int, int]:
+    def release_stream(
+        self, engine_id: str, tp_rank: int, after_sequence: int, lease_id: str = ""
+    ) -> tuple[int, int]:
         """Start watching prefill rank ``(engine_id, tp_rank)``: returns its registration
         generation and the cursor to read from (``after_sequence``, or where the last
-        watcher stopped when 0)."""
+        watcher stopped when 0). A ``lease_id`` that is not the rank's current lease fails:
+        the cursor was read under another registration, whose sequences these are not."""
         record = self.store.get_rank((engine_id, tp_rank))
         if record is None:
             field_name = "tp_rank" if self.store.engine_ranks(engine_id) else "engine_id"
@@ -576,6 +579,12 @@ class BrokerService:
             )
         if not record.registration.role.publishes:
             raise PreconditionError("engine_id", f"engine {engine_id!r} is a decode engine")
+        if lease_id and lease_id != record.lease_id:
+            raise PreconditionError(
+                "lease_id",
+                f"not the current lease of rank {tp_rank}: it registered again since; "
+                "watch under the new lease from after_sequence 0",
+            )
         return record.generation, after_sequence or self.store.delivered((engine_id, tp_rank))
 
     def releases(self, key: RankKey, generation: int, cursor: int) -> list[ReleaseEvent] | None:

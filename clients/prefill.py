@@ -160,14 +160,16 @@ class AsyncPrefillClient(AsyncEngineClient):
     async def _watch(self, session: RankSession) -> None:
         """Stream the rank's releases for the client's lifetime, resuming after the last one
         seen when the stream ends (the rank re-registered) or breaks. A cursor is only valid
-        for the registration it was read under (a restarted broker numbers anew)."""
+        for the registration it was read under (a restarted broker numbers anew): the request
+        names that lease, and the broker refuses it once the rank registered again, even if
+        that happened after the check below."""
         cursor, lease = 0, session.lease_id
         while True:
             if session.lease_id != lease:
                 cursor, lease = 0, session.lease_id
             address = self.stub.address
             request = pb.WatchReleasesRequest(engine_id=self.engine_id, tp_rank=session.tp_rank,
-                                              after_sequence=cursor)
+                                              after_sequence=cursor, lease_id=lease)
             try:
                 async for event in self.stub.WatchReleases(request):
                     cursor = event.sequence

@@ -493,6 +493,12 @@ def test_every_other_rpc_bad_input(broker: Broker) -> None:
             "engine_id",
         ),
         (
+            stub.WatchReleases,
+            pb.WatchReleasesRequest(engine_id="P", after_sequence=1, lease_id="an-old-lease"),
+            codes.FAILED_PRECONDITION,
+            "lease_id",
+        ),
+        (
             stub.AbortTransfer,
             pb.AbortTransferRequest(transfer_id="missing"),
             codes.NOT_FOUND,

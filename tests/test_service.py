@@ -579,6 +579,30 @@ def test_release_cursor_resumes_and_new_watchers_start_after_delivered_events() 
     assert service.releases(("P", 0), generation, 0) is None
 
 
+def test_a_cursor_of_an_earlier_registration_is_refused_not_resumed() -> None:
+    """A broker restarted without a shared store numbers releases anew: a watcher resuming
+    with its old cursor would skip the new registration's first events. Naming the lease the
+    cursor was read under makes the broker refuse instead."""
+    service, _, sc = setup(1, 1)
+    publish(service, sc, "before")
+    service.abort("before", "")
+    old_lease = service.store.get_rank(("P", 0)).lease_id
+    generation, cursor = service.release_stream("P", 0, 0, old_lease)
+    (event,) = service.releases(("P", 0), generation, cursor)
+    restarted, _, _ = setup(1, 1)  # same engines, a fresh broker
+    publish(restarted, sc, "after")
+    restarted.abort("after", "")
+    with pytest.raises(PreconditionError) as err:
+        restarted.release_stream("P", 0, event.sequence, old_lease)
+    assert err.value.field == "lease_id"
+    # What the check prevents: the same sequence numbers, so the old cursor skips "after".
+    generation, cursor = restarted.release_stream("P", 0, event.sequence)
+    assert restarted.releases(("P", 0), generation, cursor) == []
+    new_lease = restarted.store.get_rank(("P", 0)).lease_id
+    generation, cursor = restarted.release_stream("P", 0, 0, new_lease)
+    assert [e.transfer_id for e in restarted.releases(("P", 0), generation, cursor)] == ["after"]
+
+
 def test_registrations_beyond_max_ranks_are_refused() -> None:
     service, _ = make_service(max_ranks=3)
     sc = build_scenario(hybrid(), 2, 2, 100)

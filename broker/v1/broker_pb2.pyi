@@ -308,14 +308,16 @@ class ReportTransferResponse(_message.Message):
     def __init__(self, duplicate: _Optional[bool] = ..., state: _Optional[_Union[TransferState, str]] = ..., intact: _Optional[bool] = ...) -> None: ...
 
 class WatchReleasesRequest(_message.Message):
-    __slots__ = ("engine_id", "tp_rank", "after_sequence")
+    __slots__ = ("engine_id", "tp_rank", "after_sequence", "lease_id")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     AFTER_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     tp_rank: int
     after_sequence: int
-    def __init__(self, engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., after_sequence: _Optional[int] = ...) -> None: ...
+    lease_id: str
+    def __init__(self, engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., after_sequence: _Optional[int] = ..., lease_id: _Optional[str] = ...) -> None: ...
 
 class ReleaseEvent(_message.Message):
     __slots__ = ("sequence", "transfer_id", "block_ids", "reason", "detail", "released_at_ms", "traceparent")
