@@ -302,24 +302,24 @@ class PairPlanner:
     coalesce: bool = True
     _table: _TemplateTable = field(default_factory=_TemplateTable, init=False, repr=False)
     _attention_groups: list[int] = field(default_factory=list, init=False, repr=False)
-    #: Page bytes per decode rank, and (decode, prefill) page bytes as a column.
-    _d_pages: list[int] = field(default_factory=list, init=False, repr=False)
-    _page_column: np.ndarray | None = field(default=None, init=False, repr=False)
+    #: Page bytes of a decode rank (EngineLayout makes all ranks alike), and (decode,
+    #: prefill) page bytes as a column.
+    _d_page: int = field(default=0, init=False, repr=False)
+    _page_column: np.ndarray = field(default_factory=lambda: np.zeros((2, 1), dtype=_I64),
+                                     init=False, repr=False)
     #: Bits of a decode offset when ``key << bits | offset`` fits in int64 (else None).
     _local_bits: int | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         check_compatible(self.prefill, self.decode)
         self._attention_groups = [g for g, group in enumerate(self.decode.groups) if group.is_attention]
-        self._d_pages = [rank.page_bytes for rank in self.decode.ranks]
-        local_bits = max(rank.region_bytes for rank in self.decode.ranks).bit_length()
-        max_key = self.decode.tp_size * self.prefill.tp_size * max(
-            rank.num_regions for rank in self.decode.ranks)
+        d_rank = self.decode.ranks[0]
+        self._d_page = d_rank.page_bytes
+        self._page_column = np.array([[self._d_page], [self.prefill.ranks[0].page_bytes]], dtype=_I64)
+        local_bits = d_rank.region_bytes.bit_length()
+        max_key = self.decode.tp_size * self.prefill.tp_size * d_rank.num_regions
         if max_key.bit_length() + local_bits <= 62:
             self._local_bits = local_bits
-        if len(set(self._d_pages)) == 1:
-            self._page_column = np.array(
-                [[self._d_pages[0]], [self.prefill.ranks[0].page_bytes]], dtype=_I64)
 
     # ---- public API
 
@@ -363,7 +363,7 @@ class PairPlanner:
             for g, chunk, count in chunks:
                 tids += [self._template_id(d, g, chunk)] * count
         if not slots:
-            return tuple(RankPlan(d, (), naive_pages * self._d_pages[d], 0) for d in ranks)
+            return tuple(RankPlan(d, (), naive_pages * self._d_page, 0) for d in ranks)
         start, size, units, starts_pages, ends_pages = table.meta.take(tids, axis=1)
         ends = size.cumsum()
         rank_ends = ends[slots - 1::slots].tolist()
@@ -376,15 +376,11 @@ class PairPlanner:
         vllm_units = np.add.reduceat(units, per_rank).tolist()
         total = rank_ends[-1]
         if not total:
-            return tuple(RankPlan(d, (), naive_pages * self._d_pages[d], n)
+            return tuple(RankPlan(d, (), naive_pages * self._d_page, n)
                          for d, n in zip(ranks, vllm_units))
         runs = table.runs.take(np.arange(total, dtype=_I64) + (start - ends + size).repeat(size), axis=1)
         block_offsets = np.array((slot_d * len(ranks), slot_p * len(ranks)), dtype=_I64)
-        if self._page_column is not None:
-            block_offsets *= self._page_column
-        else:
-            block_offsets[0] *= np.repeat([self._d_pages[d] for d in ranks], slots)
-            block_offsets[1] *= self.prefill.ranks[0].page_bytes
+        block_offsets *= self._page_column
         runs[_LOCAL:_REMOTE + 1] += block_offsets.repeat(size, axis=1)
         # A rank's runs merge only if one of its block pairs ends where another could start;
         # decided per rank, so that its plan is the same however many ranks are planned.
@@ -415,7 +411,7 @@ class PairPlanner:
             d, p = divmod(int(source[lo]), p_tp)
             by_rank[d].append(SourceReads(p, runs[_REGION, lo:hi], runs[_LOCAL, lo:hi],
                                           runs[_REMOTE, lo:hi], runs[_LENGTH, lo:hi], size))
-        return tuple(RankPlan(d, tuple(by_rank[d]), naive_pages * self._d_pages[d], units)
+        return tuple(RankPlan(d, tuple(by_rank[d]), naive_pages * self._d_page, units)
                      for d, units in zip(ranks, vllm_units))
 
     def _block_pairs(self, request: TransferRequest,
@@ -517,7 +513,7 @@ class PairPlanner:
             tpl = self._build_template(decode_rank, g, chunk)
             tid = table.add(key, tpl, len(self.decode.groups[g].layers),
                             decode_rank * self.prefill.tp_size, self.decode.ranks[decode_rank].num_regions,
-                            self.prefill.ranks[0].page_bytes, self._d_pages[decode_rank])
+                            self.prefill.ranks[0].page_bytes, self._d_page)
         return tid
 
     def _build_template(self, decode_rank: int, g: int,

@@ -720,23 +720,20 @@ class BrokerService:
             self._planners.move_to_end(key)
         return planner, cached
 
-    def _rank_plan(
-        self, planner: PairPlanner, transfer: TransferRecord, decode_rank: int, block_ids: BlockIds
-    ) -> RankPlan:
-        request = TransferRequest(transfer.num_tokens, transfer.block_ids, block_ids)
-        try:
-            return planner.plan_rank(decode_rank, request)
-        except RequestError as exc:
-            raise _planning_error(exc) from None
-
-    def _plan_all(
-        self, planner: PairPlanner, transfer: TransferRecord, block_ids: BlockIds
+    def _plans(
+        self,
+        planner: PairPlanner,
+        transfer: TransferRecord,
+        block_ids: BlockIds,
+        decode_rank: int | None = None,
     ) -> tuple[RankPlan, ...]:
         """Every decode rank's plan, made together (decode ranks of one engine share block
-        ids)."""
+        ids), or ``decode_rank``'s alone."""
         request = TransferRequest(transfer.num_tokens, transfer.block_ids, block_ids)
         try:
-            return planner.plan(request).ranks
+            if decode_rank is None:
+                return planner.plan(request).ranks
+            return (planner.plan_rank(decode_rank, request),)
         except RequestError as exc:
             raise _planning_error(exc) from None
 
@@ -759,7 +756,7 @@ class BrokerService:
                 query.block_ids,
                 rank_plan,
             )
-            for rank_plan in self._plan_all(planner, transfer, query.block_ids)
+            for rank_plan in self._plans(planner, transfer, query.block_ids)
         }
         transfer.plans = plans
         for plan in plans.values():
@@ -774,7 +771,7 @@ class BrokerService:
         self, transfer: TransferRecord, plan: PlanRecord, planner: PairPlanner, block_ids: BlockIds
     ) -> None:
         """A decode rank asks with block ids other than those its plan was made with."""
-        rank_plan = self._rank_plan(planner, transfer, plan.decode_rank, block_ids)
+        (rank_plan,) = self._plans(planner, transfer, block_ids, plan.decode_rank)
         released = [p for p in rank_plan.prefill_ranks if p in transfer.released]
         if released:
             raise PreconditionError("block_ids", f"prefill rank {released[0]} was already released")
