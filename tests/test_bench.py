@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from prerequisites import require_module
 
 from broker.cli import main
 from broker.planner import PairPlanner
@@ -35,7 +36,7 @@ def test_bench_planner_times_vllm_side_by_side(capsys: pytest.CaptureFixture[str
     """vLLM's own connector plans the same request; it posts our uncoalesced descriptors
     plus one read per segment of the Mamba page in the region a group's padding layer
     holds (no state), which the planner's vLLM count leaves out."""
-    pytest.importorskip("vllm", reason="the side-by-side figure needs vLLM (extra 'vllm')")
+    require_module("vllm", "vllm")
     name = "nemotron-3-nano 32k tp2->tp2"
     out = run_json(capsys, "planner", "--iterations", "20", "--trials", "1", "--scenario", name)
     (result,) = out["planner"]
@@ -86,7 +87,7 @@ def test_bench_descriptors_homogeneous_tp_beats_vllm(capsys: pytest.CaptureFixtu
 
 
 def test_bench_transfer_moves_verified_bytes(capsys: pytest.CaptureFixture[str]) -> None:
-    pytest.importorskip("nixl", reason="the transfer bench needs NIXL (extra 'engine')")
+    require_module("nixl", "engine")
     figures = run_json(
         capsys, "transfer", "--tokens", "2048", "--repeats", "1", "--kernel-block-size", "16"
     )["transfer"]

@@ -5,7 +5,6 @@ compose file and the Dockerfile describe a non-root, control-plane-only broker."
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -13,6 +12,7 @@ from urllib.parse import urlsplit
 import kubernetes_validate
 import pytest
 import yaml
+from prerequisites import require_binary
 
 DEPLOY = Path(__file__).parent.parent / "deploy"
 BASE = DEPLOY / "k8s" / "base"
@@ -108,10 +108,9 @@ def test_the_pieces_refer_to_each_other() -> None:
 
 
 def test_kustomize_builds_the_base() -> None:
-    if shutil.which("kubectl") is None:
-        pytest.skip("kubectl is not installed: the kustomize build is not checked")
+    kubectl = require_binary("kubectl", "the kustomize build of the base is not checked")
     built = subprocess.run(
-        ["kubectl", "kustomize", str(BASE)], check=True, capture_output=True, text=True
+        [kubectl, "kustomize", str(BASE)], check=True, capture_output=True, text=True
     ).stdout
     docs = [d for d in yaml.safe_load_all(built) if d]
     assert len(docs) == len(resources())

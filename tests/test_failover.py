@@ -12,9 +12,10 @@ import time
 
 import grpc
 import pytest
+from prerequisites import require_module
 
-pytest.importorskip("nixl")
-redis = pytest.importorskip("redis")
+require_module("nixl", "engine")
+redis = require_module("redis", "dev")
 
 from conftest import RedisServer
 from test_e2e import MAMBA2, hybrid

@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 
 import grpc
 import pytest
+from prerequisites import require_module
 
-pytest.importorskip("nixl")
+require_module("nixl", "engine")
 
 from broker_helpers import hybrid, register_request
 from test_e2e import MAMBA2

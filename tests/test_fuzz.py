@@ -11,7 +11,6 @@ transfer published before the fuzzing is intact.
 
 from __future__ import annotations
 
-import importlib.util
 import random
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
+from prerequisites import require_module
 
 from broker.v1 import broker_pb2 as pb
 
@@ -249,8 +249,7 @@ ATHERIS_RSS_LIMIT_MB = 16384
 
 def test_atheris_harness(tmp_path: Path) -> None:
     """tests/fuzz_atheris.py (libFuzzer-guided bytes) for ATHERIS_RUNS inputs."""
-    if importlib.util.find_spec("atheris") is None:
-        pytest.skip("atheris is not installed (the test extra has it on Linux x86_64, 3.11+)")
+    require_module("atheris", "test")
     harness = Path(__file__).with_name("fuzz_atheris.py")
     done = subprocess.run(
         [

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -21,8 +20,9 @@ from multiprocessing.connection import Connection, Pipe, wait
 from pathlib import Path
 
 import pytest
+from prerequisites import require_binary, require_module, unavailable
 
-pytest.importorskip("nixl")
+require_module("nixl", "engine")
 
 from broker_helpers import hybrid
 
@@ -88,15 +88,14 @@ def teardown(topo: Topology) -> None:
 @pytest.fixture(scope="module")
 def topology() -> Iterator[Topology]:
     if os.geteuid() != 0:
-        pytest.skip("network namespaces need root")
-    if shutil.which("ip") is None:
-        pytest.skip("ip (iproute2) is not installed")
+        unavailable("network namespaces need root")
+    require_binary("ip", "apt-get install iproute2 (bash scripts/test.sh does, as root)")
     topo = Topology(f"pdbt{uuid.uuid4().hex[:6]}")
     try:
         build(topo)
     except subprocess.CalledProcessError as exc:
         teardown(topo)
-        pytest.skip(f"cannot create network namespaces and veths here: {exc.stderr.strip()}")
+        unavailable(f"cannot create network namespaces and veths here: {exc.stderr.strip()}")
     yield topo
     teardown(topo)
 

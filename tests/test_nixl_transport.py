@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
+from prerequisites import require_module
 
-pytest.importorskip("nixl")
+require_module("nixl", "engine")
 import torch
 
 from broker.descriptors import pack

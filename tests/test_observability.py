@@ -24,6 +24,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
 from opentelemetry.trace import StatusCode
+from prerequisites import require_module
 from prometheus_client.parser import text_string_to_metric_families
 
 from broker.api import PlanQuery, Publication, Report
@@ -71,7 +72,7 @@ class TracedRun:
 def traced() -> Iterator[TracedRun]:
     """``TRANSFERS`` transfers through a broker (with ``/metrics``) and two engine processes,
     every process exporting spans to a receiver in this process."""
-    pytest.importorskip("nixl")
+    require_module("nixl", "engine")
     during: dict[tuple[str, frozenset], float] = {}
     with TraceReceiver() as receiver, pytest.MonkeyPatch.context() as env:
         for name, value in receiver.environment().items():

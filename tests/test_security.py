@@ -26,6 +26,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prerequisites import require_module
 
 from broker.layout import GroupKind
 from broker.models import AttentionParams, ModelSpec
@@ -442,7 +443,7 @@ def test_client_credentials_need_tls(pki: Pki) -> None:
 def test_transfers_between_real_engines_over_mutual_tls(pki: Pki) -> None:
     """A prefill and a decode engine process, each with its own certificate (the prefill's
     names its engine id in a subject alternative name), move and verify every byte."""
-    pytest.importorskip("nixl")
+    require_module("nixl", "engine")
     model = ModelSpec("tiny", ((GroupKind.ATTENTION, ("a0", "a1")),), AttentionParams(2, 32), None)
     pair = PairSpec("attention P1->D1", model, 1, 1, 40, 120)
     broker = BrokerProcess(

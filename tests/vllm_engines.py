@@ -3,30 +3,25 @@
 runs vLLM's ``Scheduler`` (which builds the scheduler-side connector itself) with one
 worker-side connector per TP rank.
 
-Importing this module configures vLLM for CPU (see :mod:`clients.vllm.cpu_engine`) and skips
-the importing test module, saying why, when vLLM cannot be imported (outside CI).
+Importing this module configures vLLM for CPU (see :mod:`clients.vllm.cpu_engine`); where vLLM
+cannot be imported it skips the importing test module, saying why, or fails it under CI and
+when vLLM is installed but broken (:mod:`prerequisites`).
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import pytest
+from prerequisites import require_module
 
-try:
-    import torch
+# Before any other vLLM import: the module sets vLLM's environment for CPU.
+cpu_engine = require_module("clients.vllm.cpu_engine", "vllm", distribution="vllm")
+allocate, kv_cache_config = cpu_engine.allocate, cpu_engine.kv_cache_config
+vllm_config, write_model = cpu_engine.vllm_config, cpu_engine.write_model
 
-    from clients.vllm.cpu_engine import allocate, kv_cache_config, vllm_config, write_model
-except ImportError as exc:  # pragma: no cover - depends on the environment
-    if os.environ.get("CI") == "true":
-        raise
-    pytest.skip(
-        f"vllm cannot be imported ({exc}); pip install -e '.[vllm]'", allow_module_level=True
-    )
-
+import torch
 from vllm.config import KVTransferConfig, VllmConfig, set_current_vllm_config
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
