@@ -3,13 +3,15 @@
 ``redis_server`` starts one ``redis-server`` per session on a free loopback port in a temporary
 directory (no other Redis is touched) and stops it at the end. Where no ``redis-server`` binary
 exists the Redis tests skip with that reason, except under CI (``CI=true``), where
-``.ci/run`` installs it and a missing server is a failure.
+``.ci/run`` installs it and a missing server is a failure (:mod:`prerequisites`).
+
+Hypothesis runs derandomized by default, so the suite is the same on every run; the profile
+``random`` (``HYPOTHESIS_PROFILE=random``) draws fresh examples, ten times as many.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import subprocess
 import time
@@ -19,9 +21,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+from prerequisites import require_binary
 
 #: Seconds to wait for redis-server to accept connections or to exit.
 REDIS_START_S = 10.0
+
+settings.register_profile("deterministic", derandomize=True, database=None, max_examples=300)
+settings.register_profile("random", derandomize=False, max_examples=3000)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "deterministic"))
 
 
 @dataclass
@@ -62,12 +70,7 @@ def free_port() -> int:
 def start_redis(directory: Path, port: int | None = None) -> RedisServer:
     """``redis-server`` on 127.0.0.1 with its files in ``directory``; append-only persistence
     so a restarted server (same directory and port) keeps what was written."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        message = "redis-server is not installed (bash .ci/run installs it with apt-get)"
-        if os.environ.get("CI") == "true":
-            pytest.fail(message)
-        pytest.skip(message)
+    binary = require_binary("redis-server", "bash scripts/test.sh installs it with apt-get")
     port = port or free_port()
     process = subprocess.Popen(
         [binary, "--bind", "127.0.0.1", "--port", str(port), "--dir", str(directory),

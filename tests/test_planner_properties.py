@@ -138,7 +138,7 @@ def check_plan_by_simulation(prefill, decode, request) -> None:
         assert moved == written_total == plan.nbytes == optimal  # no byte written twice, none extra
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])  # examples: conftest
 @given(scenario())
 def test_plan_reproduces_declared_decode_state(case) -> None:
     check_plan_by_simulation(*case)
