@@ -5,7 +5,10 @@ the broker keeps serving; plus the planner's own limits and the overflow-safe ar
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -18,12 +21,62 @@ from broker.limits import LIMITS
 from broker.models import build_engine_layout
 from broker.planner import PairPlanner
 from broker.scenarios import build_scenario, fresh_block_ids
+from broker.service import ServiceConfig
 from broker.v1 import broker_pb2 as pb
 from broker.v1 import broker_pb2_grpc as pb_grpc
 
 codes = grpc.StatusCode
 TOO_MANY, BAD = codes.RESOURCE_EXHAUSTED, codes.INVALID_ARGUMENT
 WAIT_S = 10.0
+
+
+#: Every limit's value as docs/RELIABILITY.md states it. The tests below probe each boundary
+#: at ``LIMITS.x + 1``; these pins make a changed limit a visible decision.
+DOCUMENTED_LIMITS = {
+    "max_request_bytes": 64 << 20,
+    "max_id_chars": 256,
+    "max_text_chars": 4096,
+    "max_tp_size": 128,
+    "max_regions": 4096,
+    "max_groups": 256,
+    "max_segments_per_group": 64,
+    "max_dims": 8,
+    "max_page_runs": 65_536,
+    "max_kernel_blocks_per_page": 4096,
+    "max_agent_metadata_bytes": 16 << 20,
+    "max_block_ids": 1_048_576,
+    "max_allowed_decode_engines": 256,
+    "max_template_runs": 1_048_576,
+    "max_plan_runs": 16_777_216,
+}
+#: The broker's table limits and durations (``pdbroker serve`` flags), as documented.
+DOCUMENTED_DEFAULTS = {
+    "max_transfers": 100_000,
+    "max_ranks": 4096,
+    "max_ttl_ms": 3_600_000,
+    "default_ttl_ms": 30_000,
+    "lease_ttl_ms": 10_000,
+    "retention_ms": 60_000,
+    "max_read_ms": 60_000,
+    "release_resume_window": 1024,  # the proto's WatchReleasesRequest.after_sequence
+}
+RELIABILITY = Path(__file__).parents[1] / "docs" / "RELIABILITY.md"
+
+
+def test_every_limit_has_its_documented_value() -> None:
+    assert dataclasses.asdict(LIMITS) == DOCUMENTED_LIMITS
+    config = dataclasses.asdict(ServiceConfig())
+    assert {name: config[name] for name in DOCUMENTED_DEFAULTS} == DOCUMENTED_DEFAULTS
+
+
+def test_the_documented_tables_state_the_pinned_values() -> None:
+    rows = re.findall(r"^\| `(max_\w+|--[\w-]+)` \| ([\d,]+)", RELIABILITY.read_text(),
+                      re.MULTILINE)
+    stated = {name.lstrip("-").replace("-", "_"): int(value.replace(",", ""))
+              for name, value in rows}
+    pinned = {**DOCUMENTED_LIMITS, **DOCUMENTED_DEFAULTS}
+    del pinned["release_resume_window"]
+    assert stated == pinned
 
 
 class Live:
