@@ -1,8 +1,10 @@
 """Decode side: ask for a transfer's plan, read it with NIXL, report.
 
-For each hosted rank :meth:`AsyncDecodeClient.fetch` runs ``GetTransferPlan``, loads the
-metadata of prefill agents it meets for the first time, posts one READ per source prefill rank
-(all sources at once), polls them to completion within the timeout and reports DONE or FAILED
+For each hosted rank :meth:`AsyncDecodeClient.fetch` runs ``GetTransferPlan``, checks the
+whole plan (:func:`check_plan`: every write inside the rank's registered regions, none twice,
+descriptors adding up to the plan's byte counts) before any NIXL call, loads the metadata of
+prefill agents it meets for the first time, posts one READ per source prefill rank (all
+sources at once), polls them to completion within the timeout and reports DONE or FAILED
 with the bytes moved and the read time. Hosted ranks fetch concurrently.
 
 Tracing: the plan carries a ``traceparent`` of the transfer's trace; each source's read is a
@@ -19,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import grpc
+import numpy as np
 from opentelemetry.trace import Span
 
 from broker import tracing
@@ -26,7 +29,15 @@ from broker.layout import EngineLayout
 from broker.logs import transfer_fields
 from broker.security import PLAINTEXT, ChannelSecurity
 from broker.v1 import broker_pb2 as pb
-from clients.nixl_transport import DRAM, VRAM, Transfer, TransferError, descriptor_array, inside
+from clients.nixl_transport import (
+    DRAM,
+    VRAM,
+    Region,
+    Transfer,
+    TransferError,
+    descriptor_array,
+    inside,
+)
 from clients.session import (
     AsyncEngineClient,
     BlockingEngineClient,
@@ -71,6 +82,70 @@ class Fetch:
     @property
     def num_descriptors(self) -> int:
         return sum(r.num_descriptors for r in self.ranks)
+
+
+class PlanRejected(TransferError):
+    """A plan this rank refuses to execute; nothing of it was posted to NIXL."""
+
+
+@dataclass(frozen=True)
+class SourceRead:
+    """One checked source of a plan: ``(n, 3)`` descriptor rows of both sides, memory kinds."""
+
+    source: pb.SourcePlan
+    local: np.ndarray
+    remote: np.ndarray
+    local_kind: str
+    remote_kind: str
+
+
+def check_plan(plan: pb.GetTransferPlanResponse, regions: Sequence[Region],
+               tp_rank: int) -> list[SourceRead]:
+    """Parse and check every source of ``plan`` before anything is posted: descriptors whole
+    and paired one to one with equal lengths, every local one inside ``regions`` (decode rank
+    ``tp_rank``'s registered memory), no local byte written twice, and the lengths adding up
+    to each source's and the plan's ``total_bytes``; a source's local memory kind is the kind
+    of the regions it writes. Raises :class:`PlanRejected`."""
+    reads: list[SourceRead] = []
+    for i, source in enumerate(plan.sources):
+        where = f"plan {plan.plan_id} source {i} (prefill rank {source.prefill_rank})"
+        try:
+            local = descriptor_array(source.local_descriptors)
+            remote = descriptor_array(source.remote_descriptors)
+            kinds = _KINDS[source.local_memory_kind], _KINDS[source.remote_memory_kind]
+        except ValueError as exc:
+            raise PlanRejected(f"{where}: {exc}") from None
+        except KeyError as exc:
+            raise PlanRejected(f"{where}: unknown memory kind {exc}") from None
+        if not len(local):
+            raise PlanRejected(f"{where}: no descriptors")
+        if local.shape != remote.shape:
+            raise PlanRejected(f"{where}: {len(local)} local descriptors for {len(remote)} remote")
+        if len(local) != source.num_descriptors:
+            raise PlanRejected(f"{where}: {len(local)} descriptors, not its num_descriptors "
+                               f"{source.num_descriptors}")
+        if not np.array_equal(local[:, 1], remote[:, 1]):
+            raise PlanRejected(f"{where}: local and remote descriptor lengths differ")
+        if not inside(local, [r for r in regions if r.kind == kinds[0]]):
+            raise PlanRejected(f"{where} writes outside rank {tp_rank}'s registered regions")
+        reads.append(SourceRead(source, local, remote, *kinds))
+    if reads:
+        writes = np.concatenate([r.local for r in reads])
+        writes = writes[np.lexsort((writes[:, 0], writes[:, 2]))]  # by device, then address
+        same_device = writes[1:, 2] == writes[:-1, 2]
+        if (same_device & (writes[1:, 0] < writes[:-1, 0] + writes[:-1, 1])).any():
+            raise PlanRejected(f"plan {plan.plan_id} writes some bytes of rank {tp_rank} twice")
+    # Inside the regions and disjoint: every sum below is bounded by the registered bytes.
+    for i, read in enumerate(reads):
+        nbytes = int(read.local[:, 1].sum())
+        if nbytes != read.source.total_bytes:
+            raise PlanRejected(f"plan {plan.plan_id} source {i}'s descriptors add up to {nbytes} "
+                               f"bytes, not its total_bytes {read.source.total_bytes}")
+    nbytes = sum(r.source.total_bytes for r in reads)
+    if nbytes != plan.total_bytes:
+        raise PlanRejected(f"plan {plan.plan_id}'s descriptors add up to {nbytes} bytes, not its "
+                           f"total_bytes {plan.total_bytes}")
+    return reads
 
 
 class FetchError(RuntimeError):
@@ -123,11 +198,12 @@ class AsyncDecodeClient(AsyncEngineClient):
             plan = await call(self.stub, "GetTransferPlan", request, self.call_timeout_s)
         planned = time.perf_counter()
         fields = transfer_fields(transfer_id, plan.traceparent)
-        error = ""
+        error, failure = "", None
         try:
             await self._read(session, plan, transfer_id, deadline)
         except Exception as exc:  # noqa: BLE001 - any failed read is reported FAILED
             error = str(exc) if isinstance(exc, TransferError) else f"{type(exc).__name__}: {exc}"
+            failure = exc if isinstance(exc, TransferError) else TransferError(error)
             log.warning("rank %d: %s", session.tp_rank, error, extra=fields)
         read = time.perf_counter()
         reported_at = time.monotonic()
@@ -149,8 +225,8 @@ class AsyncDecodeClient(AsyncEngineClient):
                 span.set_attribute("pdbroker.intact", outcome.intact)
         log.debug("rank %d: read %d bytes in %.3f ms, reported %s", session.tp_rank,
                   plan.total_bytes, (read - planned) * 1e3, pb.ReportStatus.Name(status), extra=fields)
-        if error:
-            raise TransferError(error)
+        if failure is not None:
+            raise failure
         if not outcome.intact:
             raise TransferError(f"data invalid, recompute: plan {plan.plan_id}'s transfer ended "
                                 f"({pb.TransferState.Name(outcome.state)}) before the report")
@@ -159,21 +235,19 @@ class AsyncDecodeClient(AsyncEngineClient):
                          plan.vllm_descriptors, planned - started, read - planned,
                          time.perf_counter() - read, reported_at)
 
-    @staticmethod
-    async def _read(session: RankSession, plan: pb.GetTransferPlanResponse, transfer_id: str,
-                    deadline: float) -> None:
-        """Post every source's READ, then wait for all; raises :class:`TransferError`. Each
-        read is a ``decode.nixl_read`` span, from posting to the end of its wait."""
+    async def _read(self, session: RankSession, plan: pb.GetTransferPlanResponse,
+                    transfer_id: str, deadline: float) -> None:
+        """Check the plan, post every source's READ, then wait for all; raises
+        :class:`TransferError`. Each read is a ``decode.nixl_read`` span, from posting to the
+        end of its wait."""
+        reads = check_plan(plan, session.regions, session.tp_rank)
         transfers: list[Transfer] = []
         spans: dict[int, Span] = {}  # open read spans by source index
         try:
-            for source in plan.sources:
+            for read in reads:
+                source = read.source
                 if source.remote_agent_metadata:
                     session.agent.add_remote(source.remote_agent_name, source.remote_agent_metadata)
-                local = descriptor_array(source.local_descriptors)
-                if not inside(local, session.regions):
-                    raise TransferError(f"plan {plan.plan_id} writes outside rank "
-                                        f"{session.tp_rank}'s registered regions")
                 span = tracing.start_span("decode.nixl_read", plan.traceparent, {
                     "pdbroker.transfer_id": transfer_id, "pdbroker.decode_rank": session.tp_rank,
                     "pdbroker.prefill_rank": source.prefill_rank,
@@ -182,15 +256,9 @@ class AsyncDecodeClient(AsyncEngineClient):
                 if span is not None:
                     spans[len(transfers)] = span
                 transfers.append(session.agent.read(
-                    source.remote_agent_name, local, source.remote_descriptors,
-                    _KINDS[source.local_memory_kind], _KINDS[source.remote_memory_kind],
-                    source.notification))
-            if sum(t.nbytes for t in transfers) != plan.total_bytes:
-                raise TransferError(f"plan {plan.plan_id}'s descriptors do not add up to its "
-                                    f"{plan.total_bytes} bytes")
-            for i, transfer in enumerate(transfers):  # polling one progresses them all
-                await transfer.wait_async(max(0.0, deadline - time.monotonic()))
-                tracing.end_span(spans.pop(i, None))
+                    source.remote_agent_name, read.local, read.remote, read.local_kind,
+                    read.remote_kind, source.notification))
+            await self._wait(transfers, spans, deadline)
         except BaseException as exc:
             for span in spans.values():
                 tracing.end_span(span, str(exc) or type(exc).__name__)
@@ -198,6 +266,15 @@ class AsyncDecodeClient(AsyncEngineClient):
         finally:
             for transfer in transfers:
                 transfer.release()
+
+    @staticmethod
+    async def _wait(transfers: Sequence[Transfer], spans: dict[int, Span],
+                    deadline: float) -> None:
+        """Wait for every posted read (polling one progresses them all), ending each one's
+        span as it completes."""
+        for i, transfer in enumerate(transfers):
+            await transfer.wait_async(max(0.0, deadline - time.monotonic()))
+            tracing.end_span(spans.pop(i, None))
 
 
 class DecodeClient(BlockingEngineClient):

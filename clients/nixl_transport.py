@@ -96,18 +96,22 @@ def descriptor_array(packed: bytes | np.ndarray) -> np.ndarray:
 
 
 def inside(descriptors: np.ndarray, regions: Sequence[Region]) -> bool:
-    """Whether every descriptor lies inside one of ``regions``, on that region's device."""
+    """Whether every descriptor lies inside one of ``regions`` on the descriptor's device."""
     if not len(descriptors):
         return True
-    order = sorted(range(len(regions)), key=lambda i: regions[i].base_addr)
-    starts = np.array([regions[i].base_addr for i in order], dtype=np.int64)
-    ends = starts + np.array([regions[i].length_bytes for i in order], dtype=np.int64)
-    devices = np.array([regions[i].device_id for i in order], dtype=np.int64)
     addr, length, device = descriptors[:, 0], descriptors[:, 1], descriptors[:, 2]
-    index = np.searchsorted(starts, addr, side="right") - 1
-    if (index < 0).any() or (length <= 0).any():
+    if (length <= 0).any():
         return False
-    return bool(((addr + length) <= ends[index]).all() and (device == devices[index]).all())
+    placed = np.zeros(len(descriptors), dtype=bool)
+    for device_id in {r.device_id for r in regions}:
+        mine = sorted((r for r in regions if r.device_id == device_id), key=lambda r: r.base_addr)
+        starts = np.array([r.base_addr for r in mine], dtype=np.int64)
+        ends = starts + np.array([r.length_bytes for r in mine], dtype=np.int64)
+        on = (device == device_id).nonzero()[0]
+        index = np.searchsorted(starts, addr[on], side="right") - 1
+        # ends - addr cannot wrap (addr >= its region's start > 0); addr + length could.
+        placed[on] = (index >= 0) & (length[on] <= ends[np.maximum(index, 0)] - addr[on])
+    return bool(placed.all())
 
 
 class Transfer:
