@@ -58,7 +58,10 @@ REQUEST_TIMEOUT_S = 60.0
 class PairSpec:
     """A prefill engine at ``prefill_tp`` and a decode engine at ``decode_tp`` serving
     ``model``; requests carry ``min_tokens .. max_tokens`` tokens. Block sizes are the larger
-    of the two engines' HMA choices, as operators set one ``--block-size`` on both."""
+    of the two engines' HMA choices, as operators set one ``--block-size`` on both. Each
+    request takes ``prefill_mamba_blocks`` state blocks per Mamba group on prefill (more than
+    one: prefill kept older states too, as prefix caching does; the newest is the last) and
+    ``decode_mamba_blocks`` on decode."""
 
     label: str
     model: ModelSpec
@@ -67,20 +70,25 @@ class PairSpec:
     min_tokens: int
     max_tokens: int
     kernel_block_size: int = 0
+    prefill_mamba_blocks: int = 1
+    decode_mamba_blocks: int = 1
 
     def layouts(self, inflight: int) -> tuple[EngineLayout, EngineLayout]:
         """Both engines, each with blocks for ``inflight`` requests of ``max_tokens``."""
         block_size = max(hma_block_size(self.model, self.prefill_tp),
                          hma_block_size(self.model, self.decode_tp))
         probe = build_engine_layout(self.model, self.prefill_tp, 1, block_size, self.kernel_block_size)
-        num_blocks = inflight * sum(block_counts(probe, self.max_tokens))
+        mamba_blocks = max(self.prefill_mamba_blocks, self.decode_mamba_blocks)
+        num_blocks = inflight * sum(block_counts(probe, self.max_tokens, mamba_blocks))
         return tuple(build_engine_layout(self.model, tp, num_blocks, block_size, self.kernel_block_size)
                      for tp in (self.prefill_tp, self.decode_tp))  # type: ignore[return-value]
 
 
-def block_counts(layout: EngineLayout, num_tokens: int) -> list[int]:
-    """Blocks a request takes per group: its pages for attention, one state block for Mamba."""
-    return [-(-num_tokens // g.block_size) if g.is_attention else 1 for g in layout.groups]
+def block_counts(layout: EngineLayout, num_tokens: int, mamba_blocks: int = 1) -> list[int]:
+    """Blocks a request takes per group: its pages for attention, ``mamba_blocks`` state
+    blocks for Mamba."""
+    return [-(-num_tokens // g.block_size) if g.is_attention else mamba_blocks
+            for g in layout.groups]
 
 
 @dataclass
@@ -192,11 +200,12 @@ class BlockPool:
 
 
 def engine_main(role: str, engine_id: str, layout: EngineLayout, peer: EngineLayout, target: str,
-                conn: Connection, seed: int, security: ChannelSecurity = PLAINTEXT) -> None:
+                conn: Connection, seed: int, security: ChannelSecurity = PLAINTEXT,
+                mamba_blocks: int = 1) -> None:
     """One engine process (``role`` ``prefill`` or ``decode``); ``peer`` is the other side's
-    layout; ``security``: how its client reaches the broker. Answers the coordinator's commands
-    on ``conn`` until ``close``; its spans (if tracing is on) are exported before it says
-    ``closed``."""
+    layout; ``security``: how its client reaches the broker; ``mamba_blocks``: state blocks a
+    request takes per Mamba group. Answers the coordinator's commands on ``conn`` until
+    ``close``; its spans (if tracing is on) are exported before it says ``closed``."""
     lock = threading.Lock()
 
     def send(message: tuple) -> None:
@@ -205,7 +214,8 @@ def engine_main(role: str, engine_id: str, layout: EngineLayout, peer: EngineLay
 
     try:
         tracer_provider = configure_tracing(engine_id)
-        engine = (_PrefillEngine if role == "prefill" else _DecodeEngine)(engine_id, layout, peer, seed, send)
+        engine = (_PrefillEngine if role == "prefill" else _DecodeEngine)(
+            engine_id, layout, peer, seed, send, mamba_blocks)
         with engine.connect(target, security) as engine.client:
             send(("ready", engine_id))
             while (message := conn.recv())[0] != "close":
@@ -223,12 +233,13 @@ class _Engine:
     the block allocator, the pattern contents, and its client (set by :func:`engine_main`)."""
 
     def __init__(self, engine_id: str, layout: EngineLayout, peer: EngineLayout, seed: int,
-                 send: Callable[[tuple], None]) -> None:
+                 send: Callable[[tuple], None], mamba_blocks: int) -> None:
         import torch
 
         from clients.pattern import Contents
 
         self.engine_id, self.layout, self.peer, self.send = engine_id, layout, peer, send
+        self.mamba_blocks = mamba_blocks
         self.memory = {rank.tp_rank: [torch.empty(rank.region_bytes, dtype=torch.uint8)
                                       for _ in range(rank.num_regions)] for rank in layout.ranks}
         self.arrays = {r: [t.numpy() for t in tensors] for r, tensors in self.memory.items()}
@@ -238,7 +249,8 @@ class _Engine:
         self.client: Any = None
 
     def allocate(self, num_tokens: int) -> list[list[int]]:
-        return self.pool.allocate(block_counts(self.layout, num_tokens), REQUEST_TIMEOUT_S)
+        return self.pool.allocate(block_counts(self.layout, num_tokens, self.mamba_blocks),
+                                  REQUEST_TIMEOUT_S)
 
 
 class _PrefillEngine(_Engine):
@@ -305,7 +317,7 @@ class _DecodeEngine(_Engine):
 
     def fetch(self, transfer_id: str, num_tokens: int, salt: int, prefill_pages: Sequence[int]) -> None:
         """Fetch, then compare every byte of every hosted rank's memory with the layout."""
-        from clients.pattern import POISON, check_decode, decode_token_limit
+        from clients.pattern import POISON, check_decode, decode_limits
 
         blocks = self.allocate(num_tokens)
         try:
@@ -318,8 +330,7 @@ class _DecodeEngine(_Engine):
             self.pool.free(blocks)
             return
         started = time.perf_counter()
-        limits = [decode_token_limit(pg, dg, num_tokens, pages) if dg.is_attention else None
-                  for pg, dg, pages in zip(self.peer.groups, self.layout.groups, prefill_pages)]
+        limits = decode_limits(self.peer, self.layout, num_tokens, prefill_pages)
         mismatches = expected = 0
         for r, regions in self.arrays.items():
             m, e = check_decode(self.contents, self.layout.ranks[r], regions, blocks, salt, limits)
@@ -449,12 +460,15 @@ def run_fleet(pairs: Sequence[PairSpec], requests: int, *, inflight: int = 2, se
     try:
         ctx = mp.get_context("spawn")
         for i, (p_layout, d_layout) in enumerate(layouts):
-            for role, layout, peer in (("prefill", p_layout, d_layout), ("decode", d_layout, p_layout)):
+            sides = (("prefill", p_layout, d_layout, pairs[i].prefill_mamba_blocks),
+                     ("decode", d_layout, p_layout, pairs[i].decode_mamba_blocks))
+            for role, layout, peer, mamba_blocks in sides:
                 parent, child = ctx.Pipe()
                 engine_id = f"{role}-{i}"
                 process = ctx.Process(target=engine_main, name=engine_id, daemon=True,
                                       args=(role, engine_id, layout, peer, broker.address, child, seed + i,
-                                            (credentials or {}).get(engine_id, PLAINTEXT)))
+                                            (credentials or {}).get(engine_id, PLAINTEXT),
+                                            mamba_blocks))
                 process.start()
                 child.close()
                 engines.append(_Engine(engine_id, i, process, parent))

@@ -1,10 +1,12 @@
 """Recognisable KV-cache contents for end-to-end checks, derived from layout declarations alone.
 
 Every byte of state holds a pseudo-random function of *what* it is: the global tensor, the
-global element (for attention the global token), the byte within the element, the layer, and a
-per-request salt. Prefill writes these values through its own declared segments; decode
-computes what each of its bytes must be through *its* declaration and compares, never looking
-at a plan. A byte read from the wrong rank, head, token, layer, block or request differs (with
+global element (for attention the global token), the byte within the element, the layer, a
+per-request salt and, for Mamba state, the snapshot (the position of its block in prefill's
+list: the last block holds the state after the request's last token, earlier ones older
+states). Prefill writes these values through its own declared segments; decode computes what
+each of its bytes must be through *its* declaration and compares, never looking at a plan. A
+byte read from the wrong rank, head, token, layer, block, snapshot or request differs (with
 probability 255/256 per byte). Replicated heads hold equal values on every rank, as in a real
 cache. Bytes holding no state get junk that depends on rank, region, offset and salt on prefill,
 and :data:`POISON` on decode, where nothing may write them.
@@ -55,13 +57,14 @@ class Contents:
     def __init__(self, layout: EngineLayout) -> None:
         layers = sorted({layer for g in layout.groups for layer in g.layers})
         self._codes = {layer: 1 + i % 255 for i, layer in enumerate(layers)}
-        self._tensors: dict[str, np.ndarray] = {}
+        self._tensors: dict[tuple[str, int], np.ndarray] = {}
         self._ramps: dict[int, np.ndarray] = {}
 
-    def _tensor(self, seg: Segment, tokens: int) -> np.ndarray:
-        """Global bytes of ``seg.tensor``, shape ``global_shape + (itemsize,)`` with at
-        least ``tokens`` entries on the token axis. Values do not depend on that length."""
-        cached = self._tensors.get(seg.tensor)
+    def _tensor(self, seg: Segment, tokens: int, snapshot: int = 0) -> np.ndarray:
+        """Global bytes of ``seg.tensor`` (of Mamba snapshot ``snapshot``), shape
+        ``global_shape + (itemsize,)`` with at least ``tokens`` entries on the token axis.
+        Values do not depend on that length."""
+        cached = self._tensors.get((seg.tensor, snapshot))
         if cached is not None and (seg.token_axis is None or cached.shape[seg.token_axis] >= tokens):
             return cached
         shape = list(seg.global_shape) + [seg.itemsize]
@@ -72,17 +75,19 @@ class Contents:
         flat = np.zeros((), dtype=np.uint64)
         for size, extent in zip(shape, extents):
             flat = flat[..., None] * np.uint64(extent) + np.arange(size, dtype=np.uint64)
-        flat ^= np.uint64(zlib.crc32(seg.tensor.encode())) << np.uint64(40)
-        self._tensors[seg.tensor] = tensor = _mix(flat)
+        flat ^= (np.uint64(zlib.crc32(seg.tensor.encode())) << np.uint64(40)) ^ (
+            np.uint64(snapshot) << np.uint64(32))
+        self._tensors[seg.tensor, snapshot] = tensor = _mix(flat)
         return tensor
 
     def write_state(self, page: np.ndarray, group: GroupLayout, layer: str, page_index: int,
                     salt: int, token_limit: int | None = None) -> int:
         """Write ``layer``'s state of the request's page ``page_index`` (attention: the page
-        holding tokens ``page_index * block_size ..``; Mamba: the one state block) into
+        holding tokens ``page_index * block_size ..``; Mamba: snapshot ``page_index``) into
         ``page`` (``page_bytes`` uint8). Attention writes tokens below ``token_limit`` (all
         of the page when ``None``). Returns the bytes written."""
         code = np.uint8(self._codes[layer] ^ salt)
+        snapshot = 0 if group.is_attention else page_index
         written = 0
         for kb in range(group.kernel_blocks_per_page):
             first = page_index * group.block_size + kb * group.kernel_block_size
@@ -101,7 +106,7 @@ class Contents:
                     local: list[slice] = [slice(None)] * len(seg.shape)
                     local[seg.token_axis] = slice(0, count)
                     view = view[tuple(local)]
-                view[...] = self._tensor(seg, first + count)[tuple(box)] ^ code
+                view[...] = self._tensor(seg, first + count, snapshot)[tuple(box)] ^ code
                 written += view.size
         return written
 
@@ -122,6 +127,15 @@ def decode_token_limit(prefill_group: GroupLayout, decode_group: GroupLayout, nu
     return min(-(-num_tokens // kbs) * kbs, prefill_pages * prefill_group.block_size)
 
 
+def decode_limits(prefill: EngineLayout, decode: EngineLayout, num_tokens: int,
+                  prefill_pages: Sequence[int]) -> list[int]:
+    """What reaches decode per group, for :func:`check_decode`: an attention group's tokens
+    (:func:`decode_token_limit`), a Mamba group's count of prefill state blocks (decode's
+    list pairs with their tail)."""
+    return [decode_token_limit(pg, dg, num_tokens, pages) if dg.is_attention else pages
+            for pg, dg, pages in zip(prefill.groups, decode.groups, prefill_pages)]
+
+
 def _pages(rank: RankLayout, regions: Sequence[np.ndarray], block: int) -> list[np.ndarray]:
     return [region[block * rank.page_bytes:(block + 1) * rank.page_bytes] for region in regions]
 
@@ -138,7 +152,8 @@ def scrub_pages(rank: RankLayout, regions: Sequence[np.ndarray], block_ids: Bloc
 def fill_prefill(contents: Contents, rank: RankLayout, regions: Sequence[np.ndarray],
                  block_ids: BlockIds, salt: int) -> None:
     """Write a request's pages on one prefill rank: junk everywhere, then every group's state
-    of each layer in its region (attention: whole pages; Mamba: one state block per group)."""
+    of each layer in its region (attention: whole pages; Mamba: snapshot *i* in the group's
+    *i*-th block, the newest in the last)."""
     for group, ids in zip(rank.groups, block_ids):
         for page_index, block in enumerate(ids):
             for r, page in enumerate(_pages(rank, regions, block)):
@@ -148,19 +163,25 @@ def fill_prefill(contents: Contents, rank: RankLayout, regions: Sequence[np.ndar
 
 
 def check_decode(contents: Contents, rank: RankLayout, regions: Sequence[np.ndarray],
-                 block_ids: BlockIds, salt: int, token_limits: Sequence[int | None]) -> tuple[int, int]:
+                 block_ids: BlockIds, salt: int, limits: Sequence[int]) -> tuple[int, int]:
     """Compare every byte of one decode rank's ``regions`` with what the request must have
-    left there: each group's state in its pages (attention up to ``token_limits[g]``), POISON
-    everywhere else. Restores POISON in the request's pages. Returns ``(mismatched bytes,
+    left there: each group's state in its pages, POISON everywhere else. ``limits`` per group
+    (:func:`decode_limits`): attention pages hold tokens below the limit; a Mamba group's *n*
+    blocks hold the newest *n* of the limit's prefill snapshots, oldest first, and blocks past
+    the limit nothing. Restores POISON in the request's pages. Returns ``(mismatched bytes,
     state bytes expected)``."""
     mismatches = expected_state = 0
-    for group, ids, limit in zip(rank.groups, block_ids, token_limits):
+    for group, ids, limit in zip(rank.groups, block_ids, limits):
+        # Mamba: decode block j holds prefill snapshot first + j, for j < received.
+        received = len(ids) if group.is_attention else min(len(ids), limit)
+        first = 0 if group.is_attention else limit - received
         for page_index, block in enumerate(ids):
             for r, page in enumerate(_pages(rank, regions, block)):
                 expected = np.full(rank.page_bytes, POISON, dtype=np.uint8)
-                if r < len(group.layers):
-                    expected_state += contents.write_state(expected, group, group.layers[r],
-                                                           page_index, salt, limit)
+                if r < len(group.layers) and page_index < received:
+                    expected_state += contents.write_state(
+                        expected, group, group.layers[r], first + page_index, salt,
+                        limit if group.is_attention else None)
                 mismatches += int(np.count_nonzero(page != expected))
                 page[:] = POISON
     mismatches += sum(int(np.count_nonzero(region != POISON)) for region in regions)

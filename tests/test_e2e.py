@@ -2,7 +2,9 @@
 processes whose ranks each own a NIXL agent (UCX over loopback, DRAM), requests moved by real
 reads. Every byte of decode memory is compared with what decode's own layout says the request
 must have left there (:mod:`clients.pattern`, independent of the plan); every prefill rank
-must receive its release; nothing may stay registered. Nothing is mocked."""
+must receive its release, strictly after every decode rank that read it reported; nothing may
+stay registered. Pairs where prefill keeps several Mamba state blocks per group (distinct
+snapshots) prove decode receives the newest ones, in order. Nothing is mocked."""
 
 from __future__ import annotations
 
@@ -14,14 +16,15 @@ import time
 
 import numpy as np
 import pytest
+from prerequisites import require_module
 
-pytest.importorskip("nixl")
+require_module("nixl", "engine")
 
 from broker.layout import GroupKind
 from broker.models import AttentionParams, MambaParams, ModelSpec
 from broker.records import ReleaseReason
 from clients.loopback import BrokerProcess, FleetReport, PairSpec, block_counts, run_fleet
-from clients.pattern import POISON, Contents, check_decode, decode_token_limit, fill_prefill
+from clients.pattern import POISON, Contents, check_decode, decode_limits, fill_prefill
 
 REQUESTS_PER_PAIR = 3
 MAMBA2 = MambaParams("mamba2", conv_kernel=4, intermediate_size=128, num_heads=8, head_dim=16,
@@ -39,10 +42,13 @@ def hybrid(name: str, mamba: MambaParams, kv_heads: int) -> ModelSpec:
 
 PAIRS = (
     PairSpec("FA+Mamba2 P2->D2 (homogeneous)", hybrid("m2", MAMBA2, 4), 2, 2, 40, 300),
-    PairSpec("FA+Mamba2 P1->D2 (D>P)", hybrid("m2", MAMBA2, 4), 1, 2, 40, 300),
-    PairSpec("FA+Mamba2 P4->D2 (P>D)", hybrid("m2", MAMBA2, 4), 4, 2, 40, 300),
+    PairSpec("FA+Mamba2 P1->D2 (D>P, a spare decode state block)", hybrid("m2", MAMBA2, 4), 1, 2,
+             40, 300, decode_mamba_blocks=2),
+    PairSpec("FA+Mamba2 P4->D2 (P>D, 3 prefill snapshots: the newest moves)", hybrid("m2", MAMBA2, 4),
+             4, 2, 40, 300, prefill_mamba_blocks=3),
     PairSpec("FA+GDN P2->D1 (P>D)", hybrid("gdn", GDN, 2), 2, 1, 40, 300),
-    PairSpec("FA+GDN P1->D2 (D>P, kernel blocks of 16)", hybrid("gdn", GDN, 2), 1, 2, 40, 300, 16),
+    PairSpec("FA+GDN P1->D2 (D>P, kernel blocks of 16, 3 snapshots: the newest 2 move)",
+             hybrid("gdn", GDN, 2), 1, 2, 40, 300, 16, prefill_mamba_blocks=3, decode_mamba_blocks=2),
     PairSpec("FA+Mamba2 P1->D4 (replicated KV heads and B/C groups)", hybrid("m2", MAMBA2, 2), 1, 4, 40, 300),
 )
 
@@ -79,11 +85,15 @@ def test_every_decode_byte_matches_the_expected_layout(fleet: FleetReport, pair:
 
 
 def test_prefill_receives_its_release_for_every_transfer(fleet: FleetReport) -> None:
+    """Completed, and only after every decode rank reading that prefill rank reported (times
+    are one host's CLOCK_MONOTONIC, shared by the engine processes)."""
     for r in fleet.requests:
         p_tp = PAIRS[r.pair].prefill_tp
         assert {p: why for p, (why, _) in r.releases.items()} == {p: "completed" for p in range(p_tp)}
-        last_report = max(rank["reported_at"] for rank in r.ranks)
-        assert all(r.published_at < at < last_report + 30 for _, at in r.releases.values())
+        for p, (_, released_at) in r.releases.items():
+            reports = [rank["reported_at"] for rank in r.ranks if p in rank["prefill_ranks"]]
+            assert reports, f"{r.transfer_id}: nobody read prefill rank {p}"
+            assert r.published_at < max(reports) < released_at < max(reports) + 30
 
 
 def test_nixl_notifications_reach_prefill(fleet: FleetReport) -> None:
@@ -144,8 +154,7 @@ def test_async_clients_and_expiry() -> None:
             await p.publish("moved", blocks, tokens)
             fetch = await d.fetch("moved", blocks)
             assert [r.prefill_ranks for r in fetch.ranks] == [(0, 1)]
-            limits = [decode_token_limit(pg, dg, tokens, len(ids)) if dg.is_attention else None
-                      for pg, dg, ids in zip(prefill.groups, decode.groups, blocks)]
+            limits = decode_limits(prefill, decode, tokens, [len(ids) for ids in blocks])
             assert check_decode(contents_d, decode.ranks[0], d_mem[0], blocks, 5, limits) == (0, fetch.nbytes)
 
             await p.publish("ignored", blocks, tokens, ttl_ms=300)
