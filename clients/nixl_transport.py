@@ -176,6 +176,15 @@ class Transfer:
                 log.warning("cannot cancel the read from %s", self.remote_agent, exc_info=True)
 
 
+def _nixl_logs_to_stderr() -> None:
+    """NIXL's logging configuration prints to standard output, where a command's results
+    (``--json``) go; move its handlers to standard error, beside every other log."""
+    for handler in logging.getLogger("nixl").handlers:
+        if isinstance(handler, logging.StreamHandler) and handler.stream in (sys.stdout,
+                                                                             sys.__stdout__):
+            handler.setStream(sys.stderr)
+
+
 class NixlAgent:
     """A NIXL agent on the UCX backend without a progress thread (see the module docstring).
 
@@ -188,6 +197,7 @@ class NixlAgent:
         "4"}``) are passed to every backend created; None keeps NIXL's defaults."""
         from nixl._api import nixl_agent, nixl_agent_config
 
+        _nixl_logs_to_stderr()
         self.name = name
         config = nixl_agent_config(enable_prog_thread=False,
                                    backends=[] if backend_params else list(backends))
