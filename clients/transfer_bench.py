@@ -1,7 +1,8 @@
 """Transfer throughput through NIXL between two processes, measured side by side in one run.
 
-A prefill process holds one prefill rank's regions (DRAM, or VRAM on a chosen GPU) filled with
-a position pattern; this process is decode rank 0 and reads, through NIXL over UCX:
+A prefill process holds one prefill rank's regions (DRAM, or VRAM on a chosen GPU) holding the
+request's state as :mod:`clients.pattern` derives it from the prefill layout; this process is
+decode rank 0 and reads, through NIXL over UCX:
 
 - ``coalesced``: the broker's plan for a real request (runs merged where contiguous);
 - ``per_block``: the same bytes at vLLM's granularity (the planner with coalescing off);
@@ -9,8 +10,10 @@ a position pattern; this process is decode rank 0 and reads, through NIXL over U
 - ``memcpy``: a single-process copy of the same bytes (numpy, or torch on the GPU: the
   machine's limit).
 
-Every read of a plan is checked byte for byte against the pattern. Throughput is the median
-of ``repeats`` reads, each timed from posting the descriptors to completion.
+After every read of a plan each byte of decode rank 0's regions is compared with what its own
+layout says the request must leave there (:func:`clients.pattern.check_decode`, which never
+looks at the plan). Throughput is the median of ``repeats`` reads, each timed from posting the
+descriptors to completion.
 """
 
 from __future__ import annotations
@@ -24,17 +27,14 @@ from typing import Any
 
 import numpy as np
 
+from broker.layout import EngineLayout
 from broker.planner import PairPlanner, RankPlan
 from broker.scenarios import Scenario
 from clients.nixl_transport import DRAM, VRAM, NixlAgent
+from clients.pattern import POISON, Contents, check_decode, decode_limits, fill_prefill
 
-_PATTERN_MODULUS = 251  # a prime, so the pattern never repeats with a page's period
-
-
-def pattern(region: int, start: int, length: int) -> np.ndarray:
-    """The byte prefill region ``region`` holds at offsets ``start .. start+length``."""
-    offsets = np.arange(start, start + length, dtype=np.int64)
-    return ((offsets + 97 * region) % _PATTERN_MODULUS).astype(np.uint8)
+#: Salt of the benchmark's request in the pattern.
+SALT = 29
 
 
 def _allocate(nbytes: int, device: str, device_id: int) -> Any:
@@ -49,14 +49,17 @@ def _allocate(nbytes: int, device: str, device_id: int) -> Any:
     return torch.ones(nbytes, dtype=torch.uint8, device=f"cuda:{device_id}")
 
 
-def _fill(buffer: Any, region: int) -> None:
-    data = pattern(region, 0, len(buffer))
+def _store(buffer: Any, data: np.ndarray) -> None:
     if isinstance(buffer, np.ndarray):
         buffer[:] = data
     else:
         import torch
 
         buffer.copy_(torch.from_numpy(data))
+
+
+def _poison(buffer: Any) -> None:
+    buffer.fill(POISON) if isinstance(buffer, np.ndarray) else buffer.fill_(POISON)
 
 
 def _host_bytes(buffer: Any) -> np.ndarray:
@@ -69,15 +72,19 @@ def ucx_params_from_env() -> dict[str, str]:
     return dict(item.split("=", 1) for item in raw.split(",") if item)
 
 
-def _prefill_target(conn: Any, name: str, region_bytes: list[int], single_bytes: int,
-                    device: str, device_id: int, params: dict[str, str]) -> None:
-    """Child process: register pattern-filled regions, hand out metadata, drive progress."""
+def _prefill_target(conn: Any, name: str, layout: EngineLayout, tp_rank: int,
+                    block_ids: tuple[tuple[int, ...], ...], single_bytes: int, device: str,
+                    device_id: int, params: dict[str, str]) -> None:
+    """Child process: register prefill rank ``tp_rank``'s regions holding the request's
+    pattern, hand out metadata, drive progress."""
     agent = NixlAgent(name, backend_params=params or None)
-    regions = [_allocate(n, device, device_id) for n in region_bytes]
-    for i, buffer in enumerate(regions):
-        _fill(buffer, i)
+    rank = layout.ranks[tp_rank]
+    host = [np.zeros(rank.region_bytes, dtype=np.uint8) for _ in range(rank.num_regions)]
+    fill_prefill(Contents(layout), rank, host, block_ids, SALT)
+    regions = [_allocate(rank.region_bytes, device, device_id) for _ in host]
+    for buffer, data in zip(regions, host):
+        _store(buffer, data)
     single = _allocate(single_bytes, device, device_id)
-    _fill(single, len(regions))
     described = agent.register([*regions, single])
     conn.send((agent.metadata, [(r.base_addr, r.device_id) for r in described]))
     while not conn.poll(0.001):
@@ -115,19 +122,28 @@ def _descriptors(plan: RankPlan, local_bases: list[tuple[int, int]],
     return local, remote
 
 
-def _verify(plan: RankPlan, regions: list[Any]) -> None:
-    (source,) = plan.sources
-    host = [_host_bytes(r) for r in regions]
-    for region, d_off, p_off, length in zip(source.region.tolist(), source.local_offset.tolist(),
-                                            source.remote_offset.tolist(), source.length.tolist()):
-        if not np.array_equal(host[region][d_off:d_off + length], pattern(region, p_off, length)):
-            raise AssertionError(f"region {region} bytes {d_off}..{d_off + length} differ")
+class _Checker:
+    """What decode rank 0's regions must hold after the request, from its layout alone."""
+
+    def __init__(self, sc: Scenario) -> None:
+        self.contents = Contents(sc.decode)
+        self.rank = sc.decode.ranks[0]
+        self.block_ids = sc.request.decode_block_ids
+        self.limits = decode_limits(sc.prefill, sc.decode, sc.request.num_tokens,
+                                    [len(ids) for ids in sc.request.prefill_block_ids])
+
+    def verify(self, mode: str, regions: list[Any], nbytes: int) -> None:
+        host = [_host_bytes(r) for r in regions]
+        mismatches, expected = check_decode(self.contents, self.rank, host, self.block_ids, SALT,
+                                            self.limits)
+        if mismatches or expected != nbytes:
+            raise AssertionError(f"{mode} read: {mismatches} bytes of decode rank 0 differ from "
+                                 f"its layout ({expected} state bytes expected, {nbytes} read)")
 
 
 def _memcpy_gbps(nbytes: int, device: str, prefill_device: int, decode_device: int,
                  repeats: int) -> float:
     src = _allocate(nbytes, device, prefill_device)
-    _fill(src, 0)
     dst = _allocate(nbytes, device, decode_device)
     times = []
     for _ in range(repeats + 1):
@@ -154,7 +170,8 @@ def run_transfer_bench(sc: Scenario, device: str = "cpu", prefill_device: int = 
     if len(plans["coalesced"].sources) != 1:
         raise ValueError("the transfer bench needs a decode rank 0 that reads one prefill rank")
     source_rank = plans["coalesced"].sources[0].prefill_rank
-    p_rank, d_rank = sc.prefill.ranks[source_rank], sc.decode.ranks[0]
+    d_rank = sc.decode.ranks[0]
+    checker = _Checker(sc)
     nbytes = plans["coalesced"].nbytes
     kind = DRAM if device == "cpu" else VRAM
     params = ucx_params_from_env()
@@ -162,8 +179,8 @@ def run_transfer_bench(sc: Scenario, device: str = "cpu", prefill_device: int = 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     target = ctx.Process(target=_prefill_target, daemon=True, args=(
-        child, f"bench-prefill-{os.getpid()}", [p_rank.region_bytes] * p_rank.num_regions,
-        nbytes, device, prefill_device, params))
+        child, f"bench-prefill-{os.getpid()}", sc.prefill, source_rank,
+        sc.request.prefill_block_ids, nbytes, device, prefill_device, params))
     target.start()
     agent = NixlAgent(f"bench-decode-{os.getpid()}", backend_params=params or None)
     try:
@@ -195,10 +212,10 @@ def run_transfer_bench(sc: Scenario, device: str = "cpu", prefill_device: int = 
             for mode, (local, remote) in reads.items():
                 if mode in plans:
                     for r in regions:
-                        r.fill(0) if isinstance(r, np.ndarray) else r.zero_()
+                        _poison(r)
                 times[mode].append(timed_read(local, remote))
                 if mode in plans:
-                    _verify(plans[mode], regions)
+                    checker.verify(mode, regions, plans[mode].nbytes)
         gbps = {mode: nbytes / statistics.median(t[1:]) / 1e9 for mode, t in times.items()}
     finally:
         agent.close()
