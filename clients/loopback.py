@@ -315,6 +315,20 @@ class _DecodeEngine(_Engine):
         return DecodeClient(target, self.engine_id, self.layout, self.memory,
                             read_timeout_s=REQUEST_TIMEOUT_S, security=security)
 
+    def fetch_and_hold(self, transfer_id: str, num_tokens: int, salt: int,
+                       prefill_pages: Sequence[int]) -> None:
+        """Fetch, but let every rank stop once its NIXL reads are posted, before it waits for
+        them or reports: each rank tells the coordinator ``reads_posted`` and the process
+        hangs there until it is killed (the fault tests' reader dying mid-read)."""
+        import asyncio
+
+        async def hold(transfers: Sequence[Any], spans: object, deadline: float) -> None:
+            self.send(("reads_posted", transfer_id, sum(t.nbytes for t in transfers)))
+            await asyncio.Event().wait()
+
+        self.client._async._wait = hold  # the rank's wait for its posted reads
+        self.fetch(transfer_id, num_tokens, salt, prefill_pages)
+
     def fetch(self, transfer_id: str, num_tokens: int, salt: int, prefill_pages: Sequence[int]) -> None:
         """Fetch, then compare every byte of every hosted rank's memory with the layout."""
         from clients.pattern import POISON, check_decode, decode_limits

@@ -182,24 +182,34 @@ def test_prefill_killed_mid_transfer_then_replaced() -> None:
 
 
 def test_decode_killed_mid_read_releases_its_sources_once() -> None:
+    """The decode process dies with its NIXL reads posted and nothing reported: both its
+    ranks told us their reads were posted, the broker shows both plans handed out and none
+    reported, then SIGKILL. The broker fails the transfer when the decode lease expires and
+    only then releases each prefill rank, once, as consumer_failed."""
     broker = broker_process()
     stub = stub_for(broker)
     try:
         prefill = start_engine("prefill", "P", broker.address)
         decode = start_engine("decode", "D", broker.address)
         published = publish(prefill, "t-read", tokens=300)
-        decode.conn.send(("fetch", "t-read", 300, 7, published[5]))
-        # Kill once the broker handed out a plan (the decode is reading or about to).
+        decode.conn.send(("fetch_and_hold", "t-read", 300, 7, published[5]))
         deadline = time.monotonic() + WAIT_S
-        while not [p for p in stub.GetTransfer(pb.GetTransferRequest(transfer_id="t-read"),
-                                               timeout=10).plans if p.handed_out]:
-            assert time.monotonic() < deadline
-            time.sleep(0.001)
+        while len(posted := decode.kinds("reads_posted")) < D_LAYOUT.tp_size:
+            assert time.monotonic() < deadline and decode.process.is_alive(), decode.messages
+            decode.conn.poll(0.05)
+        assert all(m[1] == "t-read" and m[2] > 0 for m in posted), posted
+        info = stub.GetTransfer(pb.GetTransferRequest(transfer_id="t-read"), timeout=10)
+        assert info.state == pb.TRANSFER_STATE_IN_PROGRESS
+        assert [(p.handed_out, p.status) for p in info.plans] == [
+            (True, pb.REPORT_STATUS_UNSPECIFIED)] * D_LAYOUT.tp_size
+        assert prefill.kinds("released") == []
+        killed_at = time.monotonic()
         decode.process.kill()
-        # The transfer may have completed in the instant before the kill; else the broker
-        # fails it when the decode lease expires, and only then frees prefill's blocks.
-        reasons = released(prefill, "t-read")
-        assert set(reasons) <= {"completed", "consumer_failed"}
+        decode.process.join(10)
+        assert released(prefill, "t-read") == ["consumer_failed", "consumer_failed"]
+        assert all(m[4] > killed_at for m in prefill.kinds("released") if m[1] == "t-read")
+        info = stub.GetTransfer(pb.GetTransferRequest(transfer_id="t-read"), timeout=10)
+        assert info.state == pb.TRANSFER_STATE_FAILED
         replacement = start_engine("decode", "D", broker.address)
         ok = fetch(replacement, publish(prefill, "t-next"))
         assert ok[0] == "fetched"
