@@ -32,6 +32,29 @@ def hybrid(mamba: MambaParams = MAMBA2, kv_heads: int = 4, kv_dtype: str = "bflo
                      AttentionParams(kv_heads, 8, kv_dtype), mamba)
 
 
+@pytest.mark.parametrize("p_ids,d_ids,pairs", [
+    ((4, 7, 2), (9,), {9: 2}),  # decode takes the newest state only
+    ((4, 7, 2), (9, 5), {9: 7, 5: 2}),  # the newest two, oldest first
+    ((4,), (9, 5), {9: 4}),  # a spare decode block receives nothing
+], ids=["3->1", "3->2", "1->2"])
+@pytest.mark.parametrize("p_tp,d_tp", [(1, 1), (2, 1), (1, 2)])
+def test_mamba_state_blocks_pair_from_the_prefill_tail(p_ids, d_ids, pairs, p_tp, d_tp) -> None:
+    """Prefill lists a Mamba group's state blocks oldest first (prefix caching keeps older
+    ones): decode's blocks receive the newest, in order, whatever the TP pair."""
+    model = hybrid()
+    prefill = build_engine_layout(model, p_tp, 16, 32)
+    decode = build_engine_layout(model, d_tp, 16, 32)
+    request = TransferRequest.of(40, (p_ids, (0, 1), (10,)), (d_ids, (3, 6), (12,)))
+    page_p, page_d = prefill.ranks[0].page_bytes, decode.ranks[0].page_bytes
+    for d in range(d_tp):
+        moved: dict[int, set[int]] = {}
+        for source in PairPlanner(prefill, decode).plan_rank(d, request).sources:
+            for d_off, p_off in zip(source.local_offset.tolist(), source.remote_offset.tolist()):
+                moved.setdefault(d_off // page_d, set()).add(p_off // page_p)
+        assert {b: moved[b] for b in d_ids if b in moved} == {b: {p} for b, p in pairs.items()}
+    check_plan_by_simulation(prefill, decode, request)
+
+
 @pytest.mark.parametrize("p_tp,d_tp", [(1, 1), (2, 2), (1, 4), (4, 1), (2, 8), (8, 2)])
 @pytest.mark.parametrize("mamba", [MAMBA2, GDN], ids=["mamba2", "gdn"])
 def test_tp_pairs_reshard_exactly(p_tp: int, d_tp: int, mamba: MambaParams) -> None:
