@@ -123,6 +123,20 @@ class Authenticator:
             )
         return Identity(frozenset(names))
 
+    def refusal(self, metadata: Iterable[tuple[str, Any]] | None) -> str | None:
+        """Why a call with these metadata cannot be authenticated, or None when it may be:
+        decided before its request is received, so an unauthenticated caller costs no more
+        than its headers. A certificate's names are checked with the request."""
+        if self.tokens is None:
+            return None
+        try:
+            token = _bearer_token(metadata)
+        except UnauthenticatedError as exc:
+            return exc.detail
+        if token:
+            return None if self.tokens.name_of(token) is not None else "unknown bearer token"
+        return None if self.certificates else "no bearer token"
+
 
 def _unauthenticated(context: Any, message: str) -> NoReturn:
     log.warning("unauthenticated call from %s: %s", context.peer(), message)

@@ -19,8 +19,9 @@ class Limits:
     """Upper bounds on inbound messages and on the planner's work per request."""
 
     #: Largest inbound gRPC message, bytes: a registration with the largest metadata, regions
-    #: and layout, or a request with the most block ids (10 bytes each at worst), fits.
-    max_request_bytes: int = 64 << 20
+    #: and layout, or a request with the most block ids (10 bytes each at worst), fits. gRPC
+    #: refuses a longer one from its length prefix, before reading it.
+    max_request_bytes: int = 24 << 20
     #: Characters of an id or name (engine, agent, transfer, plan, lease, tensor, layer,
     #: model fingerprint, dtype).
     max_id_chars: int = 256
@@ -62,3 +63,18 @@ class Limits:
 
 #: The limits the broker enforces.
 LIMITS = Limits()
+
+#: Largest request of a method that carries ids, a reason or an error text, but no layout,
+#: metadata or block ids (KeepAlive, ReportTransfer, AbortTransfer, ...), bytes: room for
+#: texts many times ``max_text_chars`` long (they are cut to it, not refused).
+MAX_SMALL_REQUEST_BYTES = 256 << 10
+
+
+def max_request_bytes_of(method: str, limits: Limits = LIMITS) -> int:
+    """Largest request the Broker method ``method`` accepts: what its largest valid request
+    can need, so a small method never parses megabytes."""
+    if method == "RegisterRank":  # metadata, regions (< 64 bytes each), layout
+        return limits.max_agent_metadata_bytes + 64 * limits.max_regions + (1 << 20)
+    if method in ("PublishBlocks", "GetTransferPlan"):  # block ids, <= 10 bytes each
+        return 10 * limits.max_block_ids + (1 << 20)
+    return MAX_SMALL_REQUEST_BYTES

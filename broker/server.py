@@ -6,10 +6,13 @@ of every error starts with the offending field's path. A background task reaps e
 leases and transfers. Any bad input fails that one call; the server keeps serving.
 
 Security (:class:`~broker.security.ServerSecurity`): the port speaks TLS or, when asked,
-plaintext. When callers are identified (client certificates, tokens), every Broker call
-first passes its rule of :class:`~broker.auth.AccessGuard` (UNAUTHENTICATED,
-PERMISSION_DENIED); health and reflection stay open, and ``health_port`` serves health alone
-in plaintext for probes that cannot speak TLS.
+plaintext. When callers are identified (client certificates, tokens), a call whose metadata
+cannot authenticate it is refused UNAUTHENTICATED before its request is received
+(:class:`_AuthenticateFirst`), and every Broker call then passes its rule of
+:class:`~broker.auth.AccessGuard` (UNAUTHENTICATED, PERMISSION_DENIED); health and
+reflection stay open, and ``health_port`` serves health alone in plaintext for probes that
+cannot speak TLS. Each method refuses a request larger than it can need
+(:func:`~broker.limits.max_request_bytes_of`) before parsing it.
 
 Trace context: ``PublishBlocks`` keeps the ``traceparent`` its caller sent in metadata with
 the transfer (tracing on or off here, so engines that trace get one trace per transfer through
@@ -31,7 +34,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from broker import convert, tracing
-from broker.auth import AccessGuard, Identity
+from broker.auth import AccessGuard, Authenticator, Identity
 from broker.errors import (
     AbortedError,
     AlreadyExistsError,
@@ -43,7 +46,7 @@ from broker.errors import (
     PreconditionError,
     UnauthenticatedError,
 )
-from broker.limits import LIMITS
+from broker.limits import LIMITS, max_request_bytes_of
 from broker.records import RankKey
 from broker.security import ServerSecurity
 from broker.service import BrokerService
@@ -260,31 +263,36 @@ class BrokerServicer(pb_grpc.BrokerServicer):
 
 
 class _Undecodable:
-    """Stands in for a request whose bytes do not parse as its message type."""
+    """Stands in for a request that is refused unparsed: ``code`` and ``detail`` say why."""
 
-    def __init__(self, message_type: type, error: Exception) -> None:
-        why = str(error).rsplit(": ", 1)[-1]  # DecodeError repeats the type name
-        self.detail = f"not a valid {message_type.DESCRIPTOR.full_name} ({why})"
+    def __init__(self, code: grpc.StatusCode, detail: str) -> None:
+        self.code, self.detail = code, detail
 
 
-def _lenient(message_type: type) -> Callable[[bytes], Any]:
+def _lenient(message_type: type, max_bytes: int) -> Callable[[bytes], Any]:
     """A request deserializer that returns :class:`_Undecodable` rather than raising (grpc
-    would answer UNKNOWN)."""
+    would answer UNKNOWN) for bytes that do not parse, and without parsing them for more
+    than ``max_bytes``."""
+    name = message_type.DESCRIPTOR.full_name
 
     def parse(data: bytes) -> Any:
+        if len(data) > max_bytes:
+            return _Undecodable(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{len(data)} bytes is more than a {name} may have ({max_bytes})")
         try:
             return message_type.FromString(data)
         except Exception as exc:  # noqa: BLE001 - DecodeError, or RecursionError when too deep
-            return _Undecodable(message_type, exc)
+            why = str(exc).rsplit(": ", 1)[-1]  # DecodeError repeats the type name
+            return _Undecodable(grpc.StatusCode.INVALID_ARGUMENT, f"not a valid {name} ({why})")
 
     return parse
 
 
 def _refuse_undecodable(behavior: Callable, streaming: bool) -> Callable:
-    """``behavior``, answering an :class:`_Undecodable` request with INVALID_ARGUMENT."""
+    """``behavior``, answering an :class:`_Undecodable` request with its status."""
 
     async def refuse(request: _Undecodable, context: grpc.aio.ServicerContext) -> NoReturn:
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: {request.detail}")
+        await context.abort(request.code, f"request: {request.detail}")
 
     if streaming:
 
@@ -306,7 +314,8 @@ def _refuse_undecodable(behavior: Callable, streaming: bool) -> Callable:
 
 def _add_broker(servicer: BrokerServicer, server: grpc.aio.Server) -> None:
     """``pb_grpc.add_BrokerServicer_to_server``, except that a request that does not parse
-    fails with INVALID_ARGUMENT ``request: not a valid ...`` instead of UNKNOWN."""
+    fails with INVALID_ARGUMENT ``request: not a valid ...`` instead of UNKNOWN, and one
+    larger than its method needs with RESOURCE_EXHAUSTED, unparsed."""
     handlers = {}
     for method in pb.DESCRIPTOR.services_by_name["Broker"].methods:
         request_type = getattr(pb, method.input_type.name)
@@ -318,11 +327,48 @@ def _add_broker(servicer: BrokerServicer, server: grpc.aio.Server) -> None:
         )
         handlers[method.name] = make(
             _refuse_undecodable(getattr(servicer, method.name), method.server_streaming),
-            request_deserializer=_lenient(request_type),
+            request_deserializer=_lenient(request_type, max_request_bytes_of(method.name)),
             response_serializer=response_type.SerializeToString,
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
+class _AuthenticateFirst(grpc.aio.ServerInterceptor):
+    """Refuses a Broker call UNAUTHENTICATED from its metadata alone when they cannot
+    authenticate it (no, a malformed or an unknown bearer token), before its request is
+    received: the refusal is served as a client-streaming handler that never reads, so the
+    request's bytes stay with the caller (HTTP/2 flow control) and are never parsed."""
+
+    def __init__(self, authenticator: Authenticator) -> None:
+        self.authenticator = authenticator
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        if not details.method.startswith(f"/{SERVICE_NAME}/"):  # health, reflection
+            return await continuation(details)
+        why = self.authenticator.refusal(details.invocation_metadata)
+        if why is None:
+            return await continuation(details)
+        log.warning("unauthenticated %s refused before its request: %s",
+                    details.method.rsplit("/", 1)[-1], why)
+        detail = f"authorization: {why}"
+        streaming = details.method.endswith("/WatchReleases")
+
+        async def unary(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, detail)
+
+        async def stream(requests: AsyncIterator[Any],
+                         context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, detail)
+            yield  # pragma: no cover - abort raises
+
+        if streaming:
+            return grpc.stream_stream_rpc_method_handler(stream)
+        return grpc.stream_unary_rpc_method_handler(unary)
 
 
 class BrokerServer:
@@ -363,10 +409,15 @@ class BrokerServer:
 
     async def start(self) -> None:
         server = grpc.aio.server(
+            interceptors=() if self._guard is None else (
+                _AuthenticateFirst(self._guard.authenticator),),
             options=[
                 ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),
                 ("grpc.max_send_message_length", -1),
                 ("grpc.so_reuseport", 0),
+                # A fixed 64 KiB receive window per stream: a request the edge refuses unread
+                # costs no more than that (window growth would let each stream send MiBs).
+                ("grpc.http2.bdp_probe", 0),
             ],
         )
         servicer = BrokerServicer(self.service, self._guard)

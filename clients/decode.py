@@ -26,6 +26,7 @@ from opentelemetry.trace import Span
 
 from broker import tracing
 from broker.layout import EngineLayout
+from broker.limits import LIMITS
 from broker.logs import transfer_fields
 from broker.security import PLAINTEXT, ChannelSecurity
 from broker.v1 import broker_pb2 as pb
@@ -215,7 +216,8 @@ class AsyncDecodeClient(AsyncEngineClient):
                 outcome = await call(self.stub, "ReportTransfer", pb.ReportTransferRequest(
                     plan_id=plan.plan_id, engine_id=self.engine_id, tp_rank=session.tp_rank,
                     status=status, bytes_moved=0 if error else plan.total_bytes,
-                    duration_us=int((read - planned) * 1e6), error=error), self.call_timeout_s)
+                    duration_us=int((read - planned) * 1e6), error=error[:LIMITS.max_text_chars]),
+                    self.call_timeout_s)
             except BrokerCallError as exc:
                 if exc.code is not grpc.StatusCode.ABORTED:
                     raise

@@ -33,7 +33,7 @@ WAIT_S = 10.0
 #: Every limit's value as docs/RELIABILITY.md states it. The tests below probe each boundary
 #: at ``LIMITS.x + 1``; these pins make a changed limit a visible decision.
 DOCUMENTED_LIMITS = {
-    "max_request_bytes": 64 << 20,
+    "max_request_bytes": 24 << 20,
     "max_id_chars": 256,
     "max_text_chars": 4096,
     "max_tp_size": 128,

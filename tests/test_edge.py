@@ -1,0 +1,125 @@
+"""The broker's edge under hostile input: unauthenticated calls are refused from their
+metadata before their request is received, and every method refuses, unparsed, a request
+larger than it can need. Memory is measured on a real ``pdbroker serve`` process."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+from fuzz_support import LiveBroker
+from test_security import Pki, pki, register, stub, tls_flags  # noqa: F401 - pki: a fixture
+
+from broker.limits import LIMITS, MAX_SMALL_REQUEST_BYTES, max_request_bytes_of
+from broker.security import ChannelSecurity
+from broker.v1 import broker_pb2 as pb
+from clients.loopback import BrokerProcess
+
+UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
+#: Concurrent unauthenticated calls and the size of each request (as large as gRPC admits).
+FLOOD_CALLS, FLOOD_BYTES = 24, LIMITS.max_request_bytes - (1 << 20)
+WAIT_S = 60.0
+
+
+def _status_kib(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no {field} for process {pid}")
+
+
+@pytest.fixture
+def token_broker(pki: Pki) -> Iterator[BrokerProcess]:  # noqa: F811
+    broker = BrokerProcess(*tls_flags(pki, "--auth-tokens", pki.tokens_file))
+    try:
+        yield broker
+    finally:
+        broker.stop()
+
+
+@pytest.mark.parametrize("credential", ["no token", "unknown token"])
+def test_unauthenticated_floods_cost_the_broker_no_memory(
+        pki: Pki, token_broker: BrokerProcess, credential: str) -> None:  # noqa: F811
+    """24 concurrent 23 MiB PublishBlocks without a valid token: every one UNAUTHENTICATED,
+    and the broker's peak RSS grows by less than 64 MiB (it held GBs when it read them)."""
+    token = "" if credential == "no token" else "not-a-token-of-anyone-at-all"
+    security = ChannelSecurity(pki.ca, token=token)
+    pid = token_broker.process.pid
+    Path(f"/proc/{pid}/clear_refs").write_text("5")  # peak RSS := current RSS
+    before = _status_kib(pid, "VmRSS")
+    body = pb.PublishBlocksRequest(transfer_id="t", engine_id="P",
+                                   allowed_decode_engines=["x" * (FLOOD_BYTES - 64)])
+    raw = body.SerializeToString()
+    assert FLOOD_BYTES - 1024 < len(raw) < LIMITS.max_request_bytes
+    options = [("grpc.max_send_message_length", -1)]
+    with security.channel(token_broker.address, options) as channel:
+        call = channel.unary_unary("/pdbroker.v1.Broker/PublishBlocks")
+
+        def one(_: int) -> grpc.StatusCode:
+            try:
+                call(raw, timeout=WAIT_S)
+            except grpc.RpcError as exc:
+                assert exc.details().startswith("authorization: "), exc.details()
+                return exc.code()
+            return grpc.StatusCode.OK
+
+        with ThreadPoolExecutor(FLOOD_CALLS) as pool:
+            codes = list(pool.map(one, range(FLOOD_CALLS)))
+    assert codes == [UNAUTHENTICATED] * FLOOD_CALLS
+    time.sleep(0.2)
+    growth_mib = (_status_kib(pid, "VmHWM") - before) / 1024
+    assert growth_mib < 64, f"broker peak RSS grew {growth_mib:.0f} MiB"
+    # The broker still serves authenticated callers.
+    assert register(stub(token_broker.address, pki.token("P")), "P", pb.ROLE_PREFILL, 0)
+
+
+@pytest.fixture(scope="module")
+def live() -> Iterator[LiveBroker]:
+    broker = LiveBroker()
+    try:
+        yield broker
+    finally:
+        broker.stop()
+
+
+@pytest.mark.parametrize("method,streaming", [
+    ("KeepAlive", False), ("ReportTransfer", False), ("AbortTransfer", False),
+    ("GetTransfer", False), ("WatchReleases", True),
+    ("PublishBlocks", False), ("GetTransferPlan", False), ("RegisterRank", False),
+])
+def test_a_request_larger_than_its_method_needs_is_refused_unparsed(
+        live: LiveBroker, method: str, streaming: bool) -> None:
+    limit = max_request_bytes_of(method)
+    assert limit == MAX_SMALL_REQUEST_BYTES or method in (
+        "PublishBlocks", "GetTransferPlan", "RegisterRank")
+    message = getattr(pb, f"{method}Request")
+    text = next(f.name for f in message.DESCRIPTOR.fields if f.type == f.TYPE_STRING)
+    oversized = message(**{text: "e" * limit}).SerializeToString()
+    fits = message(**{text: "e" * 10}).SerializeToString()
+    stub = (live.channel.unary_stream if streaming else live.channel.unary_unary)(
+        f"/pdbroker.v1.Broker/{method}")
+    with pytest.raises(grpc.RpcError) as err:
+        reply = stub(oversized, timeout=WAIT_S)
+        if streaming:
+            next(reply)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert err.value.details() == (f"request: {len(oversized)} bytes is more than a "
+                                   f"pdbroker.v1.{method}Request may have ({limit})")
+    with pytest.raises(grpc.RpcError) as err:  # a small one is parsed and judged on its fields
+        reply = stub(fits, timeout=WAIT_S)
+        if streaming:
+            next(reply)
+    assert err.value.code() != grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_method_limits_fit_the_largest_valid_requests() -> None:
+    assert max_request_bytes_of("RegisterRank") >= LIMITS.max_agent_metadata_bytes + (1 << 20)
+    assert max_request_bytes_of("PublishBlocks") >= 10 * LIMITS.max_block_ids
+    assert max(max_request_bytes_of(m) for m in ("RegisterRank", "PublishBlocks")) <= (
+        LIMITS.max_request_bytes)
+    # Texts are cut to max_text_chars, not refused: even four-byte characters fit.
+    assert MAX_SMALL_REQUEST_BYTES > 16 * LIMITS.max_text_chars
