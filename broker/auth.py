@@ -4,7 +4,8 @@ tokens, and the broker's authorization rules.
 **Identity.** A caller is known by names: with mutual TLS, its certificate's common name and
 every subject alternative name (DNS, URI, ...); with a tokens file, the name its bearer token
 (``authorization: Bearer TOKEN`` metadata) maps to. A caller that presents a token must
-present a known one; a caller with no name at all is UNAUTHENTICATED.
+present a known one; a caller with no name at all (a certificate whose names are all empty
+counts as none) is UNAUTHENTICATED.
 
 **Rules** (PERMISSION_DENIED otherwise, the message naming the field):
 
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
@@ -108,8 +109,7 @@ class Authenticator:
         :class:`UnauthenticatedError` on a bad or missing credential."""
         names: set[str] = set()
         if self.certificates:
-            auth = context.auth_context()
-            names.update(v.decode() for key in _CERTIFICATE_NAME_KEYS for v in auth.get(key, ()))
+            names.update(_certificate_names(context.auth_context()))
         if self.tokens is not None:
             token = _bearer_token(context.invocation_metadata())
             if token:
@@ -136,6 +136,19 @@ class Authenticator:
         if token:
             return None if self.tokens.name_of(token) is not None else "unknown bearer token"
         return None if self.certificates else "no bearer token"
+
+
+def _certificate_names(auth: dict[str, Iterable[bytes]]) -> Iterator[str]:
+    """The verified certificate's common name and subject alternative names; empty names and
+    names that are not UTF-8 identify nobody and are left out."""
+    for key in _CERTIFICATE_NAME_KEYS:
+        for value in auth.get(key, ()):
+            try:
+                name = value.decode()
+            except UnicodeDecodeError:
+                continue
+            if name.strip():
+                yield name
 
 
 def _unauthenticated(context: Any, message: str) -> NoReturn:

@@ -8,7 +8,9 @@ dataclasses' own (:mod:`broker.layout`); their errors are re-labelled with the p
 
 from __future__ import annotations
 
+import itertools
 import re
+import unicodedata
 from collections.abc import Iterable, Sequence
 
 from broker.api import (
@@ -63,22 +65,26 @@ _STATE_TO_PB = {
     TransferState.ABORTED: pb.TRANSFER_STATE_ABORTED,
 }
 _RANK_PREFIX = re.compile(r"^ranks\[\d+\]\.?")
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
 # --------------------------------------------------------------------------- field checks
 
 
 def ident(value: str, field: str) -> str:
-    """``value`` if it is a usable id: not empty, at most ``max_id_chars`` characters, no
-    control characters (ids end up in log lines, Redis keys and NIXL notifications)."""
+    """``value`` if it is a usable id: not empty, at most ``max_id_chars`` characters, each
+    printable (``str.isprintable``: no character of the Unicode categories Cc, Cf, Cs, Co, Cn,
+    Zl, Zp or Zs but the ASCII space). Ids end up in log lines, Redis keys and NIXL
+    notifications, where a control, invisible or bidi character would forge or hide text."""
     if not value:
         raise InvalidFieldError(field, "must not be empty")
     if len(value) > LIMITS.max_id_chars:
         raise InvalidFieldError(field, f"{len(value)} characters, at most {LIMITS.max_id_chars}")
-    bad = _CONTROL.search(value)
-    if bad:
-        raise InvalidFieldError(field, f"control character {bad.group()!r} at {bad.start()}")
+    if not value.isprintable():
+        at, bad = next((i, c) for i, c in enumerate(value) if not c.isprintable())
+        raise InvalidFieldError(
+            field,
+            f"character U+{ord(bad):04X} ({unicodedata.category(bad)}) at {at} is not printable",
+        )
     return value
 
 
@@ -217,6 +223,32 @@ def rank_layout_to_proto(layout: RankLayout) -> pb.RankLayout:
     )
 
 
+def _check_disjoint(regions: Sequence[MemoryRegion]) -> None:
+    """Regions are non-empty, end below 2**63, and no two of one device (and memory kind)
+    share a byte: the planner would otherwise hand out reads and writes that alias."""
+    for i, r in enumerate(regions):
+        if r.length_bytes == 0:
+            raise InvalidFieldError(f"regions[{i}].length_bytes", "must be positive")
+        if r.base_addr + r.length_bytes >= 1 << 63:
+            raise InvalidFieldError(f"regions[{i}].base_addr", "region ends past 2**63")
+    by_start = sorted(
+        range(len(regions)),
+        key=lambda i: (regions[i].memory_kind.value, regions[i].device_id, regions[i].base_addr),
+    )
+    for before, after in itertools.pairwise(by_start):
+        a, b = regions[before], regions[after]
+        if (a.memory_kind, a.device_id) == (b.memory_kind, b.device_id) and (
+            b.base_addr < a.base_addr + a.length_bytes
+        ):
+            first, second = sorted((before, after))
+            raise InvalidFieldError(
+                f"regions[{second}]",
+                f"bytes [{regions[second].base_addr:#x}, "
+                f"{regions[second].base_addr + regions[second].length_bytes:#x}) overlap "
+                f"regions[{first}] on {a.memory_kind.value} device {a.device_id}",
+            )
+
+
 def registration_from_proto(msg: pb.RegisterRankRequest) -> RankRegistration:
     engine_id = ident(msg.engine_id, "engine_id")
     role = _enum(msg.role, _ROLES, "role", "Role")
@@ -242,9 +274,7 @@ def registration_from_proto(msg: pb.RegisterRankRequest) -> RankRegistration:
         )
         for i, r in enumerate(msg.regions)
     )
-    for i, r in enumerate(regions):
-        if r.length_bytes == 0:
-            raise InvalidFieldError(f"regions[{i}].length_bytes", "must be positive")
+    _check_disjoint(regions)
     if not msg.HasField("layout"):
         raise InvalidFieldError("layout", "missing")
     layout = rank_layout_from_proto(msg.layout, msg.tp_rank)

@@ -43,6 +43,7 @@ change only counters move and decode only the small JSON part.
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import struct
 from collections.abc import Callable, Iterable, Iterator
@@ -177,6 +178,23 @@ class _Tx:
         self.ranks: dict[RankKey, RankRecord | None] = {}
         self.transfers: dict[str, TransferRecord | None] = {}
         self.contacts: set[tuple[RankKey, str]] = set()
+
+
+#: The user information of a URL, up to its last ``@`` (a password may hold ``@``, ``/``, ``?``).
+_USERINFO = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<userinfo>.*)@", re.DOTALL)
+_PASSWORD_PARAM = re.compile(r"(?P<key>[?&]password=)[^&#]*", re.IGNORECASE)
+
+
+def redact_url(url: str) -> str:
+    """``url`` as it may be logged or shown: its password (``redis://:PASSWORD@HOST``,
+    ``redis://USER:PASSWORD@HOST``, ``?password=PASSWORD``) replaced by ``***``; user
+    information without a ``:`` is hidden whole."""
+
+    def userinfo(match: re.Match[str]) -> str:
+        user, colon, _ = match["userinfo"].partition(":")
+        return f"{match['scheme']}{user}:***@" if colon else f"{match['scheme']}***@"
+
+    return _PASSWORD_PARAM.sub(r"\g<key>***", _USERINFO.sub(userinfo, url, count=1))
 
 
 class RedisStateStore(StateStore):

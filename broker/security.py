@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,15 +76,20 @@ class ServerSecurity:
 
     def server_credentials(self) -> grpc.ServerCredentials | None:
         """TLS credentials from the files (None when insecure); ``ValueError`` names the flag
-        of a file that cannot be read."""
+        of a file that cannot be read, holds no PEM certificate (key), or of a key that is not
+        the certificate's: gRPC itself would only fail when the port opens."""
         if self.insecure:
             return None
         chain = _read("--tls-cert", self.tls_cert)
+        key = _read("--tls-key", self.tls_key)
+        client_ca = _read("--tls-client-ca", self.tls_client_ca) if self.tls_client_ca else None
+        _check_certificates("--tls-cert", self.tls_cert, chain)
+        if client_ca is not None:
+            _check_certificates("--tls-client-ca", self.tls_client_ca, client_ca)
+        _check_key_pair(self.tls_cert, self.tls_key)
         return grpc.ssl_server_credentials(
-            [(_read("--tls-key", self.tls_key), chain)],
-            root_certificates=_read("--tls-client-ca", self.tls_client_ca)
-            if self.tls_client_ca
-            else None,
+            [(key, chain)],
+            root_certificates=client_ca,
             require_client_auth=bool(self.tls_client_ca),
         )
 
@@ -222,3 +228,37 @@ def _read(field_name: str, path: str) -> bytes:
         return Path(path).read_bytes()
     except OSError as exc:
         raise ValueError(f"{field_name}: cannot read {path}: {exc.strerror}") from None
+
+
+def _tls_context() -> ssl.SSLContext:
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.set_ciphers("DEFAULT:@SECLEVEL=0")  # gRPC's checks decide what is too weak
+    return context
+
+
+def _check_certificates(flag: str, path: str, pem: bytes) -> None:
+    """``ValueError`` naming ``flag`` unless ``pem`` holds PEM certificates that parse."""
+    try:
+        _tls_context().load_verify_locations(cadata=pem.decode("ascii"))
+    except (UnicodeDecodeError, ValueError, ssl.SSLError):
+        raise ValueError(f"{flag}: {path} holds no PEM certificate") from None
+
+
+def _check_key_pair(cert_path: str, key_path: str) -> None:
+    """``ValueError`` naming ``--tls-key`` unless it is an unencrypted PEM private key whose
+    public key is that of the first certificate of ``cert_path`` (the TLS library's own
+    check, with nothing beyond the standard library)."""
+    try:
+        _tls_context().load_cert_chain(cert_path, key_path, password=_no_password)
+    except ssl.SSLError as exc:
+        if exc.reason == "KEY_VALUES_MISMATCH":
+            raise ValueError(
+                f"--tls-key: {key_path} is not the private key of the certificate in {cert_path}"
+            ) from None
+        raise ValueError(f"--tls-key: {key_path} holds no unencrypted PEM private key") from None
+    except OSError as exc:
+        raise ValueError(f"--tls-key: cannot read {key_path}: {exc.strerror}") from None
+
+
+def _no_password() -> bytes:
+    return b""  # an encrypted key then fails to decrypt instead of prompting

@@ -404,6 +404,53 @@ def test_serve_refuses_to_start_without_tls_or_insecure(pki: Pki, tmp_path: Path
     )
 
 
+def refused_in_one_line(flag: str, *flags: str) -> str:
+    """Start serve with ``flags``: exit status 1 and one stderr line naming ``flag``, no
+    traceback; returns that line."""
+    stderr = refused(*flags)
+    assert stderr.endswith("\n") and stderr.count("\n") == 1, stderr
+    assert stderr.startswith(f"pdbroker serve: error: {flag}: "), stderr
+    return stderr.strip()
+
+
+def test_serve_refuses_bad_files_in_one_line_naming_the_flag(pki: Pki, tmp_path: Path) -> None:
+    cert, key = pki.server
+    other_key = pki.clients["P"][1]  # a valid key, of another certificate
+    junk = tmp_path / "junk.pem"
+    junk.write_text("not a PEM file\n")
+    binary = tmp_path / "binary"
+    binary.write_bytes(b"\xff\xfe\x00\x01" * 8)
+    mismatch = refused_in_one_line("--tls-key", "--tls-cert", cert, "--tls-key", other_key)
+    assert f"{other_key} is not the private key of the certificate in {cert}" in mismatch
+    assert "holds no PEM certificate" in refused_in_one_line(
+        "--tls-cert", "--tls-cert", str(junk), "--tls-key", key
+    )
+    assert "holds no PEM certificate" in refused_in_one_line(
+        "--tls-cert", "--tls-cert", str(binary), "--tls-key", key
+    )
+    assert "holds no unencrypted PEM private key" in refused_in_one_line(
+        "--tls-key", "--tls-cert", cert, "--tls-key", str(junk)
+    )
+    assert "holds no unencrypted PEM private key" in refused_in_one_line(
+        "--tls-key", "--tls-cert", cert, "--tls-key", cert
+    )
+    assert "holds no PEM certificate" in refused_in_one_line(
+        "--tls-client-ca", *tls_flags(pki, "--tls-client-ca", str(junk))
+    )
+    assert "cannot read" in refused_in_one_line(
+        "--tls-key", "--tls-cert", cert, "--tls-key", str(tmp_path)
+    )
+    token = pki.tokens["P"]
+    malformed = tmp_path / "tokens"
+    malformed.write_text(f"P: {token}\n{token}\n")  # a line without its name
+    line = refused_in_one_line("--auth-tokens", *tls_flags(pki, "--auth-tokens", str(malformed)))
+    assert line.endswith(f"{malformed}:2: expected 'NAME: TOKEN'")
+    assert token not in line
+    assert "--auth-tokens: " in refused_in_one_line(
+        "--auth-tokens", *tls_flags(pki, "--auth-tokens", str(binary))
+    )
+
+
 def test_insecure_is_explicit_and_warns() -> None:
     proc = run_serve("--insecure")
     try:

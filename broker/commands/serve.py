@@ -4,6 +4,12 @@ SIGINT/SIGTERM.
 The port speaks TLS (``--tls-cert``/``--tls-key``), with client certificates
 (``--tls-client-ca``) and/or bearer tokens (``--auth-tokens``) identifying and authorizing
 callers; plaintext only with ``--insecure``, which logs a warning (:mod:`broker.security`).
+
+A configuration that cannot work ends the command before it serves, with one line
+``pdbroker serve: error: --flag: why`` on stderr and exit status 1: an unreadable or non-PEM
+certificate or key, a key that is not the certificate's, a malformed tokens file, an
+unreachable store, a port that cannot be bound. A store URL is only ever shown with its
+password replaced by ``***``.
 """
 
 from __future__ import annotations
@@ -144,6 +150,18 @@ def _resolve(args: argparse.Namespace) -> None:
         args.listen = os.environ.get("PDBROKER_LISTEN", "127.0.0.1:50151")
     if args.log_level is None:
         args.log_level = os.environ.get("PDBROKER_LOG_LEVEL", "INFO")
+    if not isinstance(logging.getLevelName(args.log_level.upper()), int):
+        raise SystemExit(
+            f"pdbroker serve: error: --log-level: {args.log_level!r} is not one of "
+            "DEBUG, INFO, WARNING, ERROR, CRITICAL"
+        )
+    if args.log_format is None:
+        args.log_format = os.environ.get("PDBROKER_LOG_FORMAT", "text").lower()
+        if args.log_format not in FORMATS:
+            raise SystemExit(
+                f"pdbroker serve: error: --log-format: PDBROKER_LOG_FORMAT={args.log_format!r} "
+                f"is not one of {', '.join(FORMATS)}"
+            )
     if args.store is None:
         args.store = os.environ.get("PDBROKER_STORE", "memory")
     for flag, env in (("--metrics-port", "PDBROKER_METRICS_PORT"),
@@ -221,7 +239,13 @@ def run(args: argparse.Namespace) -> int:
 
         metrics = BrokerMetrics()
         host = args.listen.rsplit(":", 1)[0].strip("[]")
-        port = metrics.serve(args.metrics_port, host)
+        try:
+            port = metrics.serve(args.metrics_port, host)
+        except OSError as exc:
+            raise SystemExit(
+                f"pdbroker serve: error: --metrics-port: cannot listen on "
+                f"{_url_host(host)}:{args.metrics_port}: {exc.strerror or exc}"
+            ) from None
         print(f"pdbroker serve: metrics on http://{_url_host(host)}:{port}/metrics", flush=True)
     service = BrokerService(_open_store(args.store, config), config=config, observer=metrics)
     try:
@@ -243,7 +267,7 @@ def _server(
         server = BrokerServer(
             service, args.listen, args.reap_interval_ms, security, args.health_port
         )
-    except ValueError as exc:  # an unreadable certificate, key or tokens file
+    except ValueError as exc:  # a bad certificate, key or tokens file, named by its flag
         raise SystemExit(f"pdbroker serve: error: {exc}") from None
     if security.insecure:
         log.warning(
@@ -267,29 +291,49 @@ def _open_store(url: str, config: ServiceConfig) -> StateStore | None:
     server-side TTLs outlast every lease and transfer the service keeps."""
     if url == "memory":
         return None
-    if not url.startswith(("redis://", "rediss://", "unix://")):
-        raise SystemExit(f"pdbroker serve: error: --store {url!r} is neither memory nor redis://")
     import redis
 
-    from broker.redis_store import RedisStateStore
+    from broker.redis_store import RedisStateStore, redact_url
 
-    store = RedisStateStore.from_url(
-        url,
-        rank_ttl_ms=3 * config.lease_ttl_ms,
-        transfer_ttl_ms=config.max_ttl_ms
-        + config.max_read_ms
-        + config.retention_ms
-        + config.lease_ttl_ms,
-    )
+    shown = redact_url(url)
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        raise SystemExit(
+            f"pdbroker serve: error: --store: {shown!r} is neither memory nor redis://"
+        )
+    try:
+        store = RedisStateStore.from_url(
+            url,
+            rank_ttl_ms=3 * config.lease_ttl_ms,
+            transfer_ttl_ms=config.max_ttl_ms
+            + config.max_read_ms
+            + config.retention_ms
+            + config.lease_ttl_ms,
+        )
+    except ValueError as exc:  # redis-py's parse of the URL
+        why = _without(str(exc), url)
+        raise SystemExit(f"pdbroker serve: error: --store: {shown}: {why}") from None
     try:
         store.client.ping()
     except redis.RedisError as exc:
-        raise SystemExit(f"pdbroker serve: error: cannot reach the Redis store: {exc}") from None
+        why = _without(str(exc), store.client.connection_pool.connection_kwargs.get("password"))
+        raise SystemExit(f"pdbroker serve: error: --store: cannot reach {shown}: {why}") from None
+    log.info("state in the Redis store at %s", shown)
     return store
 
 
+def _without(text: str, secret: str | None) -> str:
+    """``text`` on one line, ``secret`` (a URL or password) replaced by ``***``."""
+    if secret:
+        text = text.replace(secret, "***")
+    return " ".join(text.split())
+
+
 async def _serve(server: BrokerServer) -> None:
-    await server.start()
+    try:
+        await server.start()
+    except (OSError, RuntimeError) as exc:  # grpc raises RuntimeError for a port it cannot bind
+        flag = "--health-port" if server.port else "--listen"
+        raise SystemExit(f"pdbroker serve: error: {flag}: {' '.join(str(exc).split())}") from None
     # GC tuning for tail latency: keep the import-time heap out of full collections (they
     # then walk only the broker's own records), and collect the young generation every
     # GC_YOUNG_THRESHOLD allocations rather than 700: a plan allocates hundreds of
