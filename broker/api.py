@@ -48,13 +48,15 @@ class Publication:
 
 @dataclass(frozen=True)
 class PlanQuery:
-    """Decode rank ``tp_rank`` of ``engine_id`` asks for its reads into ``block_ids``."""
+    """Decode rank ``tp_rank`` of ``engine_id`` asks for its reads into ``block_ids``;
+    ``prefill_engine_id``: the publisher it expects ('' for any)."""
 
     transfer_id: str
     engine_id: str
     tp_rank: int
     block_ids: BlockIds
     want_agent_metadata: bool = False
+    prefill_engine_id: str = ""
 
 
 @dataclass(frozen=True)

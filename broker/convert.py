@@ -383,6 +383,7 @@ def plan_query_from_proto(msg: pb.GetTransferPlanRequest) -> PlanQuery:
         msg.tp_rank,
         block_ids_from_proto(msg.block_ids),
         msg.want_agent_metadata,
+        ident(msg.prefill_engine_id, "prefill_engine_id") if msg.prefill_engine_id else "",
     )
 
 

@@ -71,7 +71,6 @@ from broker.errors import (
     LimitExceededError,
     NotFoundError,
     PdbrokerError,
-    PermissionDeniedError,
     PreconditionError,
     RequestError,
 )
@@ -366,7 +365,13 @@ class BrokerService:
         self, transfer: TransferRecord, query: PlanQuery, now: int, traceparent: str
     ) -> tuple[PlanResult, bool, bool]:
         """The plan, whether the pair's planner was cached, whether this is its first
-        hand-out."""
+        hand-out. A decode engine the transfer is not for learns only that there is no such
+        transfer."""
+        if (query.prefill_engine_id and query.prefill_engine_id != transfer.prefill_engine_id) or (
+            transfer.allowed_decode_engines
+            and query.engine_id not in transfer.allowed_decode_engines
+        ):
+            raise NotFoundError("transfer_id", f"no transfer {transfer.transfer_id!r}")
         if transfer.state.terminal:
             raise PreconditionError(
                 "transfer_id",
@@ -378,20 +383,10 @@ class BrokerService:
             raise PreconditionError("engine_id", f"engine {query.engine_id!r} is a prefill engine")
         if not 0 <= query.tp_rank < d_layout.tp_size:
             raise RequestError("tp_rank", f"{query.tp_rank} outside [0, {d_layout.tp_size})")
-        if (
-            transfer.allowed_decode_engines
-            and query.engine_id not in transfer.allowed_decode_engines
-        ):
-            raise PermissionDeniedError(
-                "engine_id",
-                f"transfer {transfer.transfer_id!r} may only be "
-                f"read by {sorted(transfer.allowed_decode_engines)}",
-            )
         if transfer.decode_engine_id and transfer.decode_engine_id != query.engine_id:
             raise PreconditionError(
                 "transfer_id",
-                f"transfer {transfer.transfer_id!r} was claimed by "
-                f"decode engine {transfer.decode_engine_id!r}",
+                f"transfer {transfer.transfer_id!r} was claimed by another decode engine",
             )
         p_ranks, p_layout, p_generation = self._engine(transfer.prefill_engine_id, "transfer_id")
         if p_generation != transfer.prefill_generation:

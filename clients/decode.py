@@ -174,24 +174,28 @@ class AsyncDecodeClient(AsyncEngineClient):
         self.read_timeout_s = read_timeout_s
 
     async def fetch(self, transfer_id: str, block_ids: Sequence[Sequence[int]],
-                    timeout_s: float | None = None) -> Fetch:
+                    timeout_s: float | None = None, *, prefill_engine_id: str = "") -> Fetch:
         """Move ``transfer_id``'s state into ``block_ids`` (this engine's, per group) on every
-        hosted rank. Raises :class:`FetchError` unless every rank's data is usable."""
+        hosted rank. Raises :class:`FetchError` unless every rank's data is usable. Given
+        ``prefill_engine_id``, only that engine's transfer of this id is read (another's is
+        NOT_FOUND)."""
         deadline = time.monotonic() + (timeout_s or self.read_timeout_s)
         ids = [pb.BlockIds(ids=list(g)) for g in block_ids]
         sessions = list(self.sessions.values())
-        results = await asyncio.gather(*(self._fetch_rank(s, transfer_id, ids, deadline)
-                                         for s in sessions), return_exceptions=True)
+        results = await asyncio.gather(
+            *(self._fetch_rank(s, transfer_id, ids, deadline, prefill_engine_id)
+              for s in sessions), return_exceptions=True)
         errors = {s.tp_rank: r for s, r in zip(sessions, results) if isinstance(r, BaseException)}
         if errors:
             raise FetchError(transfer_id, errors)
         return Fetch(transfer_id, tuple(r for r in results if isinstance(r, RankFetch)))
 
     async def _fetch_rank(self, session: RankSession, transfer_id: str, block_ids: list[pb.BlockIds],
-                          deadline: float) -> RankFetch:
+                          deadline: float, prefill_engine_id: str) -> RankFetch:
         started = time.perf_counter()
         request = pb.GetTransferPlanRequest(transfer_id=transfer_id, engine_id=self.engine_id,
-                                            tp_rank=session.tp_rank, block_ids=block_ids)
+                                            tp_rank=session.tp_rank, block_ids=block_ids,
+                                            prefill_engine_id=prefill_engine_id)
         plan = await call(self.stub, "GetTransferPlan", request, self.call_timeout_s)
         if any(not s.remote_agent_metadata and not session.agent.knows(s.remote_agent_name)
                for s in plan.sources):  # this process lost agents the broker thinks it knows
@@ -292,5 +296,6 @@ class DecodeClient(BlockingEngineClient):
                                            call_timeout_s=call_timeout_s, security=security))
 
     def fetch(self, transfer_id: str, block_ids: Sequence[Sequence[int]],
-              timeout_s: float | None = None) -> Fetch:
-        return self._run(self._async.fetch(transfer_id, block_ids, timeout_s))
+              timeout_s: float | None = None, *, prefill_engine_id: str = "") -> Fetch:
+        return self._run(self._async.fetch(transfer_id, block_ids, timeout_s,
+                                           prefill_engine_id=prefill_engine_id))

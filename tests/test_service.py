@@ -23,7 +23,7 @@ from broker.errors import (
     InvalidFieldError,
     LimitExceededError,
     NotFoundError,
-    PermissionDeniedError,
+    PdbrokerError,
     PreconditionError,
     RequestError,
 )
@@ -251,10 +251,12 @@ def test_decode_rank_with_its_own_block_ids_is_replanned() -> None:
 def test_plan_errors_name_their_field() -> None:
     service, _, sc = setup(2, 2)
     publish(service, sc, allowed_decode_engines=frozenset({"D"}))
+    publish(service, sc, "t-open")
     cases = [
         (PlanQuery("missing", "D", 0, sc.request.decode_block_ids), NotFoundError, "transfer_id"),
-        (PlanQuery("t1", "nobody", 0, sc.request.decode_block_ids), NotFoundError, "engine_id"),
-        (PlanQuery("t1", "P", 0, sc.request.decode_block_ids), PreconditionError, "engine_id"),
+        (PlanQuery("t1", "nobody", 0, sc.request.decode_block_ids), NotFoundError, "transfer_id"),
+        (PlanQuery("t-open", "nobody", 0, sc.request.decode_block_ids), NotFoundError, "engine_id"),
+        (PlanQuery("t-open", "P", 0, sc.request.decode_block_ids), PreconditionError, "engine_id"),
         (PlanQuery("t1", "D", 7, sc.request.decode_block_ids), RequestError, "tp_rank"),
         (PlanQuery("t1", "D", 0, sc.request.decode_block_ids[:2]), RequestError, "block_ids"),
         (
@@ -269,12 +271,38 @@ def test_plan_errors_name_their_field() -> None:
         assert err.value.field == field, q
     assert service.get_transfer("t1").state is TransferState.PUBLISHED
     register_engine(service, sc.decode, "D2", Role.DECODE, 2)
-    with pytest.raises(PermissionDeniedError):
-        service.get_plan(PlanQuery("t1", "D2", 0, sc.request.decode_block_ids))
+    # An engine the publication does not allow learns nothing: as for an unknown id.
+    unknown = _refusal(service, PlanQuery("t-none", "D2", 0, sc.request.decode_block_ids))
+    assert isinstance(unknown, NotFoundError)
+    not_allowed = _refusal(service, PlanQuery("t1", "D2", 0, sc.request.decode_block_ids))
+    assert (type(not_allowed), not_allowed.field) == (NotFoundError, "transfer_id")
+    assert str(not_allowed) == str(unknown).replace("t-none", "t1")
     publish(service, sc, "t2")
     service.get_plan(query(sc, 0, "t2"))
-    with pytest.raises(PreconditionError, match="claimed by decode engine 'D'"):
+    with pytest.raises(PreconditionError, match="claimed by another decode engine$"):
         service.get_plan(PlanQuery("t2", "D2", 0, sc.request.decode_block_ids))
+
+
+def _refusal(service: BrokerService, q: PlanQuery) -> Exception:
+    with pytest.raises(PdbrokerError) as err:
+        service.get_plan(q)
+    return err.value
+
+
+def test_decode_may_name_the_prefill_engine_it_expects() -> None:
+    """A transfer id published by another prefill engine (squatted, or a stale id) is
+    NOT_FOUND for a decode engine expecting its own prefill engine, as an unknown id is."""
+    service, _ = make_service()
+    sc = build_scenario(hybrid(), 1, 1, 100)
+    register_engine(service, sc.prefill, "P", Role.PREFILL, 0)
+    register_engine(service, sc.prefill, "Q", Role.PREFILL, 1)
+    register_engine(service, sc.decode, "D", Role.DECODE, 2)
+    service.publish(Publication("t1", "Q", sc.request.prefill_block_ids, sc.request.num_tokens))
+    ids = sc.request.decode_block_ids
+    squatted = _refusal(service, PlanQuery("t1", "D", 0, ids, prefill_engine_id="P"))
+    assert (type(squatted), str(squatted)) == (NotFoundError, "transfer_id: no transfer 't1'")
+    assert service.get_transfer("t1").state is TransferState.PUBLISHED  # not claimed
+    assert service.get_plan(PlanQuery("t1", "D", 0, ids, prefill_engine_id="Q")).sources
 
 
 def test_incompatible_and_partially_registered_engines() -> None:

@@ -44,7 +44,7 @@ from vllm.v1.request import RequestStatus
 from broker.v1 import broker_pb2 as pb
 from broker.v1 import broker_pb2_grpc as pb_grpc
 from clients.loopback import BrokerProcess
-from clients.vllm.metadata import BROKER, DO_REMOTE_PREFILL, TRANSFER_ID
+from clients.vllm.metadata import BROKER, DO_REMOTE_PREFILL, PREFILL_ENGINE, TRANSFER_ID
 
 NUM_BLOCKS = 12
 #: Seconds a request may take on one engine (loads and releases travel in the background).
@@ -256,8 +256,9 @@ def test_prompt_state_moves_between_vllm_engines(broker: BrokerProcess, tmp_path
         prompt = list(range(1, prompt_len + 1))
         params = prefill(producer, "r1", prompt)
         assert params is not None and params[DO_REMOTE_PREFILL] is True
-        assert params[BROKER] == broker.address
-        assert set(params) <= {DO_REMOTE_PREFILL, TRANSFER_ID, BROKER, "remote_prefill_cached_tokens"}
+        assert (params[BROKER], params[PREFILL_ENGINE]) == (broker.address, "prefill-0")
+        assert set(params) <= {DO_REMOTE_PREFILL, TRANSFER_ID, BROKER, PREFILL_ENGINE,
+                               "remote_prefill_cached_tokens"}
         prefill_blocks = transfer_blocks(producer, "r1")
         seen = decode(consumer, "r1", prompt, params, producer)
         # The load covered N-1 tokens: decode computes the last prompt token, then decodes.

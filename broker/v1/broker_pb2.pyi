@@ -222,18 +222,20 @@ class PublishBlocksResponse(_message.Message):
     def __init__(self, expires_at_ms: _Optional[int] = ...) -> None: ...
 
 class GetTransferPlanRequest(_message.Message):
-    __slots__ = ("transfer_id", "engine_id", "tp_rank", "block_ids", "want_agent_metadata")
+    __slots__ = ("transfer_id", "engine_id", "tp_rank", "block_ids", "want_agent_metadata", "prefill_engine_id")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     WANT_AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     engine_id: str
     tp_rank: int
     block_ids: _containers.RepeatedCompositeFieldContainer[BlockIds]
     want_agent_metadata: bool
-    def __init__(self, transfer_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., want_agent_metadata: _Optional[bool] = ...) -> None: ...
+    prefill_engine_id: str
+    def __init__(self, transfer_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., want_agent_metadata: _Optional[bool] = ..., prefill_engine_id: _Optional[str] = ...) -> None: ...
 
 class SourcePlan(_message.Message):
     __slots__ = ("prefill_rank", "remote_agent_name", "remote_agent_metadata", "local_descriptors", "remote_descriptors", "num_descriptors", "total_bytes", "notification", "local_memory_kind", "remote_memory_kind")

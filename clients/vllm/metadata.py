@@ -4,8 +4,8 @@ scheduler half hands the worker half.
 
 ``kv_transfer_params`` keep vLLM's own P/D flags (``do_remote_decode`` on the prefill leg, set
 by the proxy; ``do_remote_prefill`` on the decode leg, which vLLM's serving layer and metrics
-read) and add only the transfer id and the broker address: block ids, ranks and layouts stay
-with the broker.
+read) and add only the transfer id, the broker address and the publishing prefill engine
+(which decode holds the broker to): block ids, ranks and layouts stay with the broker.
 """
 
 from __future__ import annotations
@@ -24,21 +24,35 @@ DO_REMOTE_DECODE = "do_remote_decode"
 DO_REMOTE_PREFILL = "do_remote_prefill"
 TRANSFER_ID = "pdbroker_transfer_id"
 BROKER = "pdbroker_broker"
+PREFILL_ENGINE = "pdbroker_prefill_engine"
 
 
-def decode_params(transfer_id: str, broker: str) -> dict[str, Any]:
+def decode_params(transfer_id: str, broker: str, prefill_engine: str) -> dict[str, Any]:
     """The ``kv_transfer_params`` a finished prefill request hands the decode leg."""
-    return {DO_REMOTE_PREFILL: True, TRANSFER_ID: transfer_id, BROKER: broker}
+    return {DO_REMOTE_PREFILL: True, TRANSFER_ID: transfer_id, BROKER: broker,
+            PREFILL_ENGINE: prefill_engine}
 
 
-def pending_transfer(params: Mapping[str, Any] | None) -> tuple[str, str] | None:
-    """``(transfer_id, broker)`` of a decode-leg request whose state was not claimed yet."""
+@dataclass(frozen=True)
+class PendingTransfer:
+    """A decode-leg request's state waiting at ``broker`` under ``transfer_id``, published by
+    ``prefill_engine`` ('' when the parameters do not say)."""
+
+    transfer_id: str
+    broker: str
+    prefill_engine: str = ""
+
+
+def pending_transfer(params: Mapping[str, Any] | None) -> PendingTransfer | None:
+    """The transfer of a decode-leg request whose state was not claimed yet."""
     if not params or not params.get(DO_REMOTE_PREFILL):
         return None
     transfer_id, broker = params.get(TRANSFER_ID), params.get(BROKER)
     if not isinstance(transfer_id, str) or not isinstance(broker, str) or not transfer_id:
         return None
-    return transfer_id, broker
+    prefill_engine = params.get(PREFILL_ENGINE)
+    return PendingTransfer(transfer_id, broker,
+                           prefill_engine if isinstance(prefill_engine, str) else "")
 
 
 @dataclass(frozen=True)
@@ -93,13 +107,14 @@ class ConnectorSettings:
 
 @dataclass(frozen=True)
 class LoadSpec:
-    """Decode: move ``transfer_id``'s state (``num_tokens`` tokens) into ``block_ids`` (per
-    transfer group) of this engine."""
+    """Decode: move ``transfer_id``'s state (``num_tokens`` tokens, published by
+    ``prefill_engine``, '' for any) into ``block_ids`` (per transfer group) of this engine."""
 
     transfer_id: str
     broker: str
     block_ids: tuple[tuple[int, ...], ...]
     num_tokens: int
+    prefill_engine: str = ""
 
 
 @dataclass

@@ -104,7 +104,8 @@ class SchedulerHalf:
         if pending is not None:
             assert params is not None
             params[DO_REMOTE_PREFILL] = False
-            self._abort(pending[0], f"decode request {request.request_id} finished before loading")
+            self._abort(pending.transfer_id,
+                        f"decode request {request.request_id} finished before loading")
             return False, None
         if not params or not params.get(DO_REMOTE_DECODE) or request.status not in _PUBLISHABLE:
             return False, None
@@ -120,7 +121,7 @@ class SchedulerHalf:
                         exc.code().name, exc.details())
             return False, None
         self._sends[transfer_id] = request.request_id
-        return True, decode_params(transfer_id, self.settings.broker)
+        return True, decode_params(transfer_id, self.settings.broker, self.engine_id)
 
     def transfer_blocks(self, block_ids: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
         """The transfer groups' block ids as the broker takes them: attention groups whole,
@@ -151,13 +152,14 @@ class SchedulerHalf:
             return
         assert params is not None
         params[DO_REMOTE_PREFILL] = False
-        transfer_id, broker = pending
         if num_external_tokens <= 0:
-            self._abort(transfer_id, f"decode request {request.request_id} needs no remote tokens")
+            self._abort(pending.transfer_id,
+                        f"decode request {request.request_id} needs no remote tokens")
             return
         self._loads[request.request_id] = LoadSpec(
-            transfer_id, broker, self.transfer_blocks(blocks.get_unhashed_block_ids_all_groups()),
-            self._published_tokens(request))
+            pending.transfer_id, pending.broker,
+            self.transfer_blocks(blocks.get_unhashed_block_ids_all_groups()),
+            self._published_tokens(request), pending.prefill_engine)
 
     def _published_tokens(self, request: Request) -> int:
         """Tokens the prefill engine computed for this prompt (it held back :attr:`backoff`)."""

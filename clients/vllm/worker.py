@@ -169,13 +169,17 @@ class WorkerHalf:
                               self.settings.call_timeout_s)
         except BrokerCallError as exc:
             raise LoadError(str(exc)) from None
+        if spec.prefill_engine and info.prefill_engine_id != spec.prefill_engine:
+            raise LoadError(f"transfer {spec.transfer_id} was not published by prefill engine "
+                            f"{spec.prefill_engine}")  # not ours to abort
         if info.num_tokens != spec.num_tokens:
             await self._abort(client, spec.transfer_id, f"decode engine {self.engine_id} expects "
                               f"{spec.num_tokens} tokens, {info.num_tokens} were published")
             raise LoadError(f"transfer {spec.transfer_id} holds {info.num_tokens} tokens, "
                             f"this engine expects {spec.num_tokens}")
         try:
-            await client.fetch(spec.transfer_id, spec.block_ids)
+            await client.fetch(spec.transfer_id, spec.block_ids,
+                               prefill_engine_id=spec.prefill_engine)
         except FetchError as exc:
             refused = [e for e in exc.errors.values()
                        if isinstance(e, BrokerCallError) and e.method == "GetTransferPlan"]
