@@ -197,11 +197,7 @@ class AccessGuard:
         transfer_id = self.store.transfer_of_plan(plan_id)
         transfer = None if transfer_id is None else self.store.get_transfer(transfer_id)
         if transfer is not None and transfer.decode_engine_id not in who.names:
-            _deny(
-                "plan_id",
-                f"plan {plan_id} belongs to decode engine "
-                f"{transfer.decode_engine_id!r}, not to caller {who}",
-            )
+            _deny("plan_id", f"plan {plan_id} is not a plan of caller {who}")
 
     def see_transfer(self, who: Identity, transfer_id: str) -> None:
         """Parties of the transfer and operators only (GetTransfer, AbortTransfer)."""
