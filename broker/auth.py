@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-from broker.errors import PermissionDeniedError, UnauthenticatedError
+from broker.errors import NotFoundError, PermissionDeniedError, UnauthenticatedError
 from broker.state import StateStore
 
 log = logging.getLogger(__name__)
@@ -213,10 +213,9 @@ class AccessGuard:
         else:
             readers = who.names
         if not any(self._reads(name) for name in readers):
-            _deny(
-                "transfer_id",
-                f"caller {who} is neither a party to transfer {transfer_id!r} nor an operator",
-            )
+            # Told only what an unknown id is told: the transfer's existence is not theirs.
+            log.warning("transfer %r hidden from caller %s: not a party", transfer_id, who)
+            raise NotFoundError("transfer_id", f"no transfer {transfer_id!r}")
 
     def administer(self, who: Identity) -> None:
         """Operators only (ListEngines, ListTransfers)."""

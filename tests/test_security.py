@@ -192,6 +192,7 @@ def report(plan_id: str, engine_id: str) -> pb.ReportTransferRequest:
 
 
 DENIED = grpc.StatusCode.PERMISSION_DENIED
+NOT_FOUND = grpc.StatusCode.NOT_FOUND
 UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
 
@@ -269,9 +270,11 @@ def test_engines_act_only_as_themselves(pki: Pki, mtls_broker: str) -> None:
     p.PublishBlocks(publish("a1"), timeout=WAIT_S)
 
     # Only decode engines the publication allows may fetch its plan, and only as themselves.
-    expect(d2.GetTransferPlan, plan("a1", "D2"), DENIED, "engine_id")
     expect(d2.GetTransferPlan, plan("a1", "D"), DENIED, "engine_id")
-    expect(d2.GetTransfer, pb.GetTransferRequest(transfer_id="a1"), DENIED, "transfer_id")
+    # Not D2's transfer: told what an unknown id is told.
+    for call, request in ((d2.GetTransferPlan, plan("a1", "D2")),
+                          (d2.GetTransfer, pb.GetTransferRequest(transfer_id="a1"))):
+        assert expect(call, request, NOT_FOUND, "transfer_id") == "transfer_id: no transfer 'a1'"
     plan_id = d.GetTransferPlan(plan("a1", "D"), timeout=WAIT_S).plan_id
     expect(d2.ReportTransfer, report(plan_id, "D2"), DENIED, "plan_id")
     expect(d2.ReportTransfer, report(plan_id, "D"), DENIED, "engine_id")
@@ -300,9 +303,9 @@ def test_only_parties_and_operators_abort(pki: Pki, mtls_broker: str) -> None:
     p.PublishBlocks(publish("b3"), timeout=WAIT_S)
     for transfer_id in ("b1", "b2"):
         abort = pb.AbortTransferRequest(transfer_id=transfer_id, reason="not mine")
-        expect(p2.AbortTransfer, abort, DENIED, "transfer_id")  # another prefill engine
+        expect(p2.AbortTransfer, abort, NOT_FOUND, "transfer_id")  # another prefill engine
     abort = pb.AbortTransferRequest(transfer_id="b1", reason="not addressed to me")
-    expect(d2.AbortTransfer, abort, DENIED, "transfer_id")
+    expect(d2.AbortTransfer, abort, NOT_FOUND, "transfer_id")
     aborted = pb.TRANSFER_STATE_ABORTED
     by_reader = d2.AbortTransfer(pb.AbortTransferRequest(transfer_id="b2"), timeout=WAIT_S)
     assert by_reader.state == aborted  # any decode engine may read b2, so may decline it
