@@ -60,3 +60,9 @@ class LimitExceededError(PdbrokerError):
 
 class UnauthenticatedError(PdbrokerError):
     """The caller presented no credentials the broker accepts (no or an unknown token)."""
+
+
+class StoreUnavailableError(PdbrokerError):
+    """The state store cannot be reached in time (down, stalled, refusing connections);
+    ``field`` is ``store`` and the message names the store, never its credentials. Another
+    broker replica, or this one once the store is back, can serve the call."""

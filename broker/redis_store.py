@@ -34,6 +34,13 @@ are taken from ``P counter:release`` inside the commit (a Lua script), so they g
 in commit order and a cursor never skips an event; each commit publishes the rank on
 ``P releases`` for :meth:`~RedisStateStore.subscribe_releases`.
 
+**Outages.** Every connect and every reply has a deadline (``timeout_ms``, no retries), so a
+stalled or dead Redis fails a call within it and never holds the caller (the server's event
+loop) longer. Such a failure raises :class:`~broker.errors.StoreUnavailableError` (gRPC
+UNAVAILABLE) naming the store, and from then on every call fails at once, without touching
+Redis, until a background thread's ``PING`` is answered again (every
+:data:`PROBE_INTERVAL_S`): the event loop is blocked at most once per outage.
+
 Values: plans are stored once per change as one blob (a JSON header and the int64 columns of
 every :class:`~broker.planner.SourceReads`), the rest of a transfer as compact JSON; decoded
 plans and registrations are cached by content token and generation, so the many reads that
@@ -46,14 +53,21 @@ import json
 import re
 import secrets
 import struct
+import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import astuple, fields
+from functools import wraps
+from types import FunctionType
 from typing import Any, TypeVar
 
 import numpy as np
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from broker.convert import registration_from_proto, registration_to_proto
+from broker.errors import StoreUnavailableError
 from broker.planner import RankPlan, SourceReads
 from broker.records import (
     PlanRecord,
@@ -76,6 +90,12 @@ T = TypeVar("T")
 REDELIVER_MS = 5_000
 #: Plan runs (32 bytes each) kept decoded in memory across transfers.
 PLAN_CACHE_RUNS = 4_000_000
+#: Default deadline of one connect or reply (ms): a store that takes longer is unavailable.
+STORE_TIMEOUT_MS = 1_000
+#: Pause between probes of an unavailable store (seconds).
+PROBE_INTERVAL_S = 0.1
+#: What a store that cannot be reached in time raises.
+_UNREACHABLE = (redis.ConnectionError, redis.TimeoutError)
 _RANK_FIELDS = ("reg", "lease", "exp", "at", "gen")
 _COLUMNS = 4  # region, local_offset, remote_offset, length
 
@@ -197,6 +217,49 @@ def redact_url(url: str) -> str:
     return _PASSWORD_PARAM.sub(r"\g<key>***", _USERINFO.sub(userinfo, url, count=1))
 
 
+def _fails_fast(cls: type[T]) -> type[T]:
+    """Every public method of ``cls``: while the store is known to be unavailable, raise
+    :class:`StoreUnavailableError` at once; when Redis cannot be reached in time, raise it
+    and start probing (see the module docstring)."""
+
+    def guard(method: Callable[..., Any]) -> Callable[..., Any]:
+        @wraps(method)
+        def guarded(self: RedisStateStore, *args: Any, **kwargs: Any) -> Any:
+            if self._outage is not None:
+                raise self._unavailable()
+            try:
+                return method(self, *args, **kwargs)
+            except _UNREACHABLE as exc:
+                raise self._lost(exc) from None
+
+        return guarded
+
+    for name, method in list(vars(cls).items()):
+        if isinstance(method, FunctionType) and not name.startswith("_"):
+            setattr(cls, name, guard(method))
+    return cls
+
+
+def _raise_if_broken(exc: Exception) -> None:
+    """Raise the connection error behind a ``WatchError`` (redis-py's answer when a watching
+    connection breaks); a lost race is not one."""
+    if isinstance(exc, redis.WatchError) and isinstance(exc.__context__, _UNREACHABLE):
+        raise exc.__context__ from None
+
+
+def _store_name(client: redis.Redis) -> str:
+    """``redis://HOST:PORT/DB`` (or ``unix://PATH``) of ``client``'s server, without
+    credentials."""
+    pool = client.connection_pool
+    kwargs = pool.connection_kwargs
+    if "path" in kwargs:
+        return f"unix://{kwargs['path']}"
+    scheme = "rediss" if issubclass(pool.connection_class, redis.SSLConnection) else "redis"
+    host, port, db = kwargs.get("host", "localhost"), kwargs.get("port", 6379), kwargs.get("db", 0)
+    return f"{scheme}://{host}:{port}/{db}"
+
+
+@_fails_fast
 class RedisStateStore(StateStore):
     """Records in one Redis server (or primary); see the module docstring.
 
@@ -226,6 +289,12 @@ class RedisStateStore(StateStore):
         self._plans: dict[str, dict[int, RankPlan]] = {}
         self._plan_tokens: dict[int, str] = {}
         self._cached_runs = 0
+        #: How errors name the store: its address, never its credentials.
+        self.name = _store_name(client)
+        #: Why the store is unavailable (None: it is not known to be); set by the call that
+        #: could not reach it, cleared by the probe that got an answer.
+        self._outage: str | None = None
+        self._outage_lock = threading.Lock()
         scripts = {
             "put_rank": _PUT_RANK,
             "delete_rank": _DELETE_RANK,
@@ -240,12 +309,53 @@ class RedisStateStore(StateStore):
         self._scripts = {name: client.register_script(text) for name, text in scripts.items()}
 
     @classmethod
-    def from_url(cls, url: str, prefix: str = "pdbroker:", **ttls: int) -> RedisStateStore:
-        """A store on ``redis://HOST:PORT/DB`` (``rediss://`` for TLS, ``unix://`` too)."""
+    def from_url(
+        cls, url: str, prefix: str = "pdbroker:", *, timeout_ms: int = STORE_TIMEOUT_MS, **ttls: int
+    ) -> RedisStateStore:
+        """A store on ``redis://HOST:PORT/DB`` (``rediss://`` for TLS, ``unix://`` too) whose
+        connects and replies each time out after ``timeout_ms``, never retried (the caller
+        gets UNAVAILABLE and may go to another replica)."""
         client = redis.Redis.from_url(
-            url, socket_timeout=5, socket_connect_timeout=5, health_check_interval=30
+            url,
+            socket_timeout=timeout_ms / 1000,
+            socket_connect_timeout=timeout_ms / 1000,
+            retry=Retry(NoBackoff(), 0),
+            health_check_interval=30,
         )
         return cls(client, prefix, **ttls)
+
+    # ------------------------------------------------------------------ availability
+
+    @property
+    def available(self) -> bool:
+        """False from a call that could not reach Redis in time until a probe is answered."""
+        return self._outage is None
+
+    def _unavailable(self, why: str | None = None) -> StoreUnavailableError:
+        """The error of a call that could not reach the store (``why``: the outage's cause)."""
+        why = why or self._outage
+        return StoreUnavailableError("store", f"Redis store {self.name} is unavailable: {why}")
+
+    def _lost(self, exc: Exception) -> StoreUnavailableError:
+        """Record an outage (``exc`` says why) and start probing, unless already probing."""
+        why = " ".join(str(exc).split()) or type(exc).__name__
+        with self._outage_lock:
+            if self._outage is None:
+                self._outage = why
+                threading.Thread(target=self._probe, name="store-probe", daemon=True).start()
+        return self._unavailable(why)
+
+    def _probe(self) -> None:
+        """``PING`` every :data:`PROBE_INTERVAL_S` until Redis answers; then end the outage."""
+        while True:
+            time.sleep(PROBE_INTERVAL_S)
+            try:
+                self.client.ping()
+            except redis.RedisError:
+                continue
+            with self._outage_lock:
+                self._outage = None
+            return
 
     # ------------------------------------------------------------------ transactions
 
@@ -265,11 +375,17 @@ class RedisStateStore(StateStore):
                         result, error = operation(), None
                     except Exception as exc:  # noqa: BLE001 - re-raised once committed
                         result, error = None, exc
+                        _raise_if_broken(exc)
+                    if self._outage is not None:  # nothing can be committed
+                        if pipe.connection is not None:  # no UNWATCH to wait for
+                            pipe.connection.disconnect()
+                        raise self._unavailable()
                     pipe.multi()
                     for op in tx.ops:
                         op(pipe)
                     pipe.execute()
-                except redis.WatchError:
+                except redis.WatchError as exc:
+                    _raise_if_broken(exc)
                     continue
                 finally:
                     self._tx = None
@@ -616,12 +732,19 @@ class RedisStateStore(StateStore):
     def subscribe_releases(self, callback: Callable[[RankKey], None]) -> Callable[[], None]:
         """Call ``callback(key)`` on a background thread whenever any replica queues a
         release for prefill rank ``key`` or drops its queue (so a local watcher wakes up);
-        returns the function that stops listening."""
+        returns the function that stops listening. Listening survives outages: the thread
+        subscribes again once Redis is back."""
         pubsub = self.client.pubsub(ignore_subscribe_messages=True)
         pubsub.subscribe(
             **{self._key("releases").decode(): lambda m: callback(_parse_member(m["data"]))}
         )
-        worker = pubsub.run_in_thread(sleep_time=1.0, daemon=True)
+
+        def keep_listening(exc: BaseException, *_: Any) -> None:
+            if not isinstance(exc, _UNREACHABLE):
+                raise exc
+            time.sleep(PROBE_INTERVAL_S)
+
+        worker = pubsub.run_in_thread(sleep_time=1.0, daemon=True, exception_handler=keep_listening)
 
         def stop() -> None:
             worker.stop()

@@ -44,6 +44,7 @@ from broker.errors import (
     PdbrokerError,
     PermissionDeniedError,
     PreconditionError,
+    StoreUnavailableError,
     UnauthenticatedError,
 )
 from broker.limits import LIMITS, max_request_bytes_of
@@ -69,6 +70,7 @@ _STATUS_BY_ERROR: tuple[tuple[type[PdbrokerError], grpc.StatusCode], ...] = (
     (LimitExceededError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (UnauthenticatedError, grpc.StatusCode.UNAUTHENTICATED),
     (AbortedError, grpc.StatusCode.ABORTED),
+    (StoreUnavailableError, grpc.StatusCode.UNAVAILABLE),  # another replica may serve it
 )
 
 Req = TypeVar("Req")
@@ -460,9 +462,12 @@ class BrokerServer:
             await asyncio.sleep(self.reap_interval_ms / 1000)
             try:
                 self.service.reap()
-            except Exception:
+            except Exception as exc:
                 if serving:
-                    log.exception("reaper failed; reporting NOT_SERVING until it succeeds")
+                    if isinstance(exc, StoreUnavailableError):
+                        log.warning("%s; reporting NOT_SERVING until it is back", exc.detail)
+                    else:
+                        log.exception("reaper failed; reporting NOT_SERVING until it succeeds")
                     await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
                 serving = False
                 continue

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import queue
+import signal
 import subprocess
 import sys
 import time
@@ -16,10 +17,12 @@ from collections.abc import Callable
 
 import grpc
 import numpy as np
+import pytest
 from broker_helpers import FakeClock, hybrid, register_engine, register_request
 from conftest import RedisServer, start_redis
 
 from broker.api import PlanQuery, Publication, Report
+from broker.errors import StoreUnavailableError
 from broker.records import ReleaseEvent, ReleaseReason, ReportStatus, Role, TransferRecord
 from broker.redis_store import REDELIVER_MS, RedisStateStore
 from broker.scenarios import Scenario, build_scenario
@@ -279,4 +282,45 @@ def test_serve_refuses_unknown_or_unreachable_stores(redis_server: RedisServer) 
     assert bad.wait(10) != 0 and "neither memory nor redis://" in bad.stderr.read()
     closed = redis_server.url.rsplit(":", 1)[0] + ":1/0"
     down = serve("--store", closed)
-    assert down.wait(30) != 0 and "cannot reach the Redis store" in down.stderr.read()
+    assert down.wait(30) != 0 and "cannot reach" in down.stderr.read()
+
+
+def test_a_stalled_server_fails_calls_within_the_timeout_then_at_once(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """SIGSTOP in the middle of a transaction (its connection watching a key): the call fails
+    with StoreUnavailableError after one timeout, later calls fail without waiting, and the
+    store works again once the server resumes."""
+    server = start_redis(tmp_path_factory.mktemp("redis-stall"))
+    store = RedisStateStore.from_url(server.url, "stall:", timeout_ms=300)
+    fleet(store, 1, 1, FakeClock())  # publishes t1
+
+    def read_then_stall() -> TransferRecord | None:
+        store.get_transfer("t1")  # watched
+        os.kill(server.process.pid, signal.SIGSTOP)
+        return store.get_transfer("t2")
+
+    try:
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailableError) as first:
+            store.transact(read_then_stall)
+        first_s = time.monotonic() - started
+        assert first.value.field == "store" and f"127.0.0.1:{server.port}" in str(first.value)
+        assert not store.available
+        started = time.monotonic()
+        for _ in range(20):
+            with pytest.raises(StoreUnavailableError):
+                store.transact(lambda: store.get_transfer("t1"))
+        at_once_s = time.monotonic() - started
+    finally:
+        os.kill(server.process.pid, signal.SIGCONT)
+    try:
+        deadline = time.monotonic() + 5
+        while not store.available:
+            assert time.monotonic() < deadline, "the store never came back"
+            time.sleep(0.02)
+        assert store.transact(lambda: store.get_transfer("t1")).transfer_id == "t1"
+    finally:
+        server.stop()
+    assert 0.25 < first_s < 1.0, first_s  # one 300 ms timeout, not one per retry or attempt
+    assert at_once_s < 0.1, at_once_s

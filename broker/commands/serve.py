@@ -92,6 +92,12 @@ _INT_OPTIONS = (
         "how long an unreported plan holds its prefill blocks after its transfer ended",
     ),
     ("--reap-interval-ms", "PDBROKER_REAP_INTERVAL_MS", 100, "how often expiry is checked"),
+    (
+        "--store-timeout-ms",
+        "PDBROKER_STORE_TIMEOUT_MS",
+        1_000,
+        "deadline of one Redis connect or reply; past it calls answer UNAVAILABLE",
+    ),
 )
 
 
@@ -247,7 +253,8 @@ def run(args: argparse.Namespace) -> int:
                 f"{_url_host(host)}:{args.metrics_port}: {exc.strerror or exc}"
             ) from None
         print(f"pdbroker serve: metrics on http://{_url_host(host)}:{port}/metrics", flush=True)
-    service = BrokerService(_open_store(args.store, config), config=config, observer=metrics)
+    store = _open_store(args.store, config, args.store_timeout_ms)
+    service = BrokerService(store, config=config, observer=metrics)
     try:
         asyncio.run(_serve(_server(service, args, security)))
     finally:
@@ -286,9 +293,10 @@ def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def _open_store(url: str, config: ServiceConfig) -> StateStore | None:
+def _open_store(url: str, config: ServiceConfig, timeout_ms: int) -> StateStore | None:
     """``None`` (the in-memory default) for ``memory``, else a reachable Redis store whose
-    server-side TTLs outlast every lease and transfer the service keeps."""
+    server-side TTLs outlast every lease and transfer the service keeps and whose connects
+    and replies time out after ``timeout_ms``."""
     if url == "memory":
         return None
     import redis
@@ -303,6 +311,7 @@ def _open_store(url: str, config: ServiceConfig) -> StateStore | None:
     try:
         store = RedisStateStore.from_url(
             url,
+            timeout_ms=timeout_ms,
             rank_ttl_ms=3 * config.lease_ttl_ms,
             transfer_ttl_ms=config.max_ttl_ms
             + config.max_read_ms
