@@ -43,6 +43,9 @@ from clients.session import (
 log = logging.getLogger(__name__)
 #: How many recent (transfer, rank) releases a client remembers to never free blocks twice.
 FREED_MEMORY = 65536
+#: How a broker answers a publish of an engine it does not (fully) hold: it restarted, or
+#: some ranks have registered again and others not yet.
+_ENGINE_UNKNOWN = frozenset({grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION})
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,7 @@ class AsyncPrefillClient(AsyncEngineClient):
         self._awaiting: dict[str, set[int]] = {}  # published transfer -> ranks not yet released
         self._blocks: dict[str, BlockIds] = {}  # and its block ids
         self._freed: OrderedDict[tuple[str, int], None] = OrderedDict()  # recent releases
+        self._publishing: set[str] = set()  # transfers whose PublishBlocks has not answered
         self._busy = asyncio.Event()
 
     def _started(self) -> None:
@@ -107,45 +111,98 @@ class AsyncPrefillClient(AsyncEngineClient):
         """The broker lost this rank's registration (its lease expired, or it restarted
         without a shared store): it failed the rank's transfers and will send no release for
         them, so free their blocks here (reason ABORTED). A decode rank still reading them
-        gets ABORTED or NOT_FOUND for its report, never DONE."""
-        lost = [t for t, ranks in self._awaiting.items() if session.tp_rank in ranks]
+        gets ABORTED or NOT_FOUND for its report, never DONE. A transfer whose publish has
+        not answered yet may belong to the new registration: :meth:`publish` checks it."""
+        lost = [t for t, ranks in self._awaiting.items()
+                if session.tp_rank in ranks and t not in self._publishing]
         for transfer_id in lost:
-            release = Release(session.tp_rank, transfer_id, self._blocks[transfer_id],
-                              ReleaseReason.ABORTED, "the broker lost this rank's registration",
-                              0, 0, time.monotonic())
-            self._spawn(self._deliver(release))
+            self._free_lost(transfer_id, session.tp_rank)
+
+    def _free_lost(self, transfer_id: str, tp_rank: int) -> None:
+        release = Release(tp_rank, transfer_id, self._blocks[transfer_id], ReleaseReason.ABORTED,
+                          "the broker lost this rank's registration", 0, 0, time.monotonic())
+        self._spawn(self._deliver(release))
+
+    def _leases(self) -> tuple[str, ...]:
+        return tuple(s.lease_id for s in self.sessions.values())
 
     async def publish(self, transfer_id: str, block_ids: Sequence[Sequence[int]], num_tokens: int,
                       *, ttl_ms: int = 0, allowed_decode_engines: Sequence[str] = ()) -> int:
         """Offer a request's prefill blocks (per group) to decode engines; returns when the
         transfer expires (ms since the epoch on the broker's clock). ``ttl_ms`` 0 takes the
-        broker's default. Starts the transfer's trace (span ``prefill.publish``)."""
+        broker's default. Starts the transfer's trace (span ``prefill.publish``).
+
+        A broker that does not know the engine (it restarted without a shared store) makes
+        the hosted ranks renew their leases now, registering again where it lost them; the
+        publish is then sent once more. A rank that registered again while the publish was
+        under way may have lost it with the old registration: the broker is asked, and a
+        transfer it does not know is freed (reason ``aborted``) like the others."""
         self._awaiting[transfer_id] = set(self.ranks)
         self._blocks[transfer_id] = tuple(tuple(g) for g in block_ids)
+        self._publishing.add(transfer_id)
         self._busy.set()
+        request = pb.PublishBlocksRequest(
+            transfer_id=transfer_id, engine_id=self.engine_id,
+            block_ids=[pb.BlockIds(ids=list(g)) for g in block_ids], num_tokens=num_tokens,
+            ttl_ms=ttl_ms, allowed_decode_engines=list(allowed_decode_engines))
         try:
             with tracing.root_span("prefill.publish", {
                     "pdbroker.transfer_id": transfer_id, "pdbroker.prefill_engine": self.engine_id,
                     "pdbroker.num_tokens": num_tokens,
                     "pdbroker.blocks": sum(len(g) for g in block_ids)}):
-                failovers = self.stub.failovers
+                leases = self._leases()
                 try:
-                    response = await call(self.stub, "PublishBlocks", pb.PublishBlocksRequest(
-                        transfer_id=transfer_id, engine_id=self.engine_id,
-                        block_ids=[pb.BlockIds(ids=list(g)) for g in block_ids],
-                        num_tokens=num_tokens, ttl_ms=ttl_ms,
-                        allowed_decode_engines=list(allowed_decode_engines)), self.call_timeout_s)
-                    expires_at_ms = response.expires_at_ms
+                    expires_at_ms = await self._publish_once(request)
                 except BrokerCallError as exc:
-                    if exc.code is not grpc.StatusCode.ALREADY_EXISTS or self.stub.failovers == failovers:
+                    if exc.field != "engine_id" or exc.code not in _ENGINE_UNKNOWN:
                         raise
-                    expires_at_ms = await self._published_before_failover(transfer_id, num_tokens, exc)
+                    log.warning("publish: %s; renewing the leases, then publishing again", exc,
+                                extra=transfer_fields(transfer_id))
+                    await self._known_again(exc)
+                    leases = self._leases()
+                    expires_at_ms = await self._publish_once(request)
                 log.debug("published %d tokens", num_tokens, extra=transfer_fields(transfer_id))
         except BaseException:
+            self._publishing.discard(transfer_id)
             self._awaiting.pop(transfer_id, None)
             self._blocks.pop(transfer_id, None)
             raise
+        self._publishing.discard(transfer_id)
+        if self._leases() != leases:
+            await self._free_if_forgotten(transfer_id)
         return expires_at_ms
+
+    async def _publish_once(self, request: pb.PublishBlocksRequest) -> int:
+        failovers = self.stub.failovers
+        try:
+            response = await call(self.stub, "PublishBlocks", request, self.call_timeout_s)
+        except BrokerCallError as exc:
+            if exc.code is not grpc.StatusCode.ALREADY_EXISTS or self.stub.failovers == failovers:
+                raise
+            return await self._published_before_failover(request.transfer_id, request.num_tokens,
+                                                         exc)
+        return response.expires_at_ms
+
+    async def _known_again(self, exc: BrokerCallError) -> None:
+        """Wait until the broker holds every hosted rank (renewed or registered again), at
+        most ``call_timeout_s``; ``exc`` is raised if it does not by then."""
+        try:
+            await asyncio.wait_for(asyncio.gather(*(s.known_again() for s in self.sessions.values())),
+                                   self.call_timeout_s)
+        except asyncio.TimeoutError:
+            raise exc from None
+
+    async def _free_if_forgotten(self, transfer_id: str) -> None:
+        """A rank registered again while ``transfer_id`` was published: free it (reason
+        ``aborted``) unless the broker still knows it."""
+        try:
+            await call(self.stub, "GetTransfer", pb.GetTransferRequest(transfer_id=transfer_id),
+                       self.call_timeout_s)
+        except BrokerCallError as exc:
+            if exc.code is not grpc.StatusCode.NOT_FOUND:
+                raise
+            for tp_rank in sorted(self._awaiting.get(transfer_id, ())):
+                self._free_lost(transfer_id, tp_rank)
 
     async def _published_before_failover(self, transfer_id: str, num_tokens: int,
                                          exc: BrokerCallError) -> int:
@@ -162,7 +219,8 @@ class AsyncPrefillClient(AsyncEngineClient):
         seen when the stream ends (the rank re-registered) or breaks. A cursor is only valid
         for the registration it was read under (a restarted broker numbers anew): the request
         names that lease, and the broker refuses it once the rank registered again, even if
-        that happened after the check below."""
+        that happened after the check below. When the other calls move on to another replica
+        (this one hangs or is gone), the stream is reopened there."""
         cursor, lease = 0, session.lease_id
         while True:
             if session.lease_id != lease:
@@ -170,8 +228,22 @@ class AsyncPrefillClient(AsyncEngineClient):
             address = self.stub.address
             request = pb.WatchReleasesRequest(engine_id=self.engine_id, tp_rank=session.tp_rank,
                                               after_sequence=cursor, lease_id=lease)
+            stream = self.stub.WatchReleases(request)
+            moved = asyncio.ensure_future(self.stub.moved_from(address))
+            read: asyncio.Future | None = None
+            moved_on = False
             try:
-                async for event in self.stub.WatchReleases(request):
+                while True:
+                    read = asyncio.ensure_future(stream.read())
+                    await asyncio.wait((read, moved), return_when=asyncio.FIRST_COMPLETED)
+                    if not read.done():
+                        log.warning("rank %s/%d: reopening the release stream on %s",
+                                    self.engine_id, session.tp_rank, self.stub.address)
+                        moved_on = True
+                        break
+                    event = read.result()
+                    if event is grpc.aio.EOF:
+                        break
                     cursor = event.sequence
                     await self._deliver(_release_from_proto(session.tp_rank, event))
             except grpc.aio.AioRpcError as exc:
@@ -181,7 +253,13 @@ class AsyncPrefillClient(AsyncEngineClient):
                     self.stub.fail_over(address)
             except Exception:  # an event this client cannot read: skip it, keep watching
                 log.exception("rank %s/%d: bad release event", self.engine_id, session.tp_rank)
-            await asyncio.sleep(RETRY_DELAY_S)
+            finally:
+                for pending in (moved, read):
+                    if pending is not None:
+                        pending.cancel()
+                stream.cancel()
+            if not moved_on:
+                await asyncio.sleep(RETRY_DELAY_S)
 
     async def _deliver(self, release: Release) -> None:
         """Hand ``release`` to ``on_release`` in a ``prefill.free`` span."""

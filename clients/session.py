@@ -39,6 +39,13 @@ _MEMORY_KINDS = {DRAM: pb.MEMORY_KIND_DRAM, "VRAM": pb.MEMORY_KIND_VRAM}
 #: doubles while the broker stays unreachable, up to MAX_RETRY_DELAY_S.
 RETRY_DELAY_S = 0.2
 MAX_RETRY_DELAY_S = 5.0
+#: Calls the broker answers alike when they are repeated while the first may still be running
+#: (a plan or report again, a lease renewed twice, a publish that finds its own transfer):
+#: :class:`FailoverStub` repeats them on the next replica when one does not answer in time.
+REPEATABLE = frozenset({
+    "KeepAlive", "GetTransferPlan", "ReportTransfer", "AbortTransfer", "PublishBlocks",
+    "GetTransfer", "ListEngines", "ListTransfers", "Deregister",
+})
 
 
 class BrokerCallError(RuntimeError):
@@ -81,13 +88,21 @@ def broker_addresses(target: str | Sequence[str]) -> tuple[str, ...]:
     return addresses
 
 
+#: Statuses on which :class:`FailoverStub` moves a call on to the next replica.
+_MOVING_ON = frozenset({grpc.StatusCode.UNAVAILABLE})
+_MOVING_ON_REPEATABLE = _MOVING_ON | {grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
 class FailoverStub:
     """A ``BrokerStub`` over broker replicas that share one store (``pdbroker serve --store
     redis://``). Unary calls go to the current replica; one that is UNAVAILABLE (down,
-    unreachable, draining) makes the call move on to the next, round the list with a
-    doubling pause, until the call's timeout runs out. Streams (``WatchReleases``) are
-    opened on the current replica; their consumer calls :meth:`fail_over` with that replica
-    when one breaks.
+    unreachable, draining, its store unreachable) makes the call move on to the next, round
+    the list with a doubling pause, until the call's timeout runs out. A :data:`REPEATABLE`
+    call to one of several replicas gets its share of the time left (half of it with two
+    replicas, then all that remains), so a replica that hangs (stopped, overloaded) answers
+    DEADLINE_EXCEEDED in time for the call to move on as well. Streams (``WatchReleases``)
+    are opened on the current replica; their consumer calls :meth:`fail_over` with that
+    replica when one breaks, and reopens them when :meth:`moved_from` it.
 
     Every broker call is safe to repeat (plans, reports, keep-alives, aborts are
     idempotent); a ``PublishBlocks`` whose reply was lost with its replica comes back
@@ -99,6 +114,7 @@ class FailoverStub:
         self._security = security
         self._stubs: dict[int, tuple[grpc.aio.Channel, pb_grpc.BrokerStub]] = {}
         self._current = 0
+        self._moved = asyncio.Event()  # set (and replaced) whenever calls move on
         #: How many times calls moved on to another replica.
         self.failovers = 0
 
@@ -122,6 +138,13 @@ class FailoverStub:
         if len(self.addresses) > 1:
             self._current = (self._current + 1) % len(self.addresses)
             log.warning("broker calls go to %s now", self.address)
+            self._moved.set()
+            self._moved = asyncio.Event()
+
+    async def moved_from(self, address: str) -> None:
+        """Return once calls no longer go to ``address`` (never, with one address)."""
+        while self.address == address:
+            await self._moved.wait()
 
     def WatchReleases(self, request: pb.WatchReleasesRequest, **kwargs: Any) -> Any:
         return self._stub().WatchReleases(request, **kwargs)
@@ -130,19 +153,26 @@ class FailoverStub:
         if not method[:1].isupper():
             raise AttributeError(method)
 
+        repeatable = method in REPEATABLE
+        moving_on = _MOVING_ON_REPEATABLE if repeatable else _MOVING_ON
+
         async def unary(request: Any, *, timeout: float | None = None, **kwargs: Any) -> Any:
             deadline = None if timeout is None else time.monotonic() + timeout
             delay = RETRY_DELAY_S
             tried = 0
             while True:
                 left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and repeatable:  # a share for each replica left this round
+                    left /= len(self.addresses) - tried % len(self.addresses)
                 address = self.address
                 try:
                     return await getattr(self._stub(), method)(request, timeout=left, **kwargs)
                 except grpc.aio.AioRpcError as exc:
-                    if exc.code() is not grpc.StatusCode.UNAVAILABLE:
+                    if exc.code() not in moving_on:
                         raise
                     self.fail_over(address)
+                    if deadline is not None and time.monotonic() >= deadline:
+                        raise
                     tried += 1
                     if tried % len(self.addresses) == 0:  # every replica refused: back off
                         if deadline is not None and time.monotonic() + delay >= deadline:
@@ -178,6 +208,8 @@ class RankSession:
         #: Called after the rank registered again because the broker lost its lease (lease
         #: expiry, broker restart): the broker failed the transfers of the old registration.
         self.on_registered_again: Callable[[RankSession], None] | None = None
+        self._check_now = asyncio.Event()  # renew the lease without waiting for its time
+        self._known: list[asyncio.Future[None]] = []  # callers of known_again()
 
     @property
     def tp_rank(self) -> int:
@@ -196,6 +228,29 @@ class RankSession:
         lease = await call(self.stub, "RegisterRank", self.registration(), timeout_s)
         self.lease_id, self.ttl_ms, self.generation = lease.lease_id, lease.ttl_ms, lease.generation
 
+    async def known_again(self) -> None:
+        """Return once the broker is known to hold this rank: its lease renewed now or, if
+        the broker lost it (a restart), the rank registered again (by the renewal task)."""
+        known = asyncio.get_running_loop().create_future()
+        self._known.append(known)
+        self._check_now.set()
+        await known
+
+    async def _pause(self, seconds: float) -> None:
+        """Sleep ``seconds``, or less when :meth:`known_again` asks for a renewal."""
+        if not self._check_now.is_set():
+            try:
+                await asyncio.wait_for(self._check_now.wait(), seconds)
+            except asyncio.TimeoutError:
+                pass
+        self._check_now.clear()
+
+    def _confirmed(self) -> None:
+        known, self._known = self._known, []
+        for future in known:
+            if not future.done():
+                future.set_result(None)
+
     async def keep_alive_forever(self, timeout_s: float) -> None:
         """Renew the lease every third of its TTL; register again if it was lost (the
         broker then failed this rank's transfers; new ones work again). While the broker
@@ -203,7 +258,7 @@ class RankSession:
         delay = RETRY_DELAY_S
         lost = False
         while True:
-            await asyncio.sleep(delay if lost else self.ttl_ms / 3000)
+            await self._pause(delay if lost else self.ttl_ms / 3000)
             try:
                 if lost:
                     await self.register(timeout_s)
@@ -211,10 +266,12 @@ class RankSession:
                     lost, delay = False, RETRY_DELAY_S
                     if self.on_registered_again is not None:
                         self.on_registered_again(self)
+                    self._confirmed()
                     continue
                 self.ttl_ms = (await call(self.stub, "KeepAlive",
                                           pb.KeepAliveRequest(lease_id=self.lease_id), timeout_s)).ttl_ms
                 delay = RETRY_DELAY_S
+                self._confirmed()
             except BrokerCallError as exc:
                 if not lost and exc.code is grpc.StatusCode.NOT_FOUND:
                     log.warning("rank %s/%d: lease lost, registering again", self.engine_id, self.tp_rank)

@@ -8,6 +8,7 @@ The engines are given both addresses and start on A.
 
 from __future__ import annotations
 
+import signal
 import time
 
 import grpc
@@ -103,3 +104,41 @@ def test_a_replica_that_loses_redis_reports_not_serving_until_it_is_back(
     finally:
         broker.stop()
         server.stop()
+
+
+def test_a_stopped_replica_is_left_for_the_other_mid_load(redis_server: RedisServer) -> None:
+    """Replica A hangs (SIGSTOP) rather than dies: its connections stay open and nothing
+    answers. Engines' calls to it run out of their share of the timeout (DEADLINE_EXCEEDED),
+    move on to replica B, and the release streams reopen there; every transfer completes."""
+    url = redis_server.url.rsplit("/", 1)[0] + "/7"
+    redis.Redis.from_url(url).flushdb()
+    # Leases outlive the 5 s an engine call waits for A (half its 10 s timeout).
+    a = BrokerProcess("--store", url, "--lease-ttl-ms", "15000")
+    b = BrokerProcess("--store", url, "--lease-ttl-ms", "15000")
+    progress: list[tuple[float, int]] = []
+    stopped_at: list[float] = []
+
+    def on_progress(report: FleetReport) -> None:
+        done = _completed(report)
+        progress.append((time.monotonic(), done))
+        if done >= KILL_AFTER and not stopped_at:
+            stopped_at.append(time.monotonic())
+            a.process.send_signal(signal.SIGSTOP)
+
+    try:
+        pair = PairSpec("FA+Mamba2 P2->D2", hybrid("m2", MAMBA2, 4), 2, 2, 40, 300)
+        report = run_fleet([pair], REQUESTS // 2, inflight=4, on_progress=on_progress,
+                           broker=RunningBrokers([a.address, b.address]))
+    finally:
+        if a.process.poll() is None:
+            a.process.send_signal(signal.SIGCONT)
+        a.stop()
+        b.stop()
+    assert stopped_at, "replica A was never stopped: the run ended too early"
+    assert report.ok, report.problems()
+    assert _completed(report) == REQUESTS // 2
+    after = [t for t, done in progress if t > stopped_at[0] and done > KILL_AFTER]
+    gap = after[0] - stopped_at[0]
+    print(f"\nfailover: first completion through replica B {gap * 1e3:.0f} ms after SIGSTOP of A; "
+          f"{REQUESTS // 2} transfers, {report.mismatches} mismatches, 0 lost")
+    assert gap < 15.0
