@@ -66,3 +66,17 @@ class StoreUnavailableError(PdbrokerError):
     """The state store cannot be reached in time (down, stalled, refusing connections);
     ``field`` is ``store`` and the message names the store, never its credentials. Another
     broker replica, or this one once the store is back, can serve the call."""
+
+
+#: Trailing metadata of a release stream refused with :class:`CompactedError` (gRPC
+#: OUT_OF_RANGE): the newest sequence no longer kept, in decimal.
+COMPACTED_THROUGH_KEY = "pdbroker-compacted-through"
+
+
+class CompactedError(PdbrokerError):
+    """A release stream would resume before events the broker no longer keeps; ``through``
+    is the newest sequence dropped (resume after it once reconciled)."""
+
+    def __init__(self, field: str, message: str, through: int) -> None:
+        super().__init__(field, message)
+        self.through = through

@@ -212,3 +212,10 @@ class ReleaseEvent:
     released_at_ms: int
     #: W3C traceparent the prefill rank's free span descends from ('' when nobody traces).
     traceparent: str = ""
+
+    @property
+    def nbytes(self) -> int:
+        """What the event counts against a release backlog: 8 bytes a block id, its texts,
+        and 64 for the rest."""
+        return (64 + 8 * sum(len(g) for g in self.block_ids) + len(self.transfer_id)
+                + len(self.detail) + len(self.traceparent))

@@ -13,8 +13,12 @@ Keys (``P`` is the prefix, ``R`` a rank ``"{tp_rank}:{engine_id}"``):
 ``P deadlines``            sorted set: transfer id by deadline (ms)
 ``P plan:PLAN``            transfer id of a plan
 ``P contacts:R``           set of agents a decode rank was given metadata for
-``P releases:R``           stream: release events, entry id ``SEQUENCE-0``
+``P releases:R``           stream: release events, entry id ``SEQUENCE-0``, fields ``e``
+                           (JSON event) and ``b`` (its backlog bytes)
 ``P cursor:R``             the largest sequence delivered to a watcher (durable cursor)
+``P backlog:R``            hash: ``bytes`` of the rank's kept events, ``compacted`` (the
+                           newest sequence dropped); ``P backlog`` all ranks' bytes, sorted
+                           set ``P backlogs`` each rank's
 =========================  ==========================================================
 
 **Server-side TTLs.** Lease *expiry* stays the service's decision (it must fail the rank's
@@ -99,7 +103,7 @@ _UNREACHABLE = (redis.ConnectionError, redis.TimeoutError)
 _RANK_FIELDS = ("reg", "lease", "exp", "at", "gen")
 _COLUMNS = 4  # region, local_offset, remote_offset, length
 
-# KEYS: rank, ranks, engine, lease, stream, cursor, contacts
+# KEYS: rank, ranks, engine, lease, stream, cursor, contacts, backlog
 # ARGV: member, tp_rank, reg, lease_id, expires, registered, generation, ttl_ms, lease prefix
 _PUT_RANK = """
 local old = redis.call('HGET', KEYS[1], 'lease')
@@ -109,8 +113,33 @@ redis.call('HSET', KEYS[1], 'reg', ARGV[3], 'lease', ARGV[4], 'exp', ARGV[5], 'a
 redis.call('SET', KEYS[4], ARGV[1], 'PX', ARGV[8])
 redis.call('SADD', KEYS[2], ARGV[1])
 redis.call('SADD', KEYS[3], ARGV[2])
-for i = 1, 7 do
+for i = 1, 8 do
   if i ~= 2 and i ~= 3 then redis.call('PEXPIRE', KEYS[i], ARGV[8]) end
+end
+"""
+# Release backlog accounting shared by the scripts below: ARGV[1] is the key prefix. drop()
+# forgets the oldest `count` events of rank `member` (all of them with count < 0).
+_BACKLOG = """
+local prefix = ARGV[1]
+local function drop(member, count)
+  local stream, backlog = prefix .. 'releases:' .. member, prefix .. 'backlog:' .. member
+  local entries = redis.call('XRANGE', stream, '-', '+', 'COUNT', count < 0 and 1000000000 or count)
+  local size, last = 0, nil
+  for _, entry in ipairs(entries) do
+    local fields = entry[2]
+    for i = 1, #fields, 2 do
+      if fields[i] == 'b' then size = size + tonumber(fields[i + 1]) end
+    end
+    redis.call('XDEL', stream, entry[1])
+    last = entry[1]
+  end
+  if last then
+    redis.call('HINCRBY', backlog, 'bytes', -size)
+    redis.call('HSET', backlog, 'compacted', string.match(last, '^(%d+)'))
+    redis.call('DECRBY', prefix .. 'backlog', size)
+    redis.call('ZINCRBY', prefix .. 'backlogs', -size, member)
+  end
+  return #entries
 end
 """
 # KEYS: rank, ranks, engine; ARGV: member, tp_rank, lease prefix
@@ -157,12 +186,29 @@ local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
 for _, id in ipairs(ids) do redis.call('ZADD', KEYS[1], ARGV[2], id) end
 return ids
 """
-# KEYS: stream, counter; ARGV: event, channel, member, ttl_ms. Returns the sequence.
-_APPEND = """
+# KEYS: stream, counter, backlog; ARGV: prefix, event, channel, member, ttl_ms, bytes,
+# rank budget, total budget. Returns the sequence.
+_APPEND = _BACKLOG + """
+local member = ARGV[4]
 local seq = redis.call('INCR', KEYS[2])
-redis.call('XADD', KEYS[1], seq .. '-0', 'e', ARGV[1])
-redis.call('PEXPIRE', KEYS[1], ARGV[4])
-redis.call('PUBLISH', ARGV[2], ARGV[3])
+redis.call('XADD', KEYS[1], seq .. '-0', 'e', ARGV[2], 'b', ARGV[6])
+redis.call('PEXPIRE', KEYS[1], ARGV[5])
+redis.call('HINCRBY', KEYS[3], 'bytes', ARGV[6])
+redis.call('PEXPIRE', KEYS[3], ARGV[5])
+redis.call('INCRBY', prefix .. 'backlog', ARGV[6])
+redis.call('ZINCRBY', prefix .. 'backlogs', ARGV[6], member)
+while tonumber(redis.call('HGET', KEYS[3], 'bytes')) > tonumber(ARGV[7]) do
+  if drop(member, 1) == 0 then break end
+end
+while tonumber(redis.call('GET', prefix .. 'backlog')) > tonumber(ARGV[8]) do
+  local top = redis.call('ZREVRANGE', prefix .. 'backlogs', 0, 0, 'WITHSCORES')
+  if #top == 0 then break end
+  if drop(top[1], 1) == 0 then  -- its stream expired with its rank: forget what it counted
+    redis.call('ZREM', prefix .. 'backlogs', top[1])
+    redis.call('DECRBY', prefix .. 'backlog', math.floor(tonumber(top[2])))
+  end
+end
+redis.call('PUBLISH', ARGV[3], member)
 return seq
 """
 # KEYS: cursor; ARGV: sequence, ttl_ms
@@ -171,15 +217,25 @@ if tonumber(ARGV[1]) > tonumber(redis.call('GET', KEYS[1]) or '0') then
   redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 end
 """
-# KEYS: stream, cursor; ARGV: keep. Keeps every undelivered event and `keep` delivered ones.
-_TRIM = """
+# KEYS: stream, cursor; ARGV: prefix, member, keep. Keeps every undelivered event and `keep`
+# delivered ones.
+_TRIM = _BACKLOG + """
 local cursor = redis.call('GET', KEYS[2])
 if not cursor then return 0 end
-local keep = tonumber(ARGV[1])
-if keep == 0 then return redis.call('XTRIM', KEYS[1], 'MINID', (cursor + 1) .. '-0') end
-local older = redis.call('XREVRANGE', KEYS[1], cursor .. '-0', '-', 'COUNT', keep + 1)
-if #older > keep then return redis.call('XTRIM', KEYS[1], 'MINID', older[keep][1]) end
+local delivered = #redis.call('XRANGE', KEYS[1], '-', cursor .. '-0')
+local keep = tonumber(ARGV[3])
+if delivered > keep then return drop(ARGV[2], delivered - keep) end
 return 0
+"""
+# KEYS: stream, cursor, backlog; ARGV: prefix, member, channel. Forgets the rank's queue.
+_DROP = _BACKLOG + """
+drop(ARGV[2], -1)
+-- Whatever the rank still counts (events written before backlogs were counted) goes too.
+local left = tonumber(redis.call('HGET', KEYS[3], 'bytes') or '0')
+redis.call('DECRBY', prefix .. 'backlog', left)
+redis.call('ZREM', prefix .. 'backlogs', ARGV[2])
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
+redis.call('PUBLISH', ARGV[3], ARGV[2])
 """
 
 
@@ -305,6 +361,7 @@ class RedisStateStore(StateStore):
             "append": _APPEND,
             "mark": _MARK,
             "trim": _TRIM,
+            "drop": _DROP,
         }
         self._scripts = {name: client.register_script(text) for name, text in scripts.items()}
 
@@ -442,6 +499,7 @@ class RedisStateStore(StateStore):
             self._key("releases", member),
             self._key("cursor", member),
             self._key("contacts", member),
+            self._key("backlog", member),
         ]
         args = [
             member,
@@ -696,13 +754,21 @@ class RedisStateStore(StateStore):
 
     # ------------------------------------------------------------------ release queues
 
-    def append_release(self, key: RankKey, event: ReleaseEvent) -> None:
+    def append_release(self, key: RankKey, event: ReleaseEvent, rank_bytes: int,
+                       total_bytes: int) -> None:
         """Queue ``event`` under a sequence taken when the write is applied (so sequences
         grow in commit order across replicas); ``event.sequence`` is not used."""
-        keys = [self._key("releases", self._member(key)), self._key("counter", "release")]
+        member = self._member(key)
+        keys = [self._key("releases", member), self._key("counter", "release"),
+                self._key("backlog", member)]
         payload = json.dumps(_encode(event, "sequence"), separators=(",", ":"))
-        args = [payload, self._key("releases").decode(), self._member(key), self.rank_ttl_ms]
+        args = [self.prefix, payload, self._key("releases").decode(), member, self.rank_ttl_ms,
+                event.nbytes, rank_bytes, total_bytes]
         self._write(lambda c: self._run("append", keys, args, c))
+
+    def compacted_through(self, key: RankKey) -> int:
+        value = self.client.hget(self._key("backlog", self._member(key)), "compacted")
+        return 0 if value is None else int(value)
 
     def releases_after(self, key: RankKey, sequence: int) -> list[ReleaseEvent]:
         entries = self.client.xrange(
@@ -721,13 +787,14 @@ class RedisStateStore(StateStore):
     def trim_releases(self, key: RankKey, keep_delivered: int) -> None:
         member = self._member(key)
         keys = [self._key("releases", member), self._key("cursor", member)]
-        self._write(lambda c: self._run("trim", keys, [keep_delivered], c))
+        self._write(lambda c: self._run("trim", keys, [self.prefix, member, keep_delivered], c))
 
     def drop_releases(self, key: RankKey) -> None:
         member = self._member(key)
-        keys = [self._key("releases", member), self._key("cursor", member)]
-        channel = self._key("releases")
-        self._write(lambda c: (c.delete(*keys), c.publish(channel, member)))
+        keys = [self._key("releases", member), self._key("cursor", member),
+                self._key("backlog", member)]
+        args = [self.prefix, member, self._key("releases").decode()]
+        self._write(lambda c: self._run("drop", keys, args, c))
 
     def subscribe_releases(self, callback: Callable[[RankKey], None]) -> Callable[[], None]:
         """Call ``callback(key)`` on a background thread whenever any replica queues a

@@ -36,8 +36,10 @@ from grpc_reflection.v1alpha import reflection
 from broker import convert, tracing
 from broker.auth import AccessGuard, Authenticator, Identity
 from broker.errors import (
+    COMPACTED_THROUGH_KEY,
     AbortedError,
     AlreadyExistsError,
+    CompactedError,
     IncompatibleLayoutsError,
     LimitExceededError,
     NotFoundError,
@@ -71,6 +73,7 @@ _STATUS_BY_ERROR: tuple[tuple[type[PdbrokerError], grpc.StatusCode], ...] = (
     (UnauthenticatedError, grpc.StatusCode.UNAUTHENTICATED),
     (AbortedError, grpc.StatusCode.ABORTED),
     (StoreUnavailableError, grpc.StatusCode.UNAVAILABLE),  # another replica may serve it
+    (CompactedError, grpc.StatusCode.OUT_OF_RANGE),
 )
 
 Req = TypeVar("Req")
@@ -86,6 +89,9 @@ def status_code(exc: PdbrokerError) -> grpc.StatusCode:
 
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> NoReturn:
     """End the call with the status of ``exc`` (INTERNAL for anything but our errors)."""
+    if isinstance(exc, CompactedError):
+        await context.abort(status_code(exc), str(exc),
+                            trailing_metadata=((COMPACTED_THROUGH_KEY, str(exc.through)),))
     if isinstance(exc, PdbrokerError):
         await context.abort(status_code(exc), str(exc))
     log.exception("internal error", exc_info=exc)
@@ -257,6 +263,8 @@ class BrokerServicer(pb_grpc.BrokerServicer):
                     self.service.delivered(key, cursor)
                 if not events:
                     await wake.wait()
+        except Exception as exc:  # noqa: BLE001 - events dropped meanwhile, store unavailable
+            await _abort(context, exc)
         finally:
             waiters = self._wakeups[key]
             waiters.discard(wake)

@@ -65,6 +65,7 @@ from broker.descriptors import descriptor_pair
 from broker.errors import (
     AbortedError,
     AlreadyExistsError,
+    CompactedError,
     IncompatibleLayoutsError,
     InvalidFieldError,
     LayoutError,
@@ -118,6 +119,13 @@ class ServiceConfig:
     planner_cache_size: int = 64
     #: Delivered release events kept per prefill rank for streams that resume.
     release_resume_window: int = 1024
+    #: Bytes of release events (:attr:`~broker.records.ReleaseEvent.nbytes`) kept per prefill
+    #: rank, delivered or not, and over all ranks; the oldest beyond either are dropped and a
+    #: stream resuming before them is told so (:class:`~broker.errors.CompactedError`), so
+    #: its client asks which of its transfers ended. The default per rank holds several
+    #: events of requests at the block-id limit (8 MiB each).
+    release_backlog_bytes: int = 64 << 20
+    release_backlog_total_bytes: int = 1 << 30
     #: How long a live plan (handed out, not reported) may hold its prefill ranks after its
     #: transfer ended; then it counts as failed and they are released.
     max_read_ms: int = 60_000
@@ -580,14 +588,29 @@ class BrokerService:
                 f"not the current lease of rank {tp_rank}: it registered again since; "
                 "watch under the new lease from after_sequence 0",
             )
-        return record.generation, after_sequence or self.store.delivered((engine_id, tp_rank))
+        cursor = after_sequence or self.store.delivered((engine_id, tp_rank))
+        self._check_kept((engine_id, tp_rank), cursor)
+        return record.generation, cursor
 
     def releases(self, key: RankKey, generation: int, cursor: int) -> list[ReleaseEvent] | None:
-        """Events after ``cursor`` for the rank, or ``None`` once that registration is gone."""
+        """Events after ``cursor`` for the rank, or ``None`` once that registration is gone;
+        :class:`CompactedError` when some of them are no longer kept."""
         record = self.store.get_rank(key)
         if record is None or record.generation != generation:
             return None
+        self._check_kept(key, cursor)
         return self.store.releases_after(key, cursor)
+
+    def _check_kept(self, key: RankKey, cursor: int) -> None:
+        through = self.store.compacted_through(key)
+        if cursor < through:
+            raise CompactedError(
+                "after_sequence",
+                f"release events of rank {key[1]} after {cursor} through {through} are no "
+                "longer kept; ask GetTransfer which of your transfers were released, then "
+                f"watch from after_sequence {through}",
+                through,
+            )
 
     def delivered(self, key: RankKey, sequence: int) -> None:
         """A watcher sent events up to ``sequence``."""
@@ -845,6 +868,7 @@ class BrokerService:
             transfer.deadline_ms = min(held_until)
         elif transfer.finished_at_ms is not None:
             transfer.deadline_ms = max(now, transfer.finished_at_ms) + self.config.retention_ms
+            transfer.block_ids = ()  # every rank was released: nothing reads them again
 
     def _release(
         self, transfer: TransferRecord, p: int, reason: ReleaseReason, detail: str, now: int
@@ -875,7 +899,8 @@ class BrokerService:
                 now,
                 tracing.span_traceparent(span) or transfer.traceparent,
             )
-            self.store.append_release(key, event)
+            self.store.append_release(key, event, self.config.release_backlog_bytes,
+                                      self.config.release_backlog_total_bytes)
             self._notify(key)
         self._later(self.observer.rank_released, reason, (now - transfer.published_at_ms) / 1000)
 

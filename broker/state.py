@@ -10,7 +10,9 @@ from __future__ import annotations
 import bisect
 import heapq
 from abc import ABC, abstractmethod
+from array import array
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from operator import attrgetter
 from typing import TypeVar
 
@@ -108,8 +110,18 @@ class StateStore(ABC):
     # ---- release queues, one per prefill rank
 
     @abstractmethod
-    def append_release(self, key: RankKey, event: ReleaseEvent) -> None:
-        """Queue ``event``; sequences appended to one key are increasing."""
+    def append_release(self, key: RankKey, event: ReleaseEvent, rank_bytes: int,
+                       total_bytes: int) -> None:
+        """Queue ``event``; sequences appended to one key are increasing. Then, while the
+        rank's kept events exceed ``rank_bytes`` (:attr:`ReleaseEvent.nbytes`), drop its
+        oldest; while all ranks' exceed ``total_bytes``, the oldest of the rank holding most.
+        Dropped events advance :meth:`compacted_through`."""
+
+    @abstractmethod
+    def compacted_through(self, key: RankKey) -> int:
+        """The newest sequence of ``key`` no longer kept (dropped, or trimmed once
+        delivered); 0 when every event is still kept. A resume from before it would miss
+        events."""
 
     @abstractmethod
     def releases_after(self, key: RankKey, sequence: int) -> list[ReleaseEvent]:
@@ -129,7 +141,7 @@ class StateStore(ABC):
 
     @abstractmethod
     def drop_releases(self, key: RankKey) -> None:
-        """Forget the queue and cursor of ``key`` (the rank is gone)."""
+        """Forget the queue, cursor and compaction mark of ``key`` (the rank is gone)."""
 
 
 class InMemoryStateStore(StateStore):
@@ -148,6 +160,9 @@ class InMemoryStateStore(StateStore):
         self._contacts: dict[RankKey, set[str]] = {}
         self._releases: dict[RankKey, list[ReleaseEvent]] = {}
         self._delivered: dict[RankKey, int] = {}
+        self._release_bytes: dict[RankKey, int] = {}  # kept events' nbytes, by rank
+        self._total_release_bytes = 0
+        self._compacted: dict[RankKey, int] = {}
 
     def next_counter(self, name: str) -> int:
         value = self._counters.get(name, 0) + 1
@@ -234,8 +249,33 @@ class InMemoryStateStore(StateStore):
     def drop_contacts(self, decode: RankKey) -> None:
         self._contacts.pop(decode, None)
 
-    def append_release(self, key: RankKey, event: ReleaseEvent) -> None:
-        self._releases.setdefault(key, []).append(event)
+    def append_release(self, key: RankKey, event: ReleaseEvent, rank_bytes: int,
+                       total_bytes: int) -> None:
+        # Block ids as arrays of int64: 8 bytes an id rather than a Python int each.
+        compact = tuple(array("q", g) for g in event.block_ids)
+        self._releases.setdefault(key, []).append(replace(event, block_ids=compact))
+        self._release_bytes[key] = self._release_bytes.get(key, 0) + event.nbytes
+        self._total_release_bytes += event.nbytes
+        self._forget_oldest(key, lambda: self._release_bytes[key] > rank_bytes)
+        while self._total_release_bytes > total_bytes:
+            largest = max(self._release_bytes, key=self._release_bytes.__getitem__)
+            self._forget_oldest(largest, lambda: False, at_least=1)
+
+    def _forget_oldest(self, key: RankKey, over: Callable[[], bool], at_least: int = 0) -> None:
+        """Drop ``key``'s oldest events: ``at_least`` of them, then while ``over()``."""
+        queue = self._releases[key]
+        dropped = 0
+        while queue[dropped:] and (dropped < at_least or over()):
+            size = queue[dropped].nbytes
+            self._release_bytes[key] -= size
+            self._total_release_bytes -= size
+            dropped += 1
+        if dropped:
+            self._compacted[key] = queue[dropped - 1].sequence
+            del queue[:dropped]
+
+    def compacted_through(self, key: RankKey) -> int:
+        return self._compacted.get(key, 0)
 
     def releases_after(self, key: RankKey, sequence: int) -> list[ReleaseEvent]:
         queue = self._releases.get(key, [])
@@ -258,8 +298,11 @@ class InMemoryStateStore(StateStore):
         cursor = self._delivered.get(key, 0)
         delivered = bisect.bisect_right(queue, cursor, key=attrgetter("sequence"))
         if delivered > keep_delivered:
-            del queue[: delivered - keep_delivered]
+            count = delivered - keep_delivered
+            self._forget_oldest(key, lambda: False, at_least=count)
 
     def drop_releases(self, key: RankKey) -> None:
         self._releases.pop(key, None)
         self._delivered.pop(key, None)
+        self._compacted.pop(key, None)
+        self._total_release_bytes -= self._release_bytes.pop(key, 0)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import grpc
 
 from broker import tracing
+from broker.errors import COMPACTED_THROUGH_KEY
 from broker.layout import EngineLayout
 from broker.logs import transfer_fields
 from broker.records import BlockIds, ReleaseReason
@@ -69,6 +70,17 @@ class Release:
 ReleaseCallback = Callable[[Release], Awaitable[None] | None]
 #: Called with ``(tp_rank, sender agent, message)`` for each NIXL notification a rank receives.
 NotificationCallback = Callable[[int, str, bytes], None]
+
+
+def _compacted_through(exc: grpc.aio.AioRpcError) -> int | None:
+    """For a release stream refused because the events it would resume from are no longer
+    kept (OUT_OF_RANGE), the newest sequence dropped; else None."""
+    if exc.code() is not grpc.StatusCode.OUT_OF_RANGE:
+        return None
+    for key, value in exc.trailing_metadata() or ():
+        if key == COMPACTED_THROUGH_KEY:
+            return int(value)
+    return None
 
 
 def _release_from_proto(tp_rank: int, event: pb.ReleaseEvent) -> Release:
@@ -251,6 +263,9 @@ class AsyncPrefillClient(AsyncEngineClient):
                             session.tp_rank, exc.details())
                 if exc.code() is grpc.StatusCode.UNAVAILABLE:
                     self.stub.fail_over(address)
+                through = _compacted_through(exc)
+                if through is not None and await self._reconcile(session, through):
+                    cursor, moved_on = through, True  # resume at once, after what was dropped
             except Exception:  # an event this client cannot read: skip it, keep watching
                 log.exception("rank %s/%d: bad release event", self.engine_id, session.tp_rank)
             finally:
@@ -260,6 +275,32 @@ class AsyncPrefillClient(AsyncEngineClient):
                 stream.cancel()
             if not moved_on:
                 await asyncio.sleep(RETRY_DELAY_S)
+
+    async def _reconcile(self, session: RankSession, through: int) -> bool:
+        """The broker no longer keeps this rank's release events through sequence
+        ``through``: ask it about each transfer the rank still awaits and free exactly those
+        it released the rank of (with its reason), or forgot (it forgets a transfer only
+        after every rank was released). Returns whether every answer came."""
+        for transfer_id in [t for t, ranks in self._awaiting.items() if session.tp_rank in ranks
+                            and t not in self._publishing]:
+            try:
+                info = await call(self.stub, "GetTransfer",
+                                  pb.GetTransferRequest(transfer_id=transfer_id),
+                                  self.call_timeout_s)
+            except BrokerCallError as exc:
+                if exc.code is not grpc.StatusCode.NOT_FOUND:
+                    return False
+                reason, detail = ReleaseReason.ABORTED, "the broker forgot this finished transfer"
+            else:
+                rank = next((r for r in info.releases if r.tp_rank == session.tp_rank), None)
+                if rank is None or rank.reason == pb.RELEASE_REASON_UNSPECIFIED:
+                    continue  # not released yet: its event is still to come
+                reason = ReleaseReason[
+                    pb.ReleaseReason.Name(rank.reason).removeprefix("RELEASE_REASON_")]
+                detail = "reconciled: the broker no longer kept the release event"
+            await self._deliver(Release(session.tp_rank, transfer_id, self._blocks[transfer_id],
+                                        reason, detail, 0, 0, time.monotonic()))
+        return True
 
     async def _deliver(self, release: Release) -> None:
         """Hand ``release`` to ``on_release`` in a ``prefill.free`` span."""

@@ -58,6 +58,8 @@ DOCUMENTED_DEFAULTS = {
     "lease_ttl_ms": 10_000,
     "retention_ms": 60_000,
     "max_read_ms": 60_000,
+    "release_backlog_bytes": 64 << 20,
+    "release_backlog_total_bytes": 1 << 30,
     "release_resume_window": 1024,  # the proto's WatchReleasesRequest.after_sequence
 }
 RELIABILITY = Path(__file__).parents[1] / "docs" / "RELIABILITY.md"

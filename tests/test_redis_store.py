@@ -30,6 +30,9 @@ from broker.service import BrokerService, ServiceConfig
 from broker.v1 import broker_pb2 as pb
 from broker.v1 import broker_pb2_grpc as pb_grpc
 
+#: Release backlog budgets that never drop an event (rank, total).
+UNBOUNDED = (1 << 40, 1 << 40)
+
 CONFIG = ServiceConfig(default_ttl_ms=5_000, lease_ttl_ms=60_000, retention_ms=10_000)
 
 
@@ -138,7 +141,7 @@ def test_every_field_round_trips(redis_server: RedisServer) -> None:
     event = ReleaseEvent(0, "t", ((1, 2), (3,)), ReleaseReason.CONSUMER_FAILED, "why", 5)
     event = dataclasses.replace(event, **{f.name: "set" for f in dataclasses.fields(event)
                                           if getattr(event, f.name) == ""})
-    store.append_release(("P", 9), event)
+    store.append_release(("P", 9), event, *UNBOUNDED)
     (back,) = twin(store).releases_after(("P", 9), 0)
     assert dataclasses.replace(back, sequence=0) == event
 
@@ -166,20 +169,24 @@ def test_release_cursor_resumes_from_another_store(redis_server: RedisServer) ->
     store = redis_server.store()
     key = ("P", 0)
     for i in range(5):
-        store.append_release(key, ReleaseEvent(0, f"t{i}", ((i,),), ReleaseReason.COMPLETED, "", i))
+        store.append_release(key, ReleaseEvent(0, f"t{i}", ((i,),), ReleaseReason.COMPLETED, "", i),
+                             *UNBOUNDED)
     sequences = [e.sequence for e in store.releases_after(key, 0)]
     assert sequences == sorted(set(sequences)) and len(sequences) == 5
     store.mark_delivered(key, sequences[2])
     store.mark_delivered(key, sequences[0])  # the cursor never goes back
     store.trim_releases(key, 1)
     other = twin(store)
+    assert other.compacted_through(key) == sequences[1]  # t0 and t1 are gone
     assert other.delivered(key) == sequences[2]
     assert [e.transfer_id for e in other.releases_after(key, 0)] == ["t2", "t3", "t4"]
     assert [e.transfer_id for e in other.releases_after(key, sequences[2])] == ["t3", "t4"]
-    other.append_release(key, ReleaseEvent(0, "t5", ((5,),), ReleaseReason.EXPIRED, "ttl", 9))
+    other.append_release(key, ReleaseEvent(0, "t5", ((5,),), ReleaseReason.EXPIRED, "ttl", 9),
+                         *UNBOUNDED)
     assert store.releases_after(key, sequences[4])[0].sequence > sequences[4]
     store.drop_releases(key)
     assert other.releases_after(key, 0) == [] and other.delivered(key) == 0
+    assert other.compacted_through(key) == 0
 
 
 def test_due_transfers_come_once_and_again_if_never_put_back(redis_server: RedisServer) -> None:
@@ -243,7 +250,8 @@ def test_releases_wake_watchers_on_other_replicas(redis_server: RedisServer) -> 
     stop = twin(store).subscribe_releases(woken.put)
     try:
         time.sleep(0.1)  # the subscription is in place
-        store.append_release(("P", 3), ReleaseEvent(0, "t", ((1,),), ReleaseReason.ABORTED, "", 0))
+        store.append_release(("P", 3), ReleaseEvent(0, "t", ((1,),), ReleaseReason.ABORTED, "", 0),
+                             *UNBOUNDED)
         assert woken.get(timeout=5) == ("P", 3)
         store.drop_releases(("engine:with:colons", 0))
         assert woken.get(timeout=5) == ("engine:with:colons", 0)

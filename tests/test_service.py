@@ -19,6 +19,7 @@ from broker.api import PlanQuery, Publication, Report
 from broker.errors import (
     AbortedError,
     AlreadyExistsError,
+    CompactedError,
     IncompatibleLayoutsError,
     InvalidFieldError,
     LimitExceededError,
@@ -605,6 +606,73 @@ def test_release_cursor_resumes_and_new_watchers_start_after_delivered_events() 
     lease = service.store.get_rank(("P", 0)).lease_id
     service.deregister(lease)
     assert service.releases(("P", 0), generation, 0) is None
+
+
+def _event_bytes(service: BrokerService, key=("P", 0)) -> list[int]:
+    return [e.nbytes for e in service.store.releases_after(key, 0)]
+
+
+def test_release_backlog_is_bounded_in_bytes_and_a_resume_before_it_is_refused() -> None:
+    """Nobody watches P's rank: its kept events stay within release_backlog_bytes, the
+    oldest dropped first; a stream resuming before the dropped ones is refused naming the
+    newest dropped sequence, and one resuming after it gets every event kept."""
+    service, _, sc = setup(1, 1, release_backlog_bytes=1000, release_backlog_total_bytes=1 << 20)
+    for i in range(12):
+        publish(service, sc, f"t{i:02}")
+        service.abort(f"t{i:02}", "x" * 100)
+    sizes = _event_bytes(service)
+    assert sum(sizes) <= 1000 < sum(sizes) + sizes[0]  # no event dropped needlessly
+    kept = [e.transfer_id for e in service.store.releases_after(("P", 0), 0)]
+    assert kept == [f"t{i:02}" for i in range(12 - len(kept), 12)] and 0 < len(kept) < 12
+    for after in (0, 1):
+        with pytest.raises(CompactedError) as err:
+            service.release_stream("P", 0, after)
+        assert err.value.field == "after_sequence"
+    through = err.value.through
+    assert through == service.store.compacted_through(("P", 0)) > 0
+    generation, cursor = service.release_stream("P", 0, through)
+    events = service.releases(("P", 0), generation, cursor)
+    assert [e.transfer_id for e in events] == kept and events[0].sequence > through
+
+
+def test_release_backlog_over_all_ranks_drops_from_the_largest() -> None:
+    service, _, sc = setup(1, 1, release_backlog_bytes=1 << 20, release_backlog_total_bytes=500)
+    register_engine(service, sc.prefill, "Q", Role.PREFILL, 2)
+    for i in range(6):
+        publish(service, sc, f"p{i}")
+        service.abort(f"p{i}", "")
+    service.publish(Publication("q0", "Q", sc.request.prefill_block_ids, sc.request.num_tokens))
+    service.abort("q0", "")
+    total = sum(_event_bytes(service)) + sum(_event_bytes(service, ("Q", 0)))
+    assert total <= 500
+    assert service.store.compacted_through(("P", 0)) > 0  # P held most: its oldest went
+    assert service.store.compacted_through(("Q", 0)) == 0
+    assert [e.transfer_id for e in service.store.releases_after(("Q", 0), 0)] == ["q0"]
+
+
+def test_a_resume_below_the_kept_delivered_window_is_refused_not_silent() -> None:
+    service, _, sc = setup(1, 1, release_resume_window=2)
+    for t in ("a", "b", "c", "d"):
+        publish(service, sc, t)
+        service.abort(t, "")
+    generation, cursor = service.release_stream("P", 0, 0)
+    events = service.releases(("P", 0), generation, cursor)
+    service.delivered(("P", 0), events[-1].sequence)  # a and b are trimmed: 2 are kept
+    with pytest.raises(CompactedError) as err:
+        service.release_stream("P", 0, events[0].sequence)
+    assert err.value.through == events[1].sequence
+    _, cursor = service.release_stream("P", 0, events[1].sequence)
+    assert [e.transfer_id for e in service.releases(("P", 0), generation, cursor)] == ["c", "d"]
+
+
+def test_released_transfers_drop_their_block_ids() -> None:
+    service, _, sc = setup(1, 1)
+    publish(service, sc)
+    assert service.get_transfer("t1").block_ids == sc.request.prefill_block_ids
+    service.abort("t1", "")
+    assert service.get_transfer("t1").block_ids == ()  # kept for GetTransfer, without them
+    (event,) = service.store.releases_after(("P", 0), 0)
+    assert [list(g) for g in event.block_ids] == [list(g) for g in sc.request.prefill_block_ids]
 
 
 def test_a_cursor_of_an_earlier_registration_is_refused_not_resumed() -> None:

@@ -91,6 +91,21 @@ _INT_OPTIONS = (
         _DEFAULTS.max_read_ms,
         "how long an unreported plan holds its prefill blocks after its transfer ended",
     ),
+    (
+        "--release-backlog-bytes",
+        "PDBROKER_RELEASE_BACKLOG_BYTES",
+        _DEFAULTS.release_backlog_bytes,
+        (
+            "release events kept per prefill rank (bytes); older ones are dropped and a "
+            "stream resuming before them is told to reconcile"
+        ),
+    ),
+    (
+        "--release-backlog-total-bytes",
+        "PDBROKER_RELEASE_BACKLOG_TOTAL_BYTES",
+        _DEFAULTS.release_backlog_total_bytes,
+        "release events kept over all prefill ranks (bytes)",
+    ),
     ("--reap-interval-ms", "PDBROKER_REAP_INTERVAL_MS", 100, "how often expiry is checked"),
     (
         "--store-timeout-ms",
@@ -238,6 +253,8 @@ def run(args: argparse.Namespace) -> int:
         max_transfers=args.max_transfers,
         max_read_ms=args.max_read_ms,
         max_ranks=args.max_ranks,
+        release_backlog_bytes=args.release_backlog_bytes,
+        release_backlog_total_bytes=args.release_backlog_total_bytes,
     )
     metrics = None
     if args.metrics_port is not None:
