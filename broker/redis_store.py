@@ -11,6 +11,8 @@ Keys (``P`` is the prefix, ``R`` a rank ``"{tp_rank}:{engine_id}"``):
                            (deadline), ``ids`` (plan ids), ``p`` (plans blob); set
                            ``P transfers``
 ``P deadlines``            sorted set: transfer id by deadline (ms)
+``P usage:ENGINE``         hash: ``t`` transfers and ``i`` block ids a prefill engine's
+                           transfers hold (each transfer's own share in its field ``q``)
 ``P plan:PLAN``            transfer id of a plan
 ``P contacts:R``           set of agents a decode rank was given metadata for
 ``P releases:R``           stream: release events, entry id ``SEQUENCE-0``, fields ``e``
@@ -85,7 +87,7 @@ from broker.records import (
     TransferRecord,
     TransferState,
 )
-from broker.state import StateStore
+from broker.state import StateStore, held_block_ids
 from broker.v1 import broker_pb2 as pb
 
 T = TypeVar("T")
@@ -160,18 +162,39 @@ for _, tp in ipairs(redis.call('SMEMBERS', KEYS[1])) do
 end
 return rows
 """
-# KEYS: transfer, deadlines, transfers; ARGV: id, meta, deadline, plan ids, plans or '', ttl_ms
-_PUT_TRANSFER = """
+# A transfer's hold on its prefill engine's quota: field `q` of its hash (block ids held) is
+# counted in the engine's usage hash (`t` transfers, `i` block ids). recount() replaces it.
+_USAGE = """
+local function recount(transfer, usage, held)
+  local before = tonumber(redis.call('HGET', transfer, 'q') or '0')
+  if before == held then return end
+  if before > 0 then
+    redis.call('HINCRBY', usage, 't', -1)
+    redis.call('HINCRBY', usage, 'i', -before)
+  end
+  if held > 0 then
+    redis.call('HINCRBY', usage, 't', 1)
+    redis.call('HINCRBY', usage, 'i', held)
+  end
+  redis.call('HSET', transfer, 'q', held)
+end
+"""
+# KEYS: transfer, deadlines, transfers, usage
+# ARGV: id, meta, deadline, plan ids, plans or '', ttl_ms, block ids held
+_PUT_TRANSFER = _USAGE + """
 if redis.call('HGET', KEYS[1], 'd') ~= ARGV[3] then
   redis.call('ZADD', KEYS[2], ARGV[3], ARGV[1])
 end
+recount(KEYS[1], KEYS[4], tonumber(ARGV[7]))
 redis.call('HSET', KEYS[1], 'm', ARGV[2], 'd', ARGV[3], 'ids', ARGV[4])
 if ARGV[5] ~= '' then redis.call('HSET', KEYS[1], 'p', ARGV[5]) end
 redis.call('PEXPIRE', KEYS[1], ARGV[6])
+redis.call('PEXPIRE', KEYS[4], ARGV[6])
 redis.call('SADD', KEYS[3], ARGV[1])
 """
-# KEYS: transfer, deadlines, transfers; ARGV: id, plan key prefix
-_DELETE_TRANSFER = """
+# KEYS: transfer, deadlines, transfers, usage; ARGV: id, plan key prefix
+_DELETE_TRANSFER = _USAGE + """
+recount(KEYS[1], KEYS[4], 0)
 local ids = redis.call('HGET', KEYS[1], 'ids')
 if ids then
   for plan in string.gmatch(ids, '%S+') do redis.call('DEL', ARGV[2] .. plan) end
@@ -605,6 +628,7 @@ class RedisStateStore(StateStore):
             self._key("transfer", record.transfer_id),
             self._key("deadlines"),
             self._key("transfers"),
+            self._key("usage", record.prefill_engine_id),
         ]
         args = [
             record.transfer_id,
@@ -613,6 +637,7 @@ class RedisStateStore(StateStore):
             " ".join(p.plan_id for p in record.plans.values()),
             blob,
             self.transfer_ttl_ms,
+            held_block_ids(record),
         ]
         if self._tx is not None:
             self._tx.transfers[record.transfer_id] = record
@@ -622,7 +647,10 @@ class RedisStateStore(StateStore):
         return self._transfers([transfer_id])[0]
 
     def delete_transfer(self, transfer_id: str) -> None:
-        keys = [self._key("transfer", transfer_id), self._key("deadlines"), self._key("transfers")]
+        record = self.get_transfer(transfer_id)
+        engine = "" if record is None else record.prefill_engine_id
+        keys = [self._key("transfer", transfer_id), self._key("deadlines"), self._key("transfers"),
+                self._key("usage", engine)]
         args = [transfer_id, self._key("plan", "").decode()]
         if self._tx is not None:
             self._tx.transfers[transfer_id] = None
@@ -765,6 +793,10 @@ class RedisStateStore(StateStore):
         args = [self.prefix, payload, self._key("releases").decode(), member, self.rank_ttl_ms,
                 event.nbytes, rank_bytes, total_bytes]
         self._write(lambda c: self._run("append", keys, args, c))
+
+    def engine_usage(self, engine_id: str) -> tuple[int, int]:
+        transfers, ids = self.client.hmget(self._key("usage", engine_id), "t", "i")
+        return int(transfers or 0), int(ids or 0)
 
     def compacted_through(self, key: RankKey) -> int:
         value = self.client.hget(self._key("backlog", self._member(key)), "compacted")

@@ -126,6 +126,11 @@ class ServiceConfig:
     #: events of requests at the block-id limit (8 MiB each).
     release_backlog_bytes: int = 64 << 20
     release_backlog_total_bytes: int = 1 << 30
+    #: Per prefill engine: transfers holding block ids at once, those block ids, and the
+    #: agent metadata of its ranks (bytes). One engine at a quota does not stop another.
+    max_transfers_per_engine: int = 10_000
+    max_block_ids_per_engine: int = 1 << 22
+    max_metadata_bytes_per_engine: int = 128 << 20
     #: How long a live plan (handed out, not reported) may hold its prefill ranks after its
     #: transfer ended; then it counts as failed and they are released.
     max_read_ms: int = 60_000
@@ -228,6 +233,15 @@ class BrokerService:
                     f"engine {other.registration.engine_id!r} rank "
                     f"{other.registration.tp_rank}",
                 )
+        metadata = len(reg.agent_metadata) + sum(
+            len(s.registration.agent_metadata) for s in siblings)
+        if metadata > self.config.max_metadata_bytes_per_engine:
+            raise LimitExceededError(
+                "agent_metadata",
+                f"engine {reg.engine_id!r}'s ranks would hold {metadata} bytes of agent "
+                f"metadata, over its quota of {self.config.max_metadata_bytes_per_engine} "
+                "(--max-metadata-bytes-per-engine)",
+            )
         complete = len(siblings) + 1 == reg.tp_size
         if complete:
             self._assemble_layout([s.registration for s in siblings] + [reg])
@@ -308,6 +322,7 @@ class BrokerService:
             raise LimitExceededError(
                 "transfer_id", f"the broker already holds {self.config.max_transfers} transfers"
             )
+        self._check_engine_quota(pub)
         ranks, layout, generation = self._engine(pub.engine_id)
         if not ranks[0].registration.role.publishes:
             raise PreconditionError("engine_id", f"engine {pub.engine_id!r} is a decode engine")
@@ -664,6 +679,24 @@ class BrokerService:
             raise NotFoundError("lease_id", "unknown or expired lease; register again")
         return record
 
+    def _check_engine_quota(self, pub: Publication) -> None:
+        """RESOURCE_EXHAUSTED when ``pub`` would take its prefill engine past its share of
+        the broker (``max_transfers_per_engine``, ``max_block_ids_per_engine``)."""
+        transfers, held = self.store.engine_usage(pub.engine_id)
+        if transfers >= self.config.max_transfers_per_engine:
+            raise LimitExceededError(
+                "transfer_id",
+                f"engine {pub.engine_id!r} holds {transfers} transfers, its quota "
+                "(--max-transfers-per-engine): wait for releases",
+            )
+        asked = sum(len(g) for g in pub.block_ids)
+        if held + asked > self.config.max_block_ids_per_engine:
+            raise LimitExceededError(
+                "block_ids",
+                f"engine {pub.engine_id!r} holds {held} block ids; {asked} more would pass its "
+                f"quota of {self.config.max_block_ids_per_engine} (--max-block-ids-per-engine)",
+            )
+
     def _transfer(self, transfer_id: str, now: int) -> TransferRecord:
         transfer = self.store.get_transfer(transfer_id)
         if transfer is None:
@@ -821,6 +854,7 @@ class BrokerService:
         transfer.state, transfer.finished_at_ms = state, now
         transfer.deadline_ms = now + self.config.retention_ms
         self._later(self.observer.transfer_finished, state)
+        _drop_block_ids_once_released(transfer)
 
     def _expire_if_due(self, transfer: TransferRecord, now: int) -> bool:
         if transfer.state.terminal or now < transfer.expires_at_ms:
@@ -868,7 +902,6 @@ class BrokerService:
             transfer.deadline_ms = min(held_until)
         elif transfer.finished_at_ms is not None:
             transfer.deadline_ms = max(now, transfer.finished_at_ms) + self.config.retention_ms
-            transfer.block_ids = ()  # every rank was released: nothing reads them again
 
     def _release(
         self, transfer: TransferRecord, p: int, reason: ReleaseReason, detail: str, now: int
@@ -880,6 +913,7 @@ class BrokerService:
         key = (transfer.prefill_engine_id, p)
         record = self.store.get_rank(key)
         if record is None or record.generation > transfer.prefill_generation:
+            _drop_block_ids_once_released(transfer)
             return
         with tracing.span(
             "broker.release",
@@ -902,6 +936,7 @@ class BrokerService:
             self.store.append_release(key, event, self.config.release_backlog_bytes,
                                       self.config.release_backlog_total_bytes)
             self._notify(key)
+        _drop_block_ids_once_released(transfer)
         self._later(self.observer.rank_released, reason, (now - transfer.published_at_ms) / 1000)
 
     def _remove_rank(self, record: RankRecord, why: str) -> None:
@@ -1046,6 +1081,13 @@ def _planning_error(exc: RequestError) -> PdbrokerError:
     if exc.field.startswith("decode_block_ids"):
         return RequestError("block_ids" + exc.field.removeprefix("decode_block_ids"), exc.detail)
     return PreconditionError("transfer_id", f"published request cannot be planned: {exc}")
+
+
+def _drop_block_ids_once_released(transfer: TransferRecord) -> None:
+    """A finished transfer whose every prefill rank was released needs its block ids no
+    more (its release events carry their own): it keeps its record, not them."""
+    if transfer.state.terminal and len(transfer.released) == transfer.prefill_tp_size:
+        transfer.block_ids = ()
 
 
 def _check_published_blocks(layout: EngineLayout, pub: Publication) -> None:

@@ -21,6 +21,12 @@ from broker.records import RankKey, RankRecord, ReleaseEvent, TransferRecord
 T = TypeVar("T")
 
 
+def held_block_ids(record: TransferRecord | None) -> int:
+    """Block ids a transfer holds against its prefill engine's quota: all of them until
+    every rank was released (then the record drops them)."""
+    return 0 if record is None else sum(len(g) for g in record.block_ids)
+
+
 class StateStore(ABC):
     """Registrations, transfers (with their plans), plan index, agent contacts and release
     queues. Methods never raise for missing keys: getters return ``None``, deletes no-op."""
@@ -93,6 +99,11 @@ class StateStore(ABC):
     def count_transfers(self) -> int: ...
 
     @abstractmethod
+    def engine_usage(self, engine_id: str) -> tuple[int, int]:
+        """``(transfers, block ids)`` the prefill engine's transfers hold: those that still
+        have their block ids (:func:`held_block_ids`)."""
+
+    @abstractmethod
     def index_plan(self, plan_id: str, transfer_id: str) -> None: ...
 
     @abstractmethod
@@ -157,6 +168,8 @@ class InMemoryStateStore(StateStore):
         self._deadline_heap: list[tuple[int, str]] = []
         self._deadlines: dict[str, int] = {}
         self._plans: dict[str, str] = {}
+        self._usage: dict[str, tuple[int, int]] = {}  # engine_usage by prefill engine
+        self._held: dict[str, tuple[str, int]] = {}  # what each transfer counts there
         self._contacts: dict[RankKey, set[str]] = {}
         self._releases: dict[RankKey, list[ReleaseEvent]] = {}
         self._delivered: dict[RankKey, int] = {}
@@ -202,6 +215,7 @@ class InMemoryStateStore(StateStore):
         return [ranks[r] for r in sorted(ranks)]
 
     def put_transfer(self, record: TransferRecord) -> None:
+        self._account(record.transfer_id, record)
         self._transfers[record.transfer_id] = record
         if self._deadlines.get(record.transfer_id) != record.deadline_ms:
             self._deadlines[record.transfer_id] = record.deadline_ms
@@ -212,6 +226,7 @@ class InMemoryStateStore(StateStore):
 
     def delete_transfer(self, transfer_id: str) -> None:
         record = self._transfers.pop(transfer_id, None)
+        self._account(transfer_id, None)
         self._deadlines.pop(transfer_id, None)
         if record is not None:
             for plan in record.plans.values():
@@ -229,6 +244,25 @@ class InMemoryStateStore(StateStore):
                 del self._deadlines[transfer_id]
                 due.append(self._transfers[transfer_id])
         return due
+
+    def _account(self, transfer_id: str, record: TransferRecord | None) -> None:
+        """Count ``record`` (None: nothing) instead of what ``transfer_id`` counted before.
+        Records are shared with the caller, who mutates them: what each counted is kept."""
+        engine, held = self._held.pop(transfer_id, ("", 0))
+        if held:
+            self._add_usage(engine, -1, -held)
+        held = held_block_ids(record)
+        if record is not None and held:
+            self._held[transfer_id] = (record.prefill_engine_id, held)
+            self._add_usage(record.prefill_engine_id, 1, held)
+
+    def _add_usage(self, engine_id: str, transfers: int, block_ids: int) -> None:
+        held_transfers, held_ids = self._usage.pop(engine_id, (0, 0))
+        if held_transfers + transfers:
+            self._usage[engine_id] = (held_transfers + transfers, held_ids + block_ids)
+
+    def engine_usage(self, engine_id: str) -> tuple[int, int]:
+        return self._usage.get(engine_id, (0, 0))
 
     def count_transfers(self) -> int:
         return len(self._transfers)

@@ -60,6 +60,9 @@ DOCUMENTED_DEFAULTS = {
     "max_read_ms": 60_000,
     "release_backlog_bytes": 64 << 20,
     "release_backlog_total_bytes": 1 << 30,
+    "max_transfers_per_engine": 10_000,
+    "max_block_ids_per_engine": 1 << 22,
+    "max_metadata_bytes_per_engine": 128 << 20,
     "release_resume_window": 1024,  # the proto's WatchReleasesRequest.after_sequence
 }
 RELIABILITY = Path(__file__).parents[1] / "docs" / "RELIABILITY.md"

@@ -675,6 +675,50 @@ def test_released_transfers_drop_their_block_ids() -> None:
     assert [list(g) for g in event.block_ids] == [list(g) for g in sc.request.prefill_block_ids]
 
 
+def test_one_engine_at_its_transfer_quota_does_not_stop_another() -> None:
+    service, clock, sc = setup(1, 1, max_transfers_per_engine=3)
+    register_engine(service, sc.prefill, "Q", Role.PREFILL, 2)
+    for t in ("a", "b", "c"):
+        publish(service, sc, t)
+    ids = sum(len(g) for g in sc.request.prefill_block_ids)
+    assert service.store.engine_usage("P") == (3, 3 * ids)
+    with pytest.raises(LimitExceededError, match="--max-transfers-per-engine") as err:
+        publish(service, sc, "d")
+    assert err.value.field == "transfer_id"
+    service.publish(Publication("q", "Q", sc.request.prefill_block_ids, sc.request.num_tokens))
+    assert service.store.engine_usage("Q") == (1, ids)
+    service.abort("a", "")  # released on every rank: its hold ends
+    assert service.store.engine_usage("P") == (2, 2 * ids)
+    publish(service, sc, "d")
+    plan = service.get_plan(query(sc, 0, "d"))
+    done(service, plan.plan_id, 0, plan.total_bytes)  # completed: released, hold ends
+    assert service.store.engine_usage("P") == (2, 2 * ids)
+    clock.advance(TTL_MS + 1)
+    service.reap()  # b, c and q expire
+    assert service.store.engine_usage("P") == service.store.engine_usage("Q") == (0, 0)
+    clock.advance(20_000)
+    service.reap()  # and are forgotten after retention, the counts unchanged
+    assert service.store.engine_usage("P") == (0, 0) and not list(service.store.transfers())
+
+
+def test_block_id_and_metadata_quotas_per_engine() -> None:
+    sc = build_scenario(hybrid(), 1, 1, 100)
+    ids = sum(len(g) for g in sc.request.prefill_block_ids)
+    service, _, sc = setup(1, 1, max_block_ids_per_engine=2 * ids)
+    publish(service, sc, "a")
+    publish(service, sc, "b")
+    with pytest.raises(LimitExceededError, match="--max-block-ids-per-engine") as err:
+        publish(service, sc, "c")
+    assert err.value.field == "block_ids"
+    service, _ = make_service(max_metadata_bytes_per_engine=100)
+    big = dataclasses.replace(registration(sc.prefill, "P", Role.PREFILL, 0),
+                              agent_metadata=b"m" * 101)
+    with pytest.raises(LimitExceededError, match="--max-metadata-bytes-per-engine") as err:
+        service.register_rank(big)
+    assert err.value.field == "agent_metadata"
+    service.register_rank(registration(sc.prefill, "P", Role.PREFILL, 0))  # small: accepted
+
+
 def test_a_cursor_of_an_earlier_registration_is_refused_not_resumed() -> None:
     """A broker restarted without a shared store numbers releases anew: a watcher resuming
     with its old cursor would skip the new registration's first events. Naming the lease the

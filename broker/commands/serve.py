@@ -101,6 +101,24 @@ _INT_OPTIONS = (
         ),
     ),
     (
+        "--max-transfers-per-engine",
+        "PDBROKER_MAX_TRANSFERS_PER_ENGINE",
+        _DEFAULTS.max_transfers_per_engine,
+        "transfers one prefill engine may hold at once",
+    ),
+    (
+        "--max-block-ids-per-engine",
+        "PDBROKER_MAX_BLOCK_IDS_PER_ENGINE",
+        _DEFAULTS.max_block_ids_per_engine,
+        "block ids one prefill engine's transfers may hold at once",
+    ),
+    (
+        "--max-metadata-bytes-per-engine",
+        "PDBROKER_MAX_METADATA_BYTES_PER_ENGINE",
+        _DEFAULTS.max_metadata_bytes_per_engine,
+        "NIXL agent metadata the ranks of one engine may register (bytes)",
+    ),
+    (
         "--release-backlog-total-bytes",
         "PDBROKER_RELEASE_BACKLOG_TOTAL_BYTES",
         _DEFAULTS.release_backlog_total_bytes,
@@ -254,6 +272,9 @@ def run(args: argparse.Namespace) -> int:
         max_read_ms=args.max_read_ms,
         max_ranks=args.max_ranks,
         release_backlog_bytes=args.release_backlog_bytes,
+        max_transfers_per_engine=args.max_transfers_per_engine,
+        max_block_ids_per_engine=args.max_block_ids_per_engine,
+        max_metadata_bytes_per_engine=args.max_metadata_bytes_per_engine,
         release_backlog_total_bytes=args.release_backlog_total_bytes,
     )
     metrics = None
