@@ -389,6 +389,12 @@ class BrokerServer:
     in-process use). ``health_port``: also serve health alone, in plaintext, on this port of
     the ``listen`` host (0 picks one; :attr:`health_port` is then the bound one). Certificate,
     key and tokens files are read here: ``ValueError`` names the flag of a bad one.
+
+    Connections, on each port (None: gRPC's default): at most ``max_connections`` at once (one
+    more is accepted and closed at once); one that has not completed its TLS and HTTP/2
+    handshake within ``handshake_timeout_ms`` is closed; one without calls for
+    ``idle_timeout_ms`` is closed with GOAWAY. A client pinging without data more often than
+    every 30 s is sent GOAWAY ``too_many_pings`` at the third ping that comes too soon.
     """
 
     def __init__(
@@ -398,8 +404,14 @@ class BrokerServer:
         reap_interval_ms: int = 100,
         security: ServerSecurity | None = None,
         health_port: int | None = None,
+        max_connections: int | None = None,
+        handshake_timeout_ms: int | None = None,
+        idle_timeout_ms: int | None = None,
     ) -> None:
         self.service = service
+        self.max_connections = max_connections
+        self.handshake_timeout_ms = handshake_timeout_ms
+        self.idle_timeout_ms = idle_timeout_ms
         self.listen = listen
         self.reap_interval_ms = reap_interval_ms
         self.port = 0
@@ -417,6 +429,21 @@ class BrokerServer:
         """``HOST:PORT`` with the bound port."""
         return f"{self.listen.rsplit(':', 1)[0]}:{self.port}"
 
+    def _connection_options(self) -> list[tuple[str, int]]:
+        options = [
+            ("grpc.http2.min_ping_interval_without_data_ms", 30_000),
+            ("grpc.http2.max_ping_strikes", 2),
+            # Pings on a connection without calls are held to the same interval (not 2 h):
+            # idle connections are closed by the idle timeout, which pings do not reset.
+            ("grpc.keepalive_permit_without_calls", 1),
+        ]
+        for name, value in (("grpc.max_allowed_incoming_connections", self.max_connections),
+                            ("grpc.server_handshake_timeout_ms", self.handshake_timeout_ms),
+                            ("grpc.max_connection_idle_ms", self.idle_timeout_ms)):  # fmt: skip
+            if value is not None:
+                options.append((name, value))
+        return options
+
     async def start(self) -> None:
         server = grpc.aio.server(
             interceptors=() if self._guard is None else (
@@ -428,6 +455,7 @@ class BrokerServer:
                 # A fixed 64 KiB receive window per stream: a request the edge refuses unread
                 # costs no more than that (window growth would let each stream send MiBs).
                 ("grpc.http2.bdp_probe", 0),
+                *self._connection_options(),
             ],
         )
         servicer = BrokerServicer(self.service, self._guard)
@@ -444,7 +472,8 @@ class BrokerServer:
         if not self.port:
             raise OSError(f"cannot listen on {self.listen}")
         if self.health_port is not None:
-            self._health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+            self._health_server = grpc.aio.server(
+                options=[("grpc.so_reuseport", 0), *self._connection_options()])
             health_pb2_grpc.add_HealthServicer_to_server(self._health, self._health_server)
             health_listen = f"{self.listen.rsplit(':', 1)[0]}:{self.health_port}"
             self.health_port = self._health_server.add_insecure_port(health_listen)

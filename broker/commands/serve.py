@@ -10,6 +10,9 @@ A configuration that cannot work ends the command before it serves, with one lin
 certificate or key, a key that is not the certificate's, a malformed tokens file, an
 unreachable store, a port that cannot be bound. A store URL is only ever shown with its
 password replaced by ``***``.
+
+Connections cost a file each: the soft open-file limit is raised to the hard one at start-up,
+and each port holds at most ``--max-connections`` at once, lowered to fit that limit.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import asyncio
 import gc
 import logging
 import os
+import resource
 import signal
 from typing import TYPE_CHECKING
 
@@ -36,6 +40,15 @@ log = logging.getLogger("broker.serve")
 _DEFAULTS = ServiceConfig()
 #: Allocations between young-generation collections (CPython's default is 700).
 GC_YOUNG_THRESHOLD = 50_000
+#: Connections a port holds at once: two per rank of a full broker (``max_ranks``), as an
+#: engine reconnecting may briefly hold its old and its new one.
+MAX_CONNECTIONS = 2 * _DEFAULTS.max_ranks
+#: TLS and HTTP/2 handshakes take milliseconds; this much only a stalled peer needs.
+HANDSHAKE_TIMEOUT_MS = 10_000
+#: Engines call at least every third of their lease TTL; this closes abandoned connections.
+IDLE_TIMEOUT_MS = 300_000
+#: Open files kept for the broker beyond its connections: store sockets, metrics, logs.
+FILES_BESIDES_CONNECTIONS = 256
 #: File options of the port's security: (flag, environment variable, help).
 _SECURITY_FILES = (
     ("--tls-cert", "PDBROKER_TLS_CERT", "the broker's certificate chain (PEM): serve TLS"),
@@ -130,6 +143,27 @@ _INT_OPTIONS = (
         "PDBROKER_STORE_TIMEOUT_MS",
         1_000,
         "deadline of one Redis connect or reply; past it calls answer UNAVAILABLE",
+    ),
+    (
+        "--max-connections",
+        "PDBROKER_MAX_CONNECTIONS",
+        MAX_CONNECTIONS,
+        (
+            "connections a port holds at once (lowered to fit the open-file limit); one more "
+            "is closed on accept and its client sees UNAVAILABLE"
+        ),
+    ),
+    (
+        "--handshake-timeout-ms",
+        "PDBROKER_HANDSHAKE_TIMEOUT_MS",
+        HANDSHAKE_TIMEOUT_MS,
+        "a connection that has not completed its TLS and HTTP/2 handshake by then is closed",
+    ),
+    (
+        "--idle-timeout-ms",
+        "PDBROKER_IDLE_TIMEOUT_MS",
+        IDLE_TIMEOUT_MS,
+        "a connection without calls for this long is closed (GOAWAY; clients reconnect)",
     ),
 )
 
@@ -292,6 +326,7 @@ def run(args: argparse.Namespace) -> int:
             ) from None
         print(f"pdbroker serve: metrics on http://{_url_host(host)}:{port}/metrics", flush=True)
     store = _open_store(args.store, config, args.store_timeout_ms)
+    _fit_connections(args, _raise_file_limit())
     service = BrokerService(store, config=config, observer=metrics)
     try:
         asyncio.run(_serve(_server(service, args, security)))
@@ -310,7 +345,10 @@ def _server(
 
     try:
         server = BrokerServer(
-            service, args.listen, args.reap_interval_ms, security, args.health_port
+            service, args.listen, args.reap_interval_ms, security, args.health_port,
+            max_connections=args.max_connections,
+            handshake_timeout_ms=args.handshake_timeout_ms,
+            idle_timeout_ms=args.idle_timeout_ms,
         )
     except ValueError as exc:  # a bad certificate, key or tokens file, named by its flag
         raise SystemExit(f"pdbroker serve: error: {exc}") from None
@@ -325,6 +363,44 @@ def _server(
     else:
         log.warning("serving %s (add --tls-client-ca or --auth-tokens)", security.describe())
     return server
+
+
+def _raise_file_limit() -> int:
+    """Raise the soft limit of open files to the hard one; the limit in force after
+    (``resource.RLIM_INFINITY``: none)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError) as exc:  # an unlimited hard limit above the kernel's
+            log.warning("open files: cannot raise the limit from %d to %d: %s", soft, hard, exc)
+    return soft
+
+
+def _fit_connections(args: argparse.Namespace, file_limit: int) -> None:
+    """Lower ``--max-connections`` (each port's) so that every port full still leaves
+    :data:`FILES_BESIDES_CONNECTIONS` files of ``file_limit``; warns when it had to, exits
+    when no connection fits."""
+    ports = 1 if args.health_port is None else 2
+    if file_limit == resource.RLIM_INFINITY:
+        log.info("open files: unlimited; up to %d connections a port", args.max_connections)
+        return
+    fits = (file_limit - FILES_BESIDES_CONNECTIONS) // ports
+    if fits < 1:
+        raise SystemExit(
+            f"pdbroker serve: error: --max-connections: the open-file limit {file_limit} "
+            f"leaves no room for connections beside {FILES_BESIDES_CONNECTIONS} other files"
+        )
+    if args.max_connections > fits:
+        log.warning(
+            "--max-connections %d does not fit the open-file limit %d (%d files beside "
+            "connections, %d port(s)): lowered to %d; raise the limit (ulimit -n) for more",
+            args.max_connections, file_limit, FILES_BESIDES_CONNECTIONS, ports, fits,
+        )
+        args.max_connections = fits
+    log.info("open files: up to %d; up to %d connections a port", file_limit,
+             args.max_connections)
 
 
 def _url_host(host: str) -> str:
