@@ -326,10 +326,15 @@ def run(args: argparse.Namespace) -> int:
             ) from None
         print(f"pdbroker serve: metrics on http://{_url_host(host)}:{port}/metrics", flush=True)
     store = _open_store(args.store, config, args.store_timeout_ms)
-    _fit_connections(args, _raise_file_limit())
+    file_limit = _raise_file_limit()
+    _fit_connections(args, file_limit)
     service = BrokerService(store, config=config, observer=metrics)
     try:
-        asyncio.run(_serve(_server(service, args, security)))
+        server = _server(service, args, security)
+        log.info("open files: up to %s; up to %d connections a port",
+                 "unlimited" if file_limit == resource.RLIM_INFINITY else file_limit,
+                 args.max_connections)
+        asyncio.run(_serve(server))
     finally:
         if tracer_provider is not None:
             tracer_provider.shutdown()  # flush the last spans
@@ -384,7 +389,6 @@ def _fit_connections(args: argparse.Namespace, file_limit: int) -> None:
     when no connection fits."""
     ports = 1 if args.health_port is None else 2
     if file_limit == resource.RLIM_INFINITY:
-        log.info("open files: unlimited; up to %d connections a port", args.max_connections)
         return
     fits = (file_limit - FILES_BESIDES_CONNECTIONS) // ports
     if fits < 1:
@@ -399,8 +403,6 @@ def _fit_connections(args: argparse.Namespace, file_limit: int) -> None:
             args.max_connections, file_limit, FILES_BESIDES_CONNECTIONS, ports, fits,
         )
         args.max_connections = fits
-    log.info("open files: up to %d; up to %d connections a port", file_limit,
-             args.max_connections)
 
 
 def _url_host(host: str) -> str:
