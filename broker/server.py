@@ -5,6 +5,11 @@ Servicer methods only translate protobuf ⇄ domain (:mod:`broker.convert`), cal
 of every error starts with the offending field's path. A background task reaps expired
 leases and transfers. Any bad input fails that one call; the server keeps serving.
 
+Translating is pure, and for a registration (its layout's validation) or a request of many
+block ids it is the costly part of a call: those run on a worker thread
+(:meth:`BrokerServicer.offload`), so the event loop keeps answering health checks and
+keep-alives meanwhile; calls into the service stay on the loop, one at a time.
+
 Security (:class:`~broker.security.ServerSecurity`): the port speaks TLS or, when asked,
 plaintext. When callers are identified (client certificates, tokens), a call whose metadata
 cannot authenticate it is refused UNAUTHENTICATED before its request is received
@@ -25,8 +30,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
-from functools import wraps
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial, wraps
 from typing import Any, NoReturn, TypeVar
 
 import grpc
@@ -61,6 +68,11 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Broker"].full_name
 #: Largest inbound message (bytes): registrations carry agent metadata and layouts.
 MAX_RECEIVE_BYTES = LIMITS.max_request_bytes
+#: Requests with more block ids than this are translated (and their plans) off the loop;
+#: smaller ones take less than a thread hand-off.
+OFFLOAD_BLOCK_IDS = 16_384
+#: Bytes of serialized large plans kept for repeated asks of the same plan.
+PLAN_BYTES_CACHE = 256 << 20
 
 #: First matching class wins; any other :class:`PdbrokerError` is INVALID_ARGUMENT.
 _STATUS_BY_ERROR: tuple[tuple[type[PdbrokerError], grpc.StatusCode], ...] = (
@@ -78,6 +90,7 @@ _STATUS_BY_ERROR: tuple[tuple[type[PdbrokerError], grpc.StatusCode], ...] = (
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
+T = TypeVar("T")
 
 
 def status_code(exc: PdbrokerError) -> grpc.StatusCode:
@@ -125,33 +138,24 @@ def _operator(guard: AccessGuard, who: Identity, request: Any) -> None:
     guard.administer(who)
 
 
-def _handler(method: Method, join_caller: bool, rule: Rule) -> Handler:
+def _unary(rule: Rule) -> Callable[[Method], Handler]:
     """Run a synchronous translate-and-call method once ``rule`` allows the caller, turning
-    exceptions into statuses; with tracing on and ``join_caller``, in the trace context the
-    caller sent."""
+    exceptions into statuses; with tracing on, in the trace context the caller sent."""
+    return lambda method: _handler(method, rule)
 
+
+def _handler(method: Method, rule: Rule) -> Handler:
     @wraps(method)
     async def handler(self: Any, request: Req, context: grpc.aio.ServicerContext) -> Resp:
         try:
             self.authorize(context, rule, request)
-            if join_caller and self.traced:
+            if self.traced:
                 return tracing.call_in_context(context.invocation_metadata(), method, self, request)
             return method(self, request)
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status
             await _abort(context, exc)
 
     return handler
-
-
-def _unary(rule: Rule) -> Callable[[Method], Handler]:
-    return lambda method: _handler(method, True, rule)
-
-
-def _hot(rule: Rule) -> Callable[[Method], Handler]:
-    """:func:`_unary` for ``GetTransferPlan``, without joining the caller's trace: a plan's
-    spans descend from the transfer's publication anyway, and decode links its own trace from
-    its read spans, so the hot path need not parse the caller's context (~25 µs a plan)."""
-    return lambda method: _handler(method, False, rule)
 
 
 class BrokerServicer(pb_grpc.BrokerServicer):
@@ -165,6 +169,27 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         self.traced = tracing.enabled()
         self._wakeups: dict[RankKey, set[asyncio.Event]] = {}
         service.add_release_listener(self.wake)
+        self._translator = ThreadPoolExecutor(1, thread_name_prefix="pdbroker-translate")
+        self._plan_bytes: OrderedDict[tuple, bytes] = OrderedDict()
+        self._plan_bytes_held = 0
+
+    async def offload(self, function: Callable[..., T], *args: Any) -> T:
+        """``function(*args)`` on the translating thread (pure work only: no service calls)."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._translator, partial(function, *args))
+
+    def close(self) -> None:
+        self._translator.shutdown(wait=False, cancel_futures=True)
+
+    def _keep_plan_bytes(self, key: tuple, encoded: bytes) -> None:
+        """Keep a large plan's answer for the same rank's repeated asks (a plan never
+        changes once handed out), the newest :data:`PLAN_BYTES_CACHE` bytes."""
+        if len(encoded) > PLAN_BYTES_CACHE:
+            return
+        self._plan_bytes[key] = encoded
+        self._plan_bytes_held += len(encoded)
+        while self._plan_bytes_held > PLAN_BYTES_CACHE:
+            self._plan_bytes_held -= len(self._plan_bytes.popitem(last=False)[1])
 
     def wake(self, key: RankKey) -> None:
         """Wake the watchers of prefill rank ``key`` (a release was queued or it went away)."""
@@ -176,11 +201,20 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         if self.guard is not None:
             rule(self.guard, self.guard.identify(context), request)
 
-    @_unary(_as_engine)
-    def RegisterRank(self, request: pb.RegisterRankRequest) -> pb.RegisterRankResponse:
-        return convert.lease_to_proto(
-            self.service.register_rank(convert.registration_from_proto(request))
-        )
+    async def RegisterRank(
+        self, request: pb.RegisterRankRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RegisterRankResponse:
+        try:
+            self.authorize(context, _as_engine, request)
+            registration = await self.offload(convert.registration_from_proto, request)
+            if self.traced:
+                lease = tracing.call_in_context(
+                    context.invocation_metadata(), self.service.register_rank, registration)
+            else:
+                lease = self.service.register_rank(registration)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a status
+            await _abort(context, exc)
+        return convert.lease_to_proto(lease)
 
     @_unary(_lease_holder)
     def KeepAlive(self, request: pb.KeepAliveRequest) -> pb.KeepAliveResponse:
@@ -198,14 +232,40 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         traceparent = tracing.traceparent_from_metadata(context.invocation_metadata())
         try:
             self.authorize(context, _as_engine, request)
-            expires = self.service.publish(convert.publication_from_proto(request, traceparent))
+            if _many_block_ids(request.block_ids):
+                publication = await self.offload(
+                    convert.publication_from_proto, request, traceparent)
+            else:
+                publication = convert.publication_from_proto(request, traceparent)
+            expires = self.service.publish(publication)
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status
             await _abort(context, exc)
         return pb.PublishBlocksResponse(expires_at_ms=expires)
 
-    @_hot(_as_engine)  # the service checks the publication's allowed_decode_engines
-    def GetTransferPlan(self, request: pb.GetTransferPlanRequest) -> pb.GetTransferPlanResponse:
-        return convert.plan_to_proto(self.service.get_plan(convert.plan_query_from_proto(request)))
+    async def GetTransferPlan(
+        self, request: pb.GetTransferPlanRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetTransferPlanResponse:
+        """As the other calls, without joining the caller's trace: a plan's spans descend
+        from the transfer's publication anyway, and decode links its own trace from its read
+        spans, so the hot path need not parse the caller's context (~25 µs a plan). The
+        service checks the publication's ``allowed_decode_engines``."""
+        try:
+            self.authorize(context, _as_engine, request)
+            if not _many_block_ids(request.block_ids):
+                return convert.plan_to_proto(
+                    self.service.get_plan(convert.plan_query_from_proto(request)))
+            query = await self.offload(convert.plan_query_from_proto, request)
+            plan = self.service.get_plan(query)
+            key = (plan.plan_id, plan.expires_at_ms, plan.traceparent,
+                   tuple(bool(s.agent_metadata) for s in plan.sources))
+            encoded = self._plan_bytes.get(key)
+            if encoded is None:
+                encoded = await self.offload(_serialized_plan, plan)
+                self._keep_plan_bytes(key, encoded)
+            return encoded  # bytes: sent as they are
+
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a status
+            await _abort(context, exc)
 
     @_unary(_plan_holder)
     def ReportTransfer(self, request: pb.ReportTransferRequest) -> pb.ReportTransferResponse:
@@ -270,6 +330,24 @@ class BrokerServicer(pb_grpc.BrokerServicer):
             waiters.discard(wake)
             if not waiters:
                 del self._wakeups[key]
+
+
+def _many_block_ids(groups: Sequence[pb.BlockIds]) -> bool:
+    return sum(len(g.ids) for g in groups) > OFFLOAD_BLOCK_IDS
+
+
+def _serialized_plan(plan: Any) -> bytes:
+    return convert.plan_to_proto(plan).SerializeToString()
+
+
+def _serializer(response_type: type) -> Callable[[Any], bytes]:
+    """A response serializer that sends bytes a handler serialized itself as they are."""
+    serialize = response_type.SerializeToString
+
+    def encode(response: Any) -> bytes:
+        return response if isinstance(response, bytes) else serialize(response)
+
+    return encode
 
 
 class _Undecodable:
@@ -338,7 +416,7 @@ def _add_broker(servicer: BrokerServicer, server: grpc.aio.Server) -> None:
         handlers[method.name] = make(
             _refuse_undecodable(getattr(servicer, method.name), method.server_streaming),
             request_deserializer=_lenient(request_type, max_request_bytes_of(method.name)),
-            response_serializer=response_type.SerializeToString,
+            response_serializer=_serializer(response_type),
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
@@ -419,6 +497,7 @@ class BrokerServer:
         self._credentials = None if security is None else security.server_credentials()
         self._guard = None if security is None else security.guard(service.store)
         self._server: grpc.aio.Server | None = None
+        self._servicer: BrokerServicer | None = None
         self._health_server: grpc.aio.Server | None = None
         self._health: health.aio.HealthServicer | None = None
         self._reaper: asyncio.Task[None] | None = None
@@ -458,7 +537,7 @@ class BrokerServer:
                 *self._connection_options(),
             ],
         )
-        servicer = BrokerServicer(self.service, self._guard)
+        servicer = self._servicer = BrokerServicer(self.service, self._guard)
         _add_broker(servicer, server)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
@@ -534,6 +613,9 @@ class BrokerServer:
         self._unsubscribe()
         await self._server.stop(grace_s)
         self._server = None
+        if self._servicer is not None:
+            self._servicer.close()
+            self._servicer = None
         if self._health_server is not None:
             await self._health_server.stop(grace_s)
             self._health_server = None

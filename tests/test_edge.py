@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -123,3 +124,106 @@ def test_method_limits_fit_the_largest_valid_requests() -> None:
         LIMITS.max_request_bytes)
     # Texts are cut to max_text_chars, not refused: even four-byte characters fit.
     assert MAX_SMALL_REQUEST_BYTES > 16 * LIMITS.max_text_chars
+
+
+# --------------------------------------------------------------------------- a responsive loop
+
+
+def worst_registration(engine_id: str) -> pb.RegisterRankRequest:
+    """A registration within every limit whose layout costs the most to validate: 256
+    groups, each page split into ~65,536 runs."""
+    from broker_helpers import hybrid, register_request
+
+    from broker.models import build_engine_layout
+
+    layout = build_engine_layout(hybrid(), 1, 8, 32)
+    request = register_request(layout, engine_id, pb.ROLE_PREFILL, 0, 7)
+    group = request.layout.groups[0]
+    runs = LIMITS.max_page_runs - 3  # the conv segments add three
+    ssm = group.segments[3]
+    del ssm.shape[:], ssm.strides[:]
+    ssm.shape.extend([runs, 1])
+    ssm.strides.extend([8, 4])
+    ssm.ClearField("shard_axis")
+    request.layout.page_bytes = page = ssm.offset + 8 * runs
+    base = request.regions[0].base_addr
+    for i, region in enumerate(request.regions):
+        region.length_bytes = page * request.layout.num_blocks
+        region.base_addr = base + i * (region.length_bytes + 4096)
+    groups = [group]
+    for g in range(1, LIMITS.max_groups):
+        copy = pb.GroupLayout()
+        copy.CopyFrom(group)
+        del copy.layers[:]
+        copy.layers.extend([f"m{g}.0", f"m{g}.1"])
+        groups.append(copy)
+    del request.layout.groups[:]
+    request.layout.groups.extend(groups)
+    return request
+
+
+def _probe_loads(address: str, heavy: bytes, seconds: float, out: Any) -> None:
+    """Child process: four loops of ``heavy`` registrations (raw bytes, nothing parsed)."""
+    stop = time.monotonic() + seconds
+    done = [0]
+    with grpc.insecure_channel(address) as channel:
+        register = channel.unary_unary("/pdbroker.v1.Broker/RegisterRank")
+
+        def loop() -> None:
+            while time.monotonic() < stop:
+                register(heavy, timeout=WAIT_S)
+                done[0] += 1
+
+        with ThreadPoolExecutor(4) as pool:
+            for future in [pool.submit(loop) for _ in range(4)]:
+                future.result()
+    out.put(done[0])
+
+
+def test_health_and_keep_alives_stay_prompt_under_costly_registrations() -> None:
+    """Another process sends worst-case registrations in four loops (their layouts take the
+    longest to validate); health checks and keep-alives sent every 20 ms answer within
+    100 ms at the 99th percentile (with validation on the loop they took 220 ms)."""
+    import multiprocessing as mp
+
+    from broker_helpers import hybrid, register_request
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from broker.models import build_engine_layout
+    from broker.v1 import broker_pb2_grpc as pb_grpc
+
+    broker = BrokerProcess("--lease-ttl-ms", "600000")
+    latencies: dict[str, list[float]] = {"health": [], "keepalive": []}
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    try:
+        with grpc.insecure_channel(broker.address) as channel:
+            stub = pb_grpc.BrokerStub(channel)
+            health = health_pb2_grpc.HealthStub(channel)
+            layout = build_engine_layout(hybrid(), 1, 8, 32)
+            lease = stub.RegisterRank(register_request(layout, "D", pb.ROLE_DECODE, 0, 1),
+                                      timeout=WAIT_S).lease_id
+            heavy = worst_registration("W").SerializeToString()
+            load = ctx.Process(target=_probe_loads, args=(broker.address, heavy, 7.0, results))
+            load.start()
+            time.sleep(1.5)  # the loops are running
+            stop = time.monotonic() + 5.0
+            while time.monotonic() < stop:
+                for kind, call in (
+                        ("health", lambda: health.Check(health_pb2.HealthCheckRequest(),
+                                                        timeout=5)),
+                        ("keepalive", lambda: stub.KeepAlive(
+                            pb.KeepAliveRequest(lease_id=lease), timeout=5))):
+                    started = time.perf_counter()
+                    call()
+                    latencies[kind].append(time.perf_counter() - started)
+                time.sleep(0.02)
+            registrations = results.get(timeout=60)
+            load.join(30)
+    finally:
+        broker.stop()
+    p99 = {k: sorted(v)[int(0.99 * len(v))] * 1e3 for k, v in latencies.items()}
+    print(f"\n{registrations} worst-case registrations; health p99 {p99['health']:.1f} ms, "
+          f"keep-alive p99 {p99['keepalive']:.1f} ms ({len(latencies['health'])} probes)")
+    assert registrations >= 8
+    assert p99["health"] < 100 and p99["keepalive"] < 100, p99
