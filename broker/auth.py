@@ -31,7 +31,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-from broker.errors import NotFoundError, PermissionDeniedError, UnauthenticatedError
+from broker.errors import (
+    LimitExceededError,
+    NotFoundError,
+    PermissionDeniedError,
+    UnauthenticatedError,
+)
 from broker.state import StateStore
 
 log = logging.getLogger(__name__)
@@ -175,11 +180,13 @@ class AccessGuard:
     """
 
     def __init__(
-        self, authenticator: Authenticator, store: StateStore, admins: frozenset[str] = frozenset()
+        self, authenticator: Authenticator, store: StateStore, admins: frozenset[str] = frozenset(),
+        max_ranks_per_identity: int = 1024,
     ) -> None:
         self.authenticator = authenticator
         self.store = store
         self.admins = admins
+        self.max_ranks_per_identity = max_ranks_per_identity
 
     def identify(self, context: Any) -> Identity:
         return self.authenticator.identify(context)
@@ -187,6 +194,20 @@ class AccessGuard:
     def act_as(self, who: Identity, engine_id: str, field: str = "engine_id") -> None:
         if engine_id not in who.names:
             _deny(field, f"caller {who} may not act for engine {engine_id!r}")
+
+    def register(self, who: Identity, engine_id: str, tp_rank: int) -> None:
+        """As :meth:`act_as`, and within the caller's rank quota (a rank registering again
+        takes no more)."""
+        self.act_as(who, engine_id)
+        held = [r.registration.key for name in sorted(who.names)
+                for r in self.store.engine_ranks(name)]
+        if (engine_id, tp_rank) not in held and len(held) >= self.max_ranks_per_identity:
+            log.warning("rank quota: caller %s holds %d ranks", who, len(held))
+            raise LimitExceededError(
+                "tp_rank",
+                f"caller {who} already holds {len(held)} registered ranks, its quota "
+                "(--max-ranks-per-identity)",
+            )
 
     def hold_lease(self, who: Identity, lease_id: str) -> None:
         record = self.store.rank_by_lease(lease_id)

@@ -45,6 +45,8 @@ class ServerSecurity:
     auth_tokens: str = ""
     admin_identities: frozenset[str] = frozenset()
     insecure: bool = False
+    #: Ranks one identity may hold registered, over every engine it names.
+    max_ranks_per_identity: int = 1024
 
     def __post_init__(self) -> None:
         tls = {
@@ -105,7 +107,8 @@ class ServerSecurity:
             except (OSError, ValueError) as exc:
                 raise ValueError(f"--auth-tokens: {exc}") from None
         return AccessGuard(
-            Authenticator(bool(self.tls_client_ca), tokens), store, self.admin_identities
+            Authenticator(bool(self.tls_client_ca), tokens), store, self.admin_identities,
+            self.max_ranks_per_identity,
         )
 
     def describe(self) -> str:

@@ -121,6 +121,10 @@ def _as_engine(guard: AccessGuard, who: Identity, request: Any) -> None:
     guard.act_as(who, request.engine_id)
 
 
+def _registrant(guard: AccessGuard, who: Identity, request: Any) -> None:
+    guard.register(who, request.engine_id, request.tp_rank)
+
+
 def _lease_holder(guard: AccessGuard, who: Identity, request: Any) -> None:
     guard.hold_lease(who, request.lease_id)
 
@@ -205,7 +209,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         self, request: pb.RegisterRankRequest, context: grpc.aio.ServicerContext
     ) -> pb.RegisterRankResponse:
         try:
-            self.authorize(context, _as_engine, request)
+            self.authorize(context, _registrant, request)
             registration = await self.offload(convert.registration_from_proto, request)
             if self.traced:
                 lease = tracing.call_in_context(

@@ -369,6 +369,24 @@ def test_bearer_tokens_identify_callers(pki: Pki) -> None:
         broker.stop()
 
 
+def test_ranks_per_identity_are_bounded(pki: Pki) -> None:
+    """An identity registers at most --max-ranks-per-identity ranks over the engines it
+    names; registering a held rank again takes no more, and other identities go on."""
+    broker = BrokerProcess(*tls_flags(pki, "--auth-tokens", pki.tokens_file,
+                                      "--max-ranks-per-identity", "1"))
+    try:
+        p, d = stub(broker.address, pki.token("P")), stub(broker.address, pki.token("D"))
+        register(p, "P", pb.ROLE_PREFILL, 0)
+        register(p, "P", pb.ROLE_PREFILL, 0)  # the same rank again
+        wider = build_scenario(hybrid(), 2, 1, 100).prefill
+        message = expect(p.RegisterRank, register_request(wider, "P", pb.ROLE_PREFILL, 1),
+                         grpc.StatusCode.RESOURCE_EXHAUSTED, "tp_rank")
+        assert "holds 1 registered ranks" in message and "--max-ranks-per-identity" in message
+        register(d, "D", pb.ROLE_DECODE, 1)
+    finally:
+        broker.stop()
+
+
 # --------------------------------------------------------------------------- serve flags
 
 

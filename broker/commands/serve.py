@@ -137,6 +137,12 @@ _INT_OPTIONS = (
         _DEFAULTS.release_backlog_total_bytes,
         "release events kept over all prefill ranks (bytes)",
     ),
+    (
+        "--max-ranks-per-identity",
+        "PDBROKER_MAX_RANKS_PER_IDENTITY",
+        1024,
+        "ranks one authenticated identity may hold registered, over the engines it names",
+    ),
     ("--reap-interval-ms", "PDBROKER_REAP_INTERVAL_MS", 100, "how often expiry is checked"),
     (
         "--store-timeout-ms",
@@ -283,6 +289,7 @@ def _security(args: argparse.Namespace) -> ServerSecurity:
         return ServerSecurity(
             admin_identities=frozenset(n.strip() for n in admins.split(",") if n.strip()),
             insecure=insecure,
+            max_ranks_per_identity=args.max_ranks_per_identity,
             **files,
         )
     except ValueError as exc:
