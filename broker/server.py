@@ -188,7 +188,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
     def _keep_plan_bytes(self, key: tuple, encoded: bytes) -> None:
         """Keep a large plan's answer for the same rank's repeated asks (a plan never
         changes once handed out), the newest :data:`PLAN_BYTES_CACHE` bytes."""
-        if len(encoded) > PLAN_BYTES_CACHE:
+        if len(encoded) > PLAN_BYTES_CACHE or key in self._plan_bytes:  # asked at once
             return
         self._plan_bytes[key] = encoded
         self._plan_bytes_held += len(encoded)
