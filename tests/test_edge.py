@@ -227,3 +227,38 @@ def test_health_and_keep_alives_stay_prompt_under_costly_registrations() -> None
           f"keep-alive p99 {p99['keepalive']:.1f} ms ({len(latencies['health'])} probes)")
     assert registrations >= 8
     assert p99["health"] < 100 and p99["keepalive"] < 100, p99
+
+
+def test_a_large_plan_asked_at_once_is_serialized_and_kept_once(live: LiveBroker) -> None:
+    """Four concurrent asks and one more of a plan of many block ids: every answer is the
+    same plan, the translated answer is kept once (its bytes counted once), and the later
+    ask is answered from it."""
+    from broker_helpers import hybrid, register_request
+
+    from broker.models import build_engine_layout
+    from broker.server import OFFLOAD_BLOCK_IDS
+    from broker.v1 import broker_pb2_grpc as pb_grpc
+
+    ids = OFFLOAD_BLOCK_IDS + 1
+    layout = build_engine_layout(hybrid(mamba=None), 1, ids, 16)
+    stub = pb_grpc.BrokerStub(live.channel)
+    stub.RegisterRank(register_request(layout, "LP", pb.ROLE_PREFILL, 0, 20), timeout=WAIT_S)
+    stub.RegisterRank(register_request(layout, "LD", pb.ROLE_DECODE, 0, 21), timeout=WAIT_S)
+    order = list(range(ids))
+    stub.PublishBlocks(pb.PublishBlocksRequest(
+        transfer_id="large", engine_id="LP", num_tokens=16 * ids,
+        block_ids=[pb.BlockIds(ids=order[1::2] + order[::2])]), timeout=WAIT_S)
+    plan = pb.GetTransferPlanRequest(transfer_id="large", engine_id="LD",
+                                     block_ids=[pb.BlockIds(ids=order)])
+    first = stub.GetTransferPlan(plan, timeout=WAIT_S)  # the one with the agent metadata
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda _: stub.GetTransferPlan(plan, timeout=WAIT_S), range(4)))
+    answers.append(stub.GetTransferPlan(plan, timeout=WAIT_S))
+    assert first.sources[0].remote_agent_metadata
+    assert {a.SerializeToString() for a in answers} == {answers[0].SerializeToString()}
+    assert answers[0].plan_id == first.plan_id and answers[0].num_descriptors > ids // 2
+    servicer = live.server._servicer
+    kept = list(servicer._plan_bytes.values())
+    assert len(kept) == 2  # with and without the agent metadata
+    assert servicer._plan_bytes_held == sum(len(b) for b in kept)
+    assert answers[-1].SerializeToString() in kept
