@@ -73,6 +73,8 @@ def test_unauthenticated_floods_cost_the_broker_no_memory(
     assert codes == [UNAUTHENTICATED] * FLOOD_CALLS
     time.sleep(0.2)
     growth_mib = (_status_kib(pid, "VmHWM") - before) / 1024
+    print(f"\n{FLOOD_CALLS} unauthenticated {FLOOD_BYTES >> 20} MiB calls ({credential}): "
+          f"broker peak RSS +{growth_mib:.1f} MiB")
     assert growth_mib < 64, f"broker peak RSS grew {growth_mib:.0f} MiB"
     # The broker still serves authenticated callers.
     assert register(stub(token_broker.address, pki.token("P")), "P", pb.ROLE_PREFILL, 0)
