@@ -96,8 +96,6 @@ from broker.records import (
 from broker.state import InMemoryStateStore, StateStore
 
 log = logging.getLogger(__name__)
-#: Descriptor rows (48 bytes each, both sides) of handed-out plans kept for repeated asks.
-DESCRIPTOR_CACHE_RUNS = 4_000_000
 T = TypeVar("T")
 LEASE_EXPIRED = "lease expired"
 #: Timeline events logged at WARNING (the others at DEBUG).
@@ -188,10 +186,6 @@ class BrokerService:
         self.observer = observer if observer is not None else ServiceObserver()
         self._layouts: dict[tuple[str, int], EngineLayout] = {}
         self._planners: OrderedDict[tuple[str, int, str, int], PairPlanner] = OrderedDict()
-        #: Absolute descriptors of handed-out plans, by plan id and the registrations they
-        #: address, newest last, bounded in runs: a repeated ask does not compute them again.
-        self._descriptors: OrderedDict[tuple, list[tuple[np.ndarray, np.ndarray]]] = OrderedDict()
-        self._descriptor_runs = 0
         self._listeners: list[Callable[[RankKey], None]] = []
         #: Side effects of the call in progress, run after it commits (see :func:`_atomic`).
         self._effects: list[Callable[[], None]] | None = None
@@ -1046,11 +1040,18 @@ class BrokerService:
     ) -> PlanResult:
         d_reg = d_rank.registration
         sources = []
-        pairs = self._descriptor_pairs(plan, p_ranks, d_rank)
-        for reads, (local, remote) in zip(plan.rank_plan.sources, pairs):
+        for reads in plan.rank_plan.sources:
             p_rank = p_ranks[reads.prefill_rank]
             p_reg = p_rank.registration
             first = self.store.add_contact(d_reg.key, f"{p_reg.agent_name}#{p_rank.generation}")
+            local, remote = descriptor_pair(
+                d_reg.region_table,
+                p_reg.region_table,
+                reads.region,
+                reads.local_offset,
+                reads.remote_offset,
+                reads.length,
+            )
             sources.append(
                 SourceDescriptors(
                     reads.prefill_rank,
@@ -1072,31 +1073,6 @@ class BrokerService:
             transfer.expires_at_ms,
             traceparent,
         )
-
-
-    def _descriptor_pairs(self, plan: PlanRecord, p_ranks: list[RankRecord],
-                          d_rank: RankRecord) -> list[tuple[np.ndarray, np.ndarray]]:
-        """``(local, remote)`` descriptors of each of the plan's sources, computed once per
-        plan and registrations."""
-        key = (plan.plan_id, d_rank.generation, tuple(r.generation for r in p_ranks))
-        pairs = self._descriptors.get(key)
-        if pairs is not None:
-            self._descriptors.move_to_end(key)
-            return pairs
-        d_reg = d_rank.registration
-        pairs = [descriptor_pair(d_reg.region_table,
-                                 p_ranks[reads.prefill_rank].registration.region_table,
-                                 reads.region, reads.local_offset, reads.remote_offset,
-                                 reads.length)
-                 for reads in plan.rank_plan.sources]
-        runs = sum(len(local) for local, _ in pairs)
-        if runs <= DESCRIPTOR_CACHE_RUNS:
-            self._descriptors[key] = pairs
-            self._descriptor_runs += runs
-            while self._descriptor_runs > DESCRIPTOR_CACHE_RUNS:
-                _, dropped = self._descriptors.popitem(last=False)
-                self._descriptor_runs -= sum(len(local) for local, _ in dropped)
-        return pairs
 
 
 def _planning_error(exc: RequestError) -> PdbrokerError:
