@@ -180,7 +180,10 @@ class AccessGuard:
     """
 
     def __init__(
-        self, authenticator: Authenticator, store: StateStore, admins: frozenset[str] = frozenset(),
+        self,
+        authenticator: Authenticator,
+        store: StateStore,
+        admins: frozenset[str] = frozenset(),
         max_ranks_per_identity: int = 1024,
     ) -> None:
         self.authenticator = authenticator
@@ -199,8 +202,9 @@ class AccessGuard:
         """As :meth:`act_as`, and within the caller's rank quota (a rank registering again
         takes no more)."""
         self.act_as(who, engine_id)
-        held = [r.registration.key for name in sorted(who.names)
-                for r in self.store.engine_ranks(name)]
+        held = [
+            r.registration.key for name in sorted(who.names) for r in self.store.engine_ranks(name)
+        ]
         if (engine_id, tp_rank) not in held and len(held) >= self.max_ranks_per_identity:
             log.warning("rank quota: caller %s holds %d ranks", who, len(held))
             raise LimitExceededError(

@@ -36,13 +36,20 @@ def _positive_int(obj: Mapping[str, Any], key: str, where: str) -> int:
 
 
 def _mamba_params(kind: str, raw: Mapping[str, Any]) -> MambaParams:
-    dims = {k: v for k, v in raw.items() if k in MambaParams.__dataclass_fields__
-            and k not in ("local_shapes", "conv_kernel", "kind")}
+    dims = {
+        k: v
+        for k, v in raw.items()
+        if k in MambaParams.__dataclass_fields__
+        and k not in ("local_shapes", "conv_kernel", "kind")
+    }
     local_shapes = {}
     for tp, shapes in (raw.get("shapes_by_tp") or {}).items():
         where = f"mamba.shapes_by_tp.{tp}"
-        proj = (shapes.get("conv_local_proj_dims") or shapes.get("conv_proj_dims")
-                or shapes.get("proj_dims"))
+        proj = (
+            shapes.get("conv_local_proj_dims")
+            or shapes.get("conv_proj_dims")
+            or shapes.get("proj_dims")
+        )
         if proj is None and kind == "mamba1" and "conv_shape" in shapes:
             proj = [shapes["conv_shape"][0]]
         ssm = shapes.get("ssm_shape") or shapes.get("ssm")
@@ -50,8 +57,12 @@ def _mamba_params(kind: str, raw: Mapping[str, Any]) -> MambaParams:
             raise LayoutError(where, "needs conv_local_proj_dims and ssm_shape")
         local_shapes[int(tp)] = (tuple(proj), tuple(ssm))
     try:
-        return MambaParams(kind=kind, conv_kernel=_get(raw, "conv_kernel", "mamba"),
-                           local_shapes=local_shapes, **dims)
+        return MambaParams(
+            kind=kind,
+            conv_kernel=_get(raw, "conv_kernel", "mamba"),
+            local_shapes=local_shapes,
+            **dims,
+        )
     except TypeError as exc:
         raise LayoutError("mamba", str(exc)) from None
 
@@ -68,9 +79,11 @@ def model_from_case(case: Mapping[str, Any]) -> ModelSpec:
     attention = None
     if "attention" in case:
         raw = case["attention"]
-        attention = AttentionParams(_positive_int(raw, "total_num_kv_heads", "attention"),
-                                    _positive_int(raw, "head_dim", "attention"),
-                                    raw.get("dtype", "bfloat16"))
+        attention = AttentionParams(
+            _positive_int(raw, "total_num_kv_heads", "attention"),
+            _positive_int(raw, "head_dim", "attention"),
+            raw.get("dtype", "bfloat16"),
+        )
     mamba = None
     if "mamba" in case:
         mamba = _mamba_params(_get(case, "mamba_type", ""), case["mamba"])
@@ -81,8 +94,13 @@ def _engine(case: Mapping[str, Any], role: str, model: ModelSpec) -> EngineLayou
     side = _get(case, role, "")
     block_size = side.get("logical_block_size", case.get("logical_block_size", 0))
     kernel = side.get("kernel_block_size", case.get("kernel_block_size", 0))
-    return build_engine_layout(model, _positive_int(side, "tp", role),
-                               _positive_int(side, "num_blocks", role), block_size, kernel)
+    return build_engine_layout(
+        model,
+        _positive_int(side, "tp", role),
+        _positive_int(side, "num_blocks", role),
+        block_size,
+        kernel,
+    )
 
 
 def load_case(case: Mapping[str, Any]) -> Case:
@@ -94,7 +112,9 @@ def load_case(case: Mapping[str, Any]) -> Case:
         model=model,
         prefill=_engine(case, "prefill", model),
         decode=_engine(case, "decode", model),
-        request=TransferRequest.of(_positive_int(request, "num_tokens", "request"),
-                                   _get(request, "p_block_ids", "request"),
-                                   _get(request, "d_block_ids", "request")),
+        request=TransferRequest.of(
+            _positive_int(request, "num_tokens", "request"),
+            _get(request, "p_block_ids", "request"),
+            _get(request, "d_block_ids", "request"),
+        ),
     )

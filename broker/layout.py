@@ -109,7 +109,9 @@ class Segment:
     @property
     def end(self) -> int:
         """One past the last byte addressed, relative to the page (or kernel block)."""
-        return self.offset + sum((n - 1) * s for n, s in zip(self.shape, self.strides)) + self.itemsize
+        return (
+            self.offset + sum((n - 1) * s for n, s in zip(self.shape, self.strides)) + self.itemsize
+        )
 
     @property
     def num_runs(self) -> int:
@@ -141,7 +143,8 @@ class Segment:
         if self.shard_axis is None:
             return self.shape
         return tuple(
-            self.global_extent if axis == self.shard_axis else n for axis, n in enumerate(self.shape)
+            self.global_extent if axis == self.shard_axis else n
+            for axis, n in enumerate(self.shape)
         )
 
     @property

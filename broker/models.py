@@ -99,7 +99,9 @@ def split_evenly(total: int, tp: int, rank: int, field_name: str) -> tuple[int, 
     return rank * local, local
 
 
-def split_or_replicate(units: int, unit_size: int, tp: int, rank: int, field_name: str) -> tuple[int, int]:
+def split_or_replicate(
+    units: int, unit_size: int, tp: int, rank: int, field_name: str
+) -> tuple[int, int]:
     """Shard ``units`` of ``unit_size`` over ``tp``; when ``units < tp`` each rank holds the
     whole unit ``rank * units // tp`` (replicated KV heads, replicated Mamba2 groups)."""
     if units >= tp:
@@ -127,7 +129,11 @@ def _conv_projections(m: MambaParams) -> list[tuple[str, int, int]]:
             ("conv.C", m.n_groups, m.state_size),
         ]
     qk = m.num_k_heads
-    return [("conv.Q", qk, m.head_k_dim), ("conv.K", qk, m.head_k_dim), ("conv.V", m.num_v_heads, m.head_v_dim)]
+    return [
+        ("conv.Q", qk, m.head_k_dim),
+        ("conv.K", qk, m.head_k_dim),
+        ("conv.V", m.num_v_heads, m.head_v_dim),
+    ]
 
 
 def _ssm_global_shape(m: MambaParams) -> tuple[int, ...]:
@@ -154,8 +160,16 @@ def mamba_segments(m: MambaParams, tp: int, rank: int) -> tuple[Segment, ...]:
             extent = units * unit_rows
         shape = (local, rows)
         segments.append(
-            Segment(tensor, offset, shape, contiguous_strides(shape, conv_item), m.conv_dtype,
-                    shard_axis=0, shard_start=start, global_extent=extent)
+            Segment(
+                tensor,
+                offset,
+                shape,
+                contiguous_strides(shape, conv_item),
+                m.conv_dtype,
+                shard_axis=0,
+                shard_start=start,
+                global_extent=extent,
+            )
         )
         offset += local * rows * conv_item
     if explicit:
@@ -167,8 +181,16 @@ def mamba_segments(m: MambaParams, tp: int, rank: int) -> tuple[Segment, ...]:
         ssm_shape, extent = (heads, *global_shape[1:]), global_shape[0]
     ssm_item = dtype_bytes(m.ssm_dtype, "mamba.ssm_dtype")
     segments.append(
-        Segment("ssm", offset, ssm_shape, contiguous_strides(ssm_shape, ssm_item), m.ssm_dtype,
-                shard_axis=0, shard_start=start, global_extent=extent)
+        Segment(
+            "ssm",
+            offset,
+            ssm_shape,
+            contiguous_strides(ssm_shape, ssm_item),
+            m.ssm_dtype,
+            shard_axis=0,
+            shard_start=start,
+            global_extent=extent,
+        )
     )
     return tuple(segments)
 
@@ -180,15 +202,27 @@ def mamba_state_bytes(m: MambaParams, tp: int) -> int:
 
 def attention_segment(attn: AttentionParams, tp: int, rank: int, kernel_block_size: int) -> Segment:
     """One kernel block ``[heads_local, kbs, 2*head_dim]``: K then V per head and token."""
-    start, heads = split_or_replicate(attn.num_kv_heads, 1, tp, rank, "attention.total_num_kv_heads")
+    start, heads = split_or_replicate(
+        attn.num_kv_heads, 1, tp, rank, "attention.total_num_kv_heads"
+    )
     shape = (heads, kernel_block_size, 2 * attn.head_dim)
     item = dtype_bytes(attn.dtype, "attention.dtype")
-    return Segment("kv", 0, shape, contiguous_strides(shape, item), attn.dtype,
-                   shard_axis=0, shard_start=start, global_extent=attn.num_kv_heads, token_axis=1)
+    return Segment(
+        "kv",
+        0,
+        shape,
+        contiguous_strides(shape, item),
+        attn.dtype,
+        shard_axis=0,
+        shard_start=start,
+        global_extent=attn.num_kv_heads,
+        token_axis=1,
+    )
 
 
-def hma_block_size(model: ModelSpec, tp: int, user_block_size: int = 0,
-                   alignment: int = DEFAULT_BLOCK_ALIGNMENT) -> int:
+def hma_block_size(
+    model: ModelSpec, tp: int, user_block_size: int = 0, alignment: int = DEFAULT_BLOCK_ALIGNMENT
+) -> int:
     """Block size (tokens) vLLM 0.33's hybrid allocator settles on, as
     ``Platform._align_hybrid_block_size`` does: with ``step = max(alignment, user_block_size)``,
     the smallest multiple of ``step`` whose attention page holds the Mamba state, rounded up to
@@ -202,8 +236,9 @@ def hma_block_size(model: ModelSpec, tp: int, user_block_size: int = 0,
     return alignment * -(-tokens // alignment)
 
 
-def build_rank_layout(model: ModelSpec, tp: int, rank: int, num_blocks: int, block_size: int,
-                      kernel_block_size: int) -> RankLayout:
+def build_rank_layout(
+    model: ModelSpec, tp: int, rank: int, num_blocks: int, block_size: int, kernel_block_size: int
+) -> RankLayout:
     groups: list[GroupLayout] = []
     page_bytes = 0
     if model.attention is not None:
@@ -222,7 +257,9 @@ def build_rank_layout(model: ModelSpec, tp: int, rank: int, num_blocks: int, blo
         if kind is GroupKind.ATTENTION:
             if model.attention is None:
                 raise LayoutError("attention", "an attention group needs attention parameters")
-            groups.append(GroupLayout(kind, layers, (kv,), block_size, kernel_block_size, kv.nbytes))
+            groups.append(
+                GroupLayout(kind, layers, (kv,), block_size, kernel_block_size, kv.nbytes)
+            )
         else:
             if model.mamba is None:
                 raise LayoutError("mamba", "a mamba group needs mamba parameters")
@@ -230,8 +267,9 @@ def build_rank_layout(model: ModelSpec, tp: int, rank: int, num_blocks: int, blo
     return RankLayout(rank, model.num_regions, num_blocks, page_bytes, tuple(groups))
 
 
-def build_engine_layout(model: ModelSpec, tp: int, num_blocks: int, block_size: int = 0,
-                        kernel_block_size: int = 0) -> EngineLayout:
+def build_engine_layout(
+    model: ModelSpec, tp: int, num_blocks: int, block_size: int = 0, kernel_block_size: int = 0
+) -> EngineLayout:
     """Layout of every rank of an engine serving ``model`` at ``tp``.
 
     ``block_size`` 0 picks vLLM's HMA block size; ``kernel_block_size`` 0 means "same as the
@@ -242,8 +280,11 @@ def build_engine_layout(model: ModelSpec, tp: int, num_blocks: int, block_size: 
     block_size = block_size or hma_block_size(model, tp)
     kernel_block_size = kernel_block_size or block_size
     if block_size % kernel_block_size:
-        raise LayoutError("kernel_block_size",
-                          f"{kernel_block_size} does not divide block_size {block_size}")
-    ranks = tuple(build_rank_layout(model, tp, r, num_blocks, block_size, kernel_block_size)
-                  for r in range(tp))
+        raise LayoutError(
+            "kernel_block_size", f"{kernel_block_size} does not divide block_size {block_size}"
+        )
+    ranks = tuple(
+        build_rank_layout(model, tp, r, num_blocks, block_size, kernel_block_size)
+        for r in range(tp)
+    )
     return EngineLayout(model.fingerprint, tp, ranks)

@@ -45,8 +45,9 @@ class TransferRequest:
     decode_block_ids: tuple[tuple[int, ...], ...]
 
     @classmethod
-    def of(cls, num_tokens: int, prefill: Sequence[Sequence[int]],
-           decode: Sequence[Sequence[int]]) -> TransferRequest:
+    def of(
+        cls, num_tokens: int, prefill: Sequence[Sequence[int]], decode: Sequence[Sequence[int]]
+    ) -> TransferRequest:
         return cls(num_tokens, tuple(tuple(g) for g in prefill), tuple(tuple(g) for g in decode))
 
 
@@ -123,10 +124,20 @@ class TransferPlan:
     def rows(self) -> np.ndarray:
         """``[d_rank, d_region, d_offset, p_rank, p_region, p_offset, length]`` per run."""
         parts = [
-            np.stack([np.full_like(s.region, r.decode_rank), s.region, s.local_offset,
-                      np.full_like(s.region, s.prefill_rank), s.region, s.remote_offset,
-                      s.length], axis=1)
-            for r in self.ranks for s in r.sources
+            np.stack(
+                [
+                    np.full_like(s.region, r.decode_rank),
+                    s.region,
+                    s.local_offset,
+                    np.full_like(s.region, s.prefill_rank),
+                    s.region,
+                    s.remote_offset,
+                    s.length,
+                ],
+                axis=1,
+            )
+            for r in self.ranks
+            for s in r.sources
         ]
         return np.concatenate(parts) if parts else np.zeros((0, 7), dtype=_I64)
 
@@ -156,23 +167,43 @@ class _TemplateTable:
         self.meta = np.zeros((5, 0), dtype=_I64)
         self.runs = np.zeros((6, 0), dtype=_I64)
 
-    def add(self, key: tuple, tpl: Template, num_regions: int, first_source: int,
-            regions_per_rank: int, p_page: int, d_page: int) -> int:
+    def add(
+        self,
+        key: tuple,
+        tpl: Template,
+        num_regions: int,
+        first_source: int,
+        regions_per_rank: int,
+        p_page: int,
+        d_page: int,
+    ) -> int:
         """Append ``tpl`` repeated over ``num_regions`` regions, its prefill ranks numbered
         from ``first_source``; returns its id."""
         runs = tpl.length.size
         tid = self.ids[key] = self.meta.shape[1]
         source = np.tile(tpl.prefill_rank + first_source, num_regions)
         region = np.repeat(np.arange(num_regions, dtype=_I64), runs)
-        added = np.stack([source, region, source * regions_per_rank + region,
-                          np.tile(tpl.local_offset, num_regions),
-                          np.tile(tpl.remote_offset, num_regions),
-                          np.tile(tpl.length, num_regions)])
+        added = np.stack(
+            [
+                source,
+                region,
+                source * regions_per_rank + region,
+                np.tile(tpl.local_offset, num_regions),
+                np.tile(tpl.remote_offset, num_regions),
+                np.tile(tpl.length, num_regions),
+            ]
+        )
         starts_pages = np.any((tpl.local_offset == 0) & (tpl.remote_offset == 0))
-        ends_pages = np.any((tpl.local_offset + tpl.length == d_page)
-                            & (tpl.remote_offset + tpl.length == p_page))
-        column = [self.runs.shape[1], runs * num_regions, tpl.vllm_units * num_regions,
-                  int(starts_pages), int(ends_pages)]
+        ends_pages = np.any(
+            (tpl.local_offset + tpl.length == d_page) & (tpl.remote_offset + tpl.length == p_page)
+        )
+        column = [
+            self.runs.shape[1],
+            runs * num_regions,
+            tpl.vllm_units * num_regions,
+            int(starts_pages),
+            int(ends_pages),
+        ]
         self.meta = np.append(self.meta, np.array(column, dtype=_I64)[:, None], axis=1)
         self.runs = np.concatenate([self.runs, added], axis=1)
         return tid
@@ -181,10 +212,17 @@ class _TemplateTable:
 # --------------------------------------------------------------------------- run emission
 
 
-def strided_runs(extent: Sequence[int], itemsize: int,
-                 d_base: int, d_start: Sequence[int], d_strides: Sequence[int],
-                 p_base: int, p_start: Sequence[int], p_strides: Sequence[int],
-                 max_runs: int | None = None) -> tuple[np.ndarray, np.ndarray, int]:
+def strided_runs(
+    extent: Sequence[int],
+    itemsize: int,
+    d_base: int,
+    d_start: Sequence[int],
+    d_strides: Sequence[int],
+    p_base: int,
+    p_start: Sequence[int],
+    p_strides: Sequence[int],
+    max_runs: int | None = None,
+) -> tuple[np.ndarray, np.ndarray, int]:
     """Byte runs copying a box of ``extent`` elements between two strided arrays.
 
     The box starts at local index ``d_start`` / ``p_start`` on each side. Trailing axes whose
@@ -226,16 +264,23 @@ def _subtract(intervals: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[
     return out
 
 
-def coalesce(keys: np.ndarray, d_off: np.ndarray, p_off: np.ndarray, length: np.ndarray,
-             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def coalesce(
+    keys: np.ndarray,
+    d_off: np.ndarray,
+    p_off: np.ndarray,
+    length: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Sort runs by (key, decode offset) and merge those that continue each other on both
     sides. ``keys`` must identify (prefill rank, region): runs never merge across them."""
     order = np.lexsort((d_off, keys))
     keys, d_off, p_off, length = keys[order], d_off[order], p_off[order], length[order]
     if keys.size < 2:
         return keys, d_off, p_off, length
-    joins = (keys[1:] == keys[:-1]) & (d_off[1:] == d_off[:-1] + length[:-1]) & (
-        p_off[1:] == p_off[:-1] + length[:-1])
+    joins = (
+        (keys[1:] == keys[:-1])
+        & (d_off[1:] == d_off[:-1] + length[:-1])
+        & (p_off[1:] == p_off[:-1] + length[:-1])
+    )
     starts = np.flatnonzero(np.concatenate(([True], ~joins)))
     return keys[starts], d_off[starts], p_off[starts], np.add.reduceat(length, starts)
 
@@ -305,17 +350,22 @@ class PairPlanner:
     #: Page bytes of a decode rank (EngineLayout makes all ranks alike), and (decode,
     #: prefill) page bytes as a column.
     _d_page: int = field(default=0, init=False, repr=False)
-    _page_column: np.ndarray = field(default_factory=lambda: np.zeros((2, 1), dtype=_I64),
-                                     init=False, repr=False)
+    _page_column: np.ndarray = field(
+        default_factory=lambda: np.zeros((2, 1), dtype=_I64), init=False, repr=False
+    )
     #: Bits of a decode offset when ``key << bits | offset`` fits in int64 (else None).
     _local_bits: int | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         check_compatible(self.prefill, self.decode)
-        self._attention_groups = [g for g, group in enumerate(self.decode.groups) if group.is_attention]
+        self._attention_groups = [
+            g for g, group in enumerate(self.decode.groups) if group.is_attention
+        ]
         d_rank = self.decode.ranks[0]
         self._d_page = d_rank.page_bytes
-        self._page_column = np.array([[self._d_page], [self.prefill.ranks[0].page_bytes]], dtype=_I64)
+        self._page_column = np.array(
+            [[self._d_page], [self.prefill.ranks[0].page_bytes]], dtype=_I64
+        )
         local_bits = d_rank.region_bytes.bit_length()
         max_key = self.decode.tp_size * self.prefill.tp_size * d_rank.num_regions
         if max_key.bit_length() + local_bits <= 62:
@@ -353,7 +403,8 @@ class PairPlanner:
         tp = self.decode.tp_size
         table = self._table
         if len(table.ids) >= self.max_templates * tp or (
-                table.runs.shape[1] >= self.max_template_runs * tp):
+            table.runs.shape[1] >= self.max_template_runs * tp
+        ):
             # Only between requests: the ids collected below index one table.
             table = self._table = _TemplateTable()
         chunks, slot_p, slot_d, naive_pages = self._block_pairs(request)
@@ -366,41 +417,52 @@ class PairPlanner:
             return tuple(RankPlan(d, (), naive_pages * self._d_page, 0) for d in ranks)
         start, size, units, starts_pages, ends_pages = table.meta.take(tids, axis=1)
         ends = size.cumsum()
-        rank_ends = ends[slots - 1::slots].tolist()
+        rank_ends = ends[slots - 1 :: slots].tolist()
         for d, (lo, hi) in zip(ranks, pairwise([0, *rank_ends])):
             if hi - lo > self.max_plan_runs:
                 raise LimitExceededError(
-                    "block_ids", f"the plan of decode rank {d} needs {hi - lo} runs, "
-                    f"at most {self.max_plan_runs}")
+                    "block_ids",
+                    f"the plan of decode rank {d} needs {hi - lo} runs, "
+                    f"at most {self.max_plan_runs}",
+                )
         per_rank = range(0, len(tids), slots)
         vllm_units = np.add.reduceat(units, per_rank).tolist()
         total = rank_ends[-1]
         if not total:
-            return tuple(RankPlan(d, (), naive_pages * self._d_page, n)
-                         for d, n in zip(ranks, vllm_units))
-        runs = table.runs.take(np.arange(total, dtype=_I64) + (start - ends + size).repeat(size), axis=1)
+            return tuple(
+                RankPlan(d, (), naive_pages * self._d_page, n) for d, n in zip(ranks, vllm_units)
+            )
+        runs = table.runs.take(
+            np.arange(total, dtype=_I64) + (start - ends + size).repeat(size), axis=1
+        )
         block_offsets = np.array((slot_d * len(ranks), slot_p * len(ranks)), dtype=_I64)
         block_offsets *= self._page_column
-        runs[_LOCAL:_REMOTE + 1] += block_offsets.repeat(size, axis=1)
+        runs[_LOCAL : _REMOTE + 1] += block_offsets.repeat(size, axis=1)
         # A rank's runs merge only if one of its block pairs ends where another could start;
         # decided per rank, so that its plan is the same however many ranks are planned.
         mergeable = [False] * len(ranks)
         if self.coalesce:
-            mergeable = (np.logical_or.reduceat(starts_pages, per_rank)
-                         & np.logical_or.reduceat(ends_pages, per_rank)).tolist()
+            mergeable = (
+                np.logical_or.reduceat(starts_pages, per_rank)
+                & np.logical_or.reduceat(ends_pages, per_rank)
+            ).tolist()
         if all(mergeable):
             runs = _coalesce_columns(runs, self._local_bits)
         elif not any(mergeable):
             runs = _group_by_source(runs)
         else:  # gathered runs are rank after rank
             runs = np.concatenate(
-                [_coalesce_columns(part, self._local_bits) if merge else _group_by_source(part)
-                 for part, merge in zip(np.split(runs, rank_ends[:-1], axis=1), mergeable)],
-                axis=1)
+                [
+                    _coalesce_columns(part, self._local_bits) if merge else _group_by_source(part)
+                    for part, merge in zip(np.split(runs, rank_ends[:-1], axis=1), mergeable)
+                ],
+                axis=1,
+            )
         return self._split(ranks, runs, naive_pages, vllm_units)
 
-    def _split(self, ranks: Sequence[int], runs: np.ndarray, naive_pages: int,
-               vllm_units: list[int]) -> tuple[RankPlan, ...]:
+    def _split(
+        self, ranks: Sequence[int], runs: np.ndarray, naive_pages: int, vllm_units: list[int]
+    ) -> tuple[RankPlan, ...]:
         """Runs ordered by source, as one :class:`RankPlan` per decode rank."""
         source = runs[_SOURCE]
         starts = [0, *((source[1:] != source[:-1]).nonzero()[0] + 1).tolist()]
@@ -409,14 +471,25 @@ class PairPlanner:
         p_tp = self.prefill.tp_size
         for (lo, hi), size in zip(pairwise([*starts, source.size]), nbytes):
             d, p = divmod(int(source[lo]), p_tp)
-            by_rank[d].append(SourceReads(p, runs[_REGION, lo:hi], runs[_LOCAL, lo:hi],
-                                          runs[_REMOTE, lo:hi], runs[_LENGTH, lo:hi], size))
-        return tuple(RankPlan(d, tuple(by_rank[d]), naive_pages * self._d_page, units)
-                     for d, units in zip(ranks, vllm_units))
+            by_rank[d].append(
+                SourceReads(
+                    p,
+                    runs[_REGION, lo:hi],
+                    runs[_LOCAL, lo:hi],
+                    runs[_REMOTE, lo:hi],
+                    runs[_LENGTH, lo:hi],
+                    size,
+                )
+            )
+        return tuple(
+            RankPlan(d, tuple(by_rank[d]), naive_pages * self._d_page, units)
+            for d, units in zip(ranks, vllm_units)
+        )
 
-    def _block_pairs(self, request: TransferRequest,
-                     ) -> tuple[list[tuple[int, tuple[int, int, int] | None, int]], list[int],
-                                list[int], int]:
+    def _block_pairs(
+        self,
+        request: TransferRequest,
+    ) -> tuple[list[tuple[int, tuple[int, int, int] | None, int]], list[int], list[int], int]:
         """The request's block pairs, the same for every decode rank: runs of ``(group,
         chunk, count)`` (template keys, in slot order), the prefill and decode block id of
         each slot, and the number of decode pages written (over all layers)."""
@@ -427,13 +500,15 @@ class PairPlanner:
         for g, d_group in enumerate(self.decode.groups):
             p_ids, d_ids = request.prefill_block_ids[g], request.decode_block_ids[g]
             if d_group.is_attention:
-                shapes, p_sel, d_sel, pages = self._attention_chunks(g, request.num_tokens, p_ids, d_ids)
+                shapes, p_sel, d_sel, pages = self._attention_chunks(
+                    g, request.num_tokens, p_ids, d_ids
+                )
                 chunks += [(g, shape, count) for shape, count in shapes]
             else:
                 n = min(len(p_ids), len(d_ids))
                 if n:
                     chunks.append((g, None, n))
-                p_sel, d_sel, pages = p_ids[len(p_ids) - n:], d_ids[:n], n
+                p_sel, d_sel, pages = p_ids[len(p_ids) - n :], d_ids[:n], n
             slot_p += p_sel
             slot_d += d_sel
             naive_pages += pages * len(d_group.layers)
@@ -447,19 +522,24 @@ class PairPlanner:
         if request.num_tokens <= 0:
             raise RequestError("num_tokens", f"must be positive, got {request.num_tokens}")
         num_groups = len(self.decode.groups)
-        for side, ids in (("prefill_block_ids", request.prefill_block_ids),
-                          ("decode_block_ids", request.decode_block_ids)):
+        for side, ids in (
+            ("prefill_block_ids", request.prefill_block_ids),
+            ("decode_block_ids", request.decode_block_ids),
+        ):
             if len(ids) != num_groups:
                 raise RequestError(side, f"expected {num_groups} groups, got {len(ids)}")
         p_all = list(chain.from_iterable(request.prefill_block_ids))
         d_all = list(chain.from_iterable(request.decode_block_ids))
         p_limit, d_limit = self.prefill.ranks[0].num_blocks, self.decode.ranks[0].num_blocks
         if (p_all and (min(p_all) < 0 or max(p_all) >= p_limit)) or (
-                d_all and (min(d_all) < 0 or max(d_all) >= d_limit)):
+            d_all and (min(d_all) < 0 or max(d_all) >= d_limit)
+        ):
             _raise_out_of_range(request, p_limit, d_limit)
         if len(set(d_all)) != len(d_all):
-            raise RequestError("decode_block_ids", "a decode block id appears twice; "
-                               "two groups would write the same page")
+            raise RequestError(
+                "decode_block_ids",
+                "a decode block id appears twice; two groups would write the same page",
+            )
         for g in self._attention_groups:
             block_size = self.prefill.groups[g].block_size
             held = len(request.prefill_block_ids[g]) * block_size
@@ -467,10 +547,16 @@ class PairPlanner:
                 raise RequestError(
                     f"prefill_block_ids[{g}]",
                     f"{len(request.prefill_block_ids[g])} blocks of {block_size} "
-                    f"tokens cannot hold num_tokens={request.num_tokens}")
+                    f"tokens cannot hold num_tokens={request.num_tokens}",
+                )
 
-    def _attention_chunks(self, g: int, num_tokens: int, p_ids: Sequence[int], d_ids: Sequence[int],
-                          ) -> tuple[list[tuple[tuple[int, int, int], int]], list[int], list[int], int]:
+    def _attention_chunks(
+        self,
+        g: int,
+        num_tokens: int,
+        p_ids: Sequence[int],
+        d_ids: Sequence[int],
+    ) -> tuple[list[tuple[tuple[int, int, int], int]], list[int], list[int], int]:
         """Split the tokens decode is missing into chunks that lie in one prefill and one
         decode page; returns the chunk shapes (with how many consecutive chunks have each),
         both block ids per chunk, and the number of decode pages written."""
@@ -487,19 +573,29 @@ class PairPlanner:
         if p_bs == d_bs:  # chunks are whole pages but the last
             count = -(-(last - first) // d_bs)
             tail = last - first - (count - 1) * d_bs
-            shapes = [((0, 0, d_bs), count - 1), ((0, 0, tail), 1)] if count > 1 else [
-                ((0, 0, tail), 1)]
-            return shapes, list(p_ids[skip:skip + count]), list(d_ids[:count]), count
-        starts = np.union1d(np.arange(first, last, d_bs, dtype=_I64),
-                            np.arange(_round_up(first, p_bs), last, p_bs, dtype=_I64))
+            shapes = (
+                [((0, 0, d_bs), count - 1), ((0, 0, tail), 1)] if count > 1 else [((0, 0, tail), 1)]
+            )
+            return shapes, list(p_ids[skip : skip + count]), list(d_ids[:count]), count
+        starts = np.union1d(
+            np.arange(first, last, d_bs, dtype=_I64),
+            np.arange(_round_up(first, p_bs), last, p_bs, dtype=_I64),
+        )
         starts = np.union1d(starts, [first])
         ends = np.append(starts[1:], last)
         p_index, d_index = starts // p_bs, starts // d_bs
-        shapes = zip((starts - p_index * p_bs).tolist(), (starts - d_index * d_bs).tolist(),
-                     (ends - starts).tolist())
+        shapes = zip(
+            (starts - p_index * p_bs).tolist(),
+            (starts - d_index * d_bs).tolist(),
+            (ends - starts).tolist(),
+        )
         d_sel = np.asarray(d_ids, dtype=_I64)[d_index - skip]
-        return ([(shape, 1) for shape in shapes], np.asarray(p_ids, dtype=_I64)[p_index].tolist(),
-                d_sel.tolist(), int(np.unique(d_sel).size))
+        return (
+            [(shape, 1) for shape in shapes],
+            np.asarray(p_ids, dtype=_I64)[p_index].tolist(),
+            d_sel.tolist(),
+            int(np.unique(d_sel).size),
+        )
 
     # ---- templates
 
@@ -511,13 +607,20 @@ class PairPlanner:
         tid = table.ids.get(key)
         if tid is None:
             tpl = self._build_template(decode_rank, g, chunk)
-            tid = table.add(key, tpl, len(self.decode.groups[g].layers),
-                            decode_rank * self.prefill.tp_size, self.decode.ranks[decode_rank].num_regions,
-                            self.prefill.ranks[0].page_bytes, self._d_page)
+            tid = table.add(
+                key,
+                tpl,
+                len(self.decode.groups[g].layers),
+                decode_rank * self.prefill.tp_size,
+                self.decode.ranks[decode_rank].num_regions,
+                self.prefill.ranks[0].page_bytes,
+                self._d_page,
+            )
         return tid
 
-    def _build_template(self, decode_rank: int, g: int,
-                        chunk: tuple[int, int, int] | None) -> Template:
+    def _build_template(
+        self, decode_rank: int, g: int, chunk: tuple[int, int, int] | None
+    ) -> Template:
         d_group = self.decode.ranks[decode_rank].groups[g]
         p_groups = [rank.groups[g] for rank in self.prefill.ranks]
         pieces = _kernel_pieces(p_groups[0], d_group, chunk)
@@ -529,21 +632,32 @@ class PairPlanner:
                 missing = [d_seg.shard_interval]
                 for p in self.source_ranks(decode_rank):
                     p_seg = p_groups[p].segment(d_seg.tensor)
-                    overlaps = [(max(a, p_seg.shard_interval[0]), min(b, p_seg.shard_interval[1]))
-                                for a, b in missing]
+                    overlaps = [
+                        (max(a, p_seg.shard_interval[0]), min(b, p_seg.shard_interval[1]))
+                        for a, b in missing
+                    ]
                     overlaps = [(a, b) for a, b in overlaps if a < b]
                     for lo, hi in overlaps:
                         try:
                             d_off, p_off, run = _segment_box(
-                                d_seg, p_seg, lo, hi, d_tok, p_tok, tokens,
+                                d_seg,
+                                p_seg,
+                                lo,
+                                hi,
+                                d_tok,
+                                p_tok,
+                                tokens,
                                 d_kb * d_group.kernel_block_bytes,
-                                p_kb * p_groups[p].kernel_block_bytes, budget)
+                                p_kb * p_groups[p].kernel_block_bytes,
+                                budget,
+                            )
                         except LimitExceededError:
                             raise LimitExceededError(
                                 f"layout.groups[{g}].segments[{d_seg.tensor!r}].strides",
                                 f"prefill and decode strides split a page into more than "
                                 f"{self.max_template_runs} runs over its {len(d_group.layers)} "
-                                "regions") from None
+                                "regions",
+                            ) from None
                         budget -= d_off.size
                         ranks_out.append(np.full(d_off.size, p, dtype=_I64))
                         d_out.append(d_off)
@@ -557,7 +671,8 @@ class PairPlanner:
                     raise IncompatibleLayoutsError(
                         f"groups[{g}].segments[{d_seg.tensor!r}]",
                         f"decode rank {decode_rank} needs global indices {missing} that no "
-                        "prefill rank holds")
+                        "prefill rank holds",
+                    )
         if not d_out:
             empty = np.zeros(0, dtype=_I64)
             return Template(empty, empty, empty, empty, 0)
@@ -566,15 +681,25 @@ class PairPlanner:
             p_rank, d_off, p_off, length = coalesce(*columns)
         else:
             p_rank, d_off, p_off, length = columns
-        _check_template(d_group, chunk, d_off, p_off, length,
-                        self.decode.ranks[decode_rank].page_bytes, self.prefill.ranks[0].page_bytes,
-                        decode_rank, g)
+        _check_template(
+            d_group,
+            chunk,
+            d_off,
+            p_off,
+            length,
+            self.decode.ranks[decode_rank].page_bytes,
+            self.prefill.ranks[0].page_bytes,
+            decode_rank,
+            g,
+        )
         return Template(p_rank, p_off, d_off, length, units)
 
 
 def _raise_out_of_range(request: TransferRequest, p_limit: int, d_limit: int) -> None:
-    for side, ids, limit in (("prefill_block_ids", request.prefill_block_ids, p_limit),
-                             ("decode_block_ids", request.decode_block_ids, d_limit)):
+    for side, ids, limit in (
+        ("prefill_block_ids", request.prefill_block_ids, p_limit),
+        ("decode_block_ids", request.decode_block_ids, d_limit),
+    ):
         for g, group_ids in enumerate(ids):
             for b in group_ids:
                 if not 0 <= b < limit:
@@ -585,8 +710,9 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def _kernel_pieces(p_group: GroupLayout, d_group: GroupLayout,
-                   chunk: tuple[int, int, int] | None) -> list[tuple[int, int, int, int, int]]:
+def _kernel_pieces(
+    p_group: GroupLayout, d_group: GroupLayout, chunk: tuple[int, int, int] | None
+) -> list[tuple[int, int, int, int, int]]:
     """Split a chunk at kernel-block boundaries of both sides: ``(p_kernel_block,
     p_token_in_kb, d_kernel_block, d_token_in_kb, tokens)``. Mamba: one whole piece."""
     if chunk is None:
@@ -597,13 +723,24 @@ def _kernel_pieces(p_group: GroupLayout, d_group: GroupLayout,
     cuts.update(k * p_kbs - p_at for k in range(p_at // p_kbs + 1, (p_at + count) // p_kbs + 1))
     cuts.update(k * d_kbs - d_at for k in range(d_at // d_kbs + 1, (d_at + count) // d_kbs + 1))
     bounds = sorted(c for c in cuts if 0 <= c <= count)
-    return [((p_at + u) // p_kbs, (p_at + u) % p_kbs, (d_at + u) // d_kbs, (d_at + u) % d_kbs, v - u)
-            for u, v in pairwise(bounds)]
+    return [
+        ((p_at + u) // p_kbs, (p_at + u) % p_kbs, (d_at + u) // d_kbs, (d_at + u) % d_kbs, v - u)
+        for u, v in pairwise(bounds)
+    ]
 
 
-def _segment_box(d_seg: Segment, p_seg: Segment, lo: int, hi: int, d_tok: int, p_tok: int,
-                 tokens: int, d_base: int, p_base: int, max_runs: int,
-                 ) -> tuple[np.ndarray, np.ndarray, int]:
+def _segment_box(
+    d_seg: Segment,
+    p_seg: Segment,
+    lo: int,
+    hi: int,
+    d_tok: int,
+    p_tok: int,
+    tokens: int,
+    d_base: int,
+    p_base: int,
+    max_runs: int,
+) -> tuple[np.ndarray, np.ndarray, int]:
     """Runs copying global shard indices ``[lo, hi)`` (and a token range) of one tensor; at
     most ``max_runs`` (else :class:`LimitExceededError`)."""
     extent, d_start, p_start = list(d_seg.shape), [0] * len(d_seg.shape), [0] * len(d_seg.shape)
@@ -614,18 +751,39 @@ def _segment_box(d_seg: Segment, p_seg: Segment, lo: int, hi: int, d_tok: int, p
     if d_seg.token_axis is not None:
         axis = d_seg.token_axis
         extent[axis], d_start[axis], p_start[axis] = tokens, d_tok, p_tok
-    return strided_runs(extent, d_seg.itemsize, d_base + d_seg.offset, d_start, d_seg.strides,
-                        p_base + p_seg.offset, p_start, p_seg.strides, max_runs)
+    return strided_runs(
+        extent,
+        d_seg.itemsize,
+        d_base + d_seg.offset,
+        d_start,
+        d_seg.strides,
+        p_base + p_seg.offset,
+        p_start,
+        p_seg.strides,
+        max_runs,
+    )
 
 
-def _check_template(d_group: GroupLayout, chunk: tuple[int, int, int] | None, d_off: np.ndarray,
-                    p_off: np.ndarray, length: np.ndarray, d_page: int, p_page: int,
-                    decode_rank: int, g: int) -> None:
+def _check_template(
+    d_group: GroupLayout,
+    chunk: tuple[int, int, int] | None,
+    d_off: np.ndarray,
+    p_off: np.ndarray,
+    length: np.ndarray,
+    d_page: int,
+    p_page: int,
+    decode_rank: int,
+    g: int,
+) -> None:
     """A template stays inside one page on both sides and writes each needed decode byte
     exactly once. With block ids checked per request, every plan then stays inside its
     regions: ``block * page_bytes + offset < num_blocks * page_bytes``."""
-    if d_off.min() < 0 or p_off.min() < 0 or (d_off + length).max() > d_page or (
-            p_off + length).max() > p_page:
+    if (
+        d_off.min() < 0
+        or p_off.min() < 0
+        or (d_off + length).max() > d_page
+        or (p_off + length).max() > p_page
+    ):
         raise AssertionError(f"template for decode rank {decode_rank} group {g} leaves its page")
     order = np.argsort(d_off)
     if np.any(d_off[order][1:] < (d_off + length)[order][:-1]):
@@ -637,7 +795,8 @@ def _check_template(d_group: GroupLayout, chunk: tuple[int, int, int] | None, d_
     if int(length.sum()) != needed:
         raise AssertionError(
             f"template for decode rank {decode_rank} group {g} moves {int(length.sum())} "
-            f"bytes, needs {needed}")
+            f"bytes, needs {needed}"
+        )
 
 
 # --------------------------------------------------------------------------- compatibility
@@ -646,23 +805,34 @@ def _check_template(d_group: GroupLayout, chunk: tuple[int, int, int] | None, d_
 def check_compatible(prefill: EngineLayout, decode: EngineLayout) -> None:
     """Raise :class:`IncompatibleLayoutsError` unless decode can be filled from prefill."""
     if prefill.model and decode.model and prefill.model != decode.model:
-        raise IncompatibleLayoutsError("model", f"prefill serves {prefill.model!r}, decode {decode.model!r}")
+        raise IncompatibleLayoutsError(
+            "model", f"prefill serves {prefill.model!r}, decode {decode.model!r}"
+        )
     p_tp, d_tp = prefill.tp_size, decode.tp_size
     if max(p_tp, d_tp) % min(p_tp, d_tp):
-        raise IncompatibleLayoutsError("tp_size", f"prefill tp={p_tp} and decode tp={d_tp}: "
-                                       "one must divide the other")
+        raise IncompatibleLayoutsError(
+            "tp_size", f"prefill tp={p_tp} and decode tp={d_tp}: one must divide the other"
+        )
     if len(prefill.groups) != len(decode.groups):
         raise IncompatibleLayoutsError(
-            "groups", f"prefill has {len(prefill.groups)} KV-cache groups, decode {len(decode.groups)}")
+            "groups",
+            f"prefill has {len(prefill.groups)} KV-cache groups, decode {len(decode.groups)}",
+        )
     if prefill.ranks[0].num_regions != decode.ranks[0].num_regions:
         raise IncompatibleLayoutsError(
-            "num_regions", f"prefill {prefill.ranks[0].num_regions}, decode {decode.ranks[0].num_regions}")
+            "num_regions",
+            f"prefill {prefill.ranks[0].num_regions}, decode {decode.ranks[0].num_regions}",
+        )
     for g, (pg, dg) in enumerate(zip(prefill.groups, decode.groups)):
         where = f"groups[{g}]"
         if pg.kind != dg.kind:
-            raise IncompatibleLayoutsError(f"{where}.kind", f"prefill {pg.kind.value}, decode {dg.kind.value}")
+            raise IncompatibleLayoutsError(
+                f"{where}.kind", f"prefill {pg.kind.value}, decode {dg.kind.value}"
+            )
         if pg.layers != dg.layers:
-            raise IncompatibleLayoutsError(f"{where}.layers", "prefill and decode list different layers")
+            raise IncompatibleLayoutsError(
+                f"{where}.layers", "prefill and decode list different layers"
+            )
         p_tensors = {s.tensor: s for s in pg.segments}
         for ds in dg.segments:
             ps = p_tensors.get(ds.tensor)
@@ -672,17 +842,23 @@ def check_compatible(prefill: EngineLayout, decode: EngineLayout) -> None:
             _check_segment_pair(swhere, ps, ds)
         extra = set(p_tensors) - {s.tensor for s in dg.segments}
         if extra:
-            raise IncompatibleLayoutsError(f"{where}.segments", f"decode pages lack {sorted(extra)}")
+            raise IncompatibleLayoutsError(
+                f"{where}.segments", f"decode pages lack {sorted(extra)}"
+            )
 
 
 def _check_segment_pair(where: str, ps: Segment, ds: Segment) -> None:
     if ps.dtype != ds.dtype:
         raise IncompatibleLayoutsError(f"{where}.dtype", f"prefill {ps.dtype}, decode {ds.dtype}")
     if (ps.shard_axis, ps.token_axis) != (ds.shard_axis, ds.token_axis):
-        raise IncompatibleLayoutsError(f"{where}.shard_axis", "prefill and decode shard different axes")
+        raise IncompatibleLayoutsError(
+            f"{where}.shard_axis", "prefill and decode shard different axes"
+        )
     p_shape, d_shape = list(ps.global_shape), list(ds.global_shape)
     if ds.token_axis is not None:
         p_shape[ds.token_axis] = d_shape[ds.token_axis] = 0
     if p_shape != d_shape:
-        raise IncompatibleLayoutsError(f"{where}.shape",
-                                       f"global shapes differ: prefill {ps.global_shape}, decode {ds.global_shape}")
+        raise IncompatibleLayoutsError(
+            f"{where}.shape",
+            f"global shapes differ: prefill {ps.global_shape}, decode {ds.global_shape}",
+        )

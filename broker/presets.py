@@ -74,8 +74,10 @@ PRESET_CONFIGS: dict[str, dict[str, Any]] = {
         "model_type": "nemotron_h",
         "dtype": "bfloat16",
         "hidden_size": 4096,
-        "hybrid_override_pattern": ("MEMEMEM*EMEMEMEM*EMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*"
-                                    "EMEMEMEMEM*EMEMEMEMEM*EMEMEMEM*EMEMEMEME"),
+        "hybrid_override_pattern": (
+            "MEMEMEM*EMEMEMEM*EMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*"
+            "EMEMEMEMEM*EMEMEMEMEM*EMEMEMEM*EMEMEMEME"
+        ),
         "num_attention_heads": 32,
         "num_key_value_heads": 2,
         "head_dim": 128,
@@ -193,8 +195,11 @@ def resolve_model(name_or_path: str) -> ModelSpec:
     path = Path(name_or_path)
     if path.exists():
         return model_from_hf_file(path)
-    raise LayoutError("model", f"unknown preset {name_or_path!r}; valid presets: "
-                               f"{', '.join(preset_names())}, or a path to a config.json")
+    raise LayoutError(
+        "model",
+        f"unknown preset {name_or_path!r}; valid presets: "
+        f"{', '.join(preset_names())}, or a path to a config.json",
+    )
 
 
 def load_hf_config(path: Path) -> dict[str, Any]:
@@ -221,8 +226,9 @@ def model_from_hf_config(config: Mapping[str, Any], name: str) -> ModelSpec:
     model_type = config.get("model_type")
     family = _FAMILIES.get(model_type) if isinstance(model_type, str) else None
     if family is None:
-        raise LayoutError("model_type", f"unsupported {model_type!r}; supported: "
-                                        f"{', '.join(sorted(_FAMILIES))}")
+        raise LayoutError(
+            "model_type", f"unsupported {model_type!r}; supported: {', '.join(sorted(_FAMILIES))}"
+        )
     return family(config, name)
 
 
@@ -232,8 +238,9 @@ def _get(config: Mapping[str, Any], key: str, where: str) -> Any:
     return config[key]
 
 
-def _positive_int(config: Mapping[str, Any], key: str, where: str,
-                  default: int | None = None) -> int:
+def _positive_int(
+    config: Mapping[str, Any], key: str, where: str, default: int | None = None
+) -> int:
     value = config.get(key, default) if default is not None else _get(config, key, where)
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise LayoutError(f"{where}{key}", f"must be a positive integer, got {value!r}")
@@ -281,23 +288,36 @@ def _head_dim(config: Mapping[str, Any], where: str) -> int:
 
 
 def _attention(config: Mapping[str, Any], where: str, dtype: str) -> AttentionParams:
-    return AttentionParams(_positive_int(config, "num_key_value_heads", where),
-                           _head_dim(config, where), dtype)
+    return AttentionParams(
+        _positive_int(config, "num_key_value_heads", where), _head_dim(config, where), dtype
+    )
 
 
-def _spec(name: str, layers: list[tuple[str, GroupKind]], attention: AttentionParams,
-          mamba: MambaParams) -> ModelSpec:
+def _spec(
+    name: str, layers: list[tuple[str, GroupKind]], attention: AttentionParams, mamba: MambaParams
+) -> ModelSpec:
     kinds = {kind for _, kind in layers}
-    return ModelSpec(name, vllm_kv_cache_groups(layers),
-                     attention if GroupKind.ATTENTION in kinds else None,
-                     mamba if GroupKind.MAMBA in kinds else None)
+    return ModelSpec(
+        name,
+        vllm_kv_cache_groups(layers),
+        attention if GroupKind.ATTENTION in kinds else None,
+        mamba if GroupKind.MAMBA in kinds else None,
+    )
 
 
 #: Nemotron-H layer codes and ``layers_block_type`` names -> KV kind (None: no KV state).
 _NEMOTRON_CODES: dict[str, GroupKind | None] = {
-    "M": GroupKind.MAMBA, "*": GroupKind.ATTENTION, "-": None, "E": None}
+    "M": GroupKind.MAMBA,
+    "*": GroupKind.ATTENTION,
+    "-": None,
+    "E": None,
+}
 _NEMOTRON_BLOCKS: dict[str, GroupKind | None] = {
-    "mamba": GroupKind.MAMBA, "attention": GroupKind.ATTENTION, "mlp": None, "moe": None}
+    "mamba": GroupKind.MAMBA,
+    "attention": GroupKind.ATTENTION,
+    "mlp": None,
+    "moe": None,
+}
 
 
 def _nemotron_kinds(config: Mapping[str, Any]) -> list[GroupKind | None]:
@@ -311,8 +331,9 @@ def _nemotron_kinds(config: Mapping[str, Any]) -> list[GroupKind | None]:
     kinds = []
     for i, entry in enumerate(entries):
         if not isinstance(entry, str) or entry not in table:
-            raise LayoutError(f"{field}[{i}]", f"unknown layer type {entry!r}; "
-                                               f"expected one of {', '.join(table)}")
+            raise LayoutError(
+                f"{field}[{i}]", f"unknown layer type {entry!r}; expected one of {', '.join(table)}"
+            )
         kinds.append(table[entry])
     return kinds
 
@@ -321,20 +342,30 @@ def _nemotron_h(config: Mapping[str, Any], name: str) -> ModelSpec:
     """Nemotron-H: vLLM registers ``model.layers.{i}.mixer`` (Mamba2) and
     ``model.layers.{i}.mixer.attn`` (attention)."""
     dtype = _model_dtype((config, ""))
-    names = {GroupKind.MAMBA: "model.layers.{}.mixer",
-             GroupKind.ATTENTION: "model.layers.{}.mixer.attn"}
-    layers = [(names[kind].format(i), kind)
-              for i, kind in enumerate(_nemotron_kinds(config)) if kind is not None]
+    names = {
+        GroupKind.MAMBA: "model.layers.{}.mixer",
+        GroupKind.ATTENTION: "model.layers.{}.mixer.attn",
+    }
+    layers = [
+        (names[kind].format(i), kind)
+        for i, kind in enumerate(_nemotron_kinds(config))
+        if kind is not None
+    ]
     heads = _positive_int(config, "mamba_num_heads", "")
     head_dim = _positive_int(config, "mamba_head_dim", "")
     ssm_key = "mamba_ssm_cache_dtype"
     conv_kernel = _positive_int(config, _first_key(config, "conv_kernel", "mamba_d_conv"), "")
     mamba = MambaParams(
-        "mamba2", conv_kernel=conv_kernel, conv_dtype=dtype,
+        "mamba2",
+        conv_kernel=conv_kernel,
+        conv_dtype=dtype,
         ssm_dtype=_dtype_name(config[ssm_key], ssm_key) if config.get(ssm_key) else "float32",
-        intermediate_size=heads * head_dim, num_heads=heads, head_dim=head_dim,
+        intermediate_size=heads * head_dim,
+        num_heads=heads,
+        head_dim=head_dim,
         n_groups=_positive_int(config, _first_key(config, "n_groups", "mamba_n_groups"), ""),
-        state_size=_positive_int(config, "ssm_state_size", ""))
+        state_size=_positive_int(config, "ssm_state_size", ""),
+    )
     return _spec(name, layers, _attention(config, "", dtype), mamba)
 
 
@@ -348,16 +379,19 @@ def _qwen_kinds(text: Mapping[str, Any], where: str) -> list[GroupKind]:
     types = text.get("layer_types")
     if types is None:
         interval = _positive_int(text, "full_attention_interval", where, default=4)
-        types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
-                 for i in range(count)]
+        types = [
+            "full_attention" if (i + 1) % interval == 0 else "linear_attention"
+            for i in range(count)
+        ]
     if not isinstance(types, list) or len(types) < count:
         raise LayoutError(f"{where}layer_types", f"needs one entry per layer ({count})")
     kinds = []
     for i, kind in enumerate(types[:count]):
         if not isinstance(kind, str) or kind not in _QWEN_KINDS:
-            raise LayoutError(f"{where}layer_types[{i}]",
-                              f"unknown layer type {kind!r}; expected one of "
-                              f"{', '.join(_QWEN_KINDS)}")
+            raise LayoutError(
+                f"{where}layer_types[{i}]",
+                f"unknown layer type {kind!r}; expected one of {', '.join(_QWEN_KINDS)}",
+            )
         kinds.append(_QWEN_KINDS[kind])
     return kinds
 
@@ -371,22 +405,28 @@ def _qwen_gdn(config: Mapping[str, Any], name: str) -> ModelSpec:
     text, where = (config["text_config"], "text_config.") if nested else (config, "")
     architectures = config.get("architectures") or []
     multimodal = any(str(a).endswith("ForConditionalGeneration") for a in architectures) or (
-        nested and not architectures)
+        nested and not architectures
+    )
     prefix = "language_model.model" if multimodal else "model"
-    names = {GroupKind.MAMBA: prefix + ".layers.{}.linear_attn",
-             GroupKind.ATTENTION: prefix + ".layers.{}.self_attn.attn"}
+    names = {
+        GroupKind.MAMBA: prefix + ".layers.{}.linear_attn",
+        GroupKind.ATTENTION: prefix + ".layers.{}.self_attn.attn",
+    }
     layers = [(names[kind].format(i), kind) for i, kind in enumerate(_qwen_kinds(text, where))]
     dtype = _model_dtype((text, where), (config, ""))
     ssm_dtype = dtype
     if str(config.get("model_type")).startswith("qwen3_5") and text.get("mamba_ssm_dtype"):
         ssm_dtype = _dtype_name(text["mamba_ssm_dtype"], f"{where}mamba_ssm_dtype")
     mamba = MambaParams(
-        "gdn", conv_kernel=_positive_int(text, "linear_conv_kernel_dim", where), conv_dtype=dtype,
+        "gdn",
+        conv_kernel=_positive_int(text, "linear_conv_kernel_dim", where),
+        conv_dtype=dtype,
         ssm_dtype=ssm_dtype,
         num_k_heads=_positive_int(text, "linear_num_key_heads", where),
         num_v_heads=_positive_int(text, "linear_num_value_heads", where),
         head_k_dim=_positive_int(text, "linear_key_head_dim", where),
-        head_v_dim=_positive_int(text, "linear_value_head_dim", where))
+        head_v_dim=_positive_int(text, "linear_value_head_dim", where),
+    )
     return _spec(name, layers, _attention(text, where, dtype), mamba)
 
 
@@ -400,15 +440,24 @@ def _jamba(config: Mapping[str, Any], name: str) -> ModelSpec:
     offset = _get(config, "attn_layer_offset", "")
     if not isinstance(offset, int) or isinstance(offset, bool) or not 0 <= offset < period:
         raise LayoutError("attn_layer_offset", f"must be in [0, {period}), got {offset!r}")
-    layers = [(f"model.layers.{i}.attn", GroupKind.ATTENTION) if i % period == offset
-              else (f"model.layers.{i}.mixer", GroupKind.MAMBA) for i in range(count)]
+    layers = [
+        (f"model.layers.{i}.attn", GroupKind.ATTENTION)
+        if i % period == offset
+        else (f"model.layers.{i}.mixer", GroupKind.MAMBA)
+        for i in range(count)
+    ]
     expand = _positive_int(config, "mamba_expand", "")
     mamba = MambaParams(
-        "mamba1", conv_kernel=_positive_int(config, "mamba_d_conv", ""), conv_dtype=dtype,
-        ssm_dtype=dtype, intermediate_size=expand * _positive_int(config, "hidden_size", ""),
-        state_size=_positive_int(config, "mamba_d_state", ""))
-    attention = AttentionParams(_positive_int(config, "num_key_value_heads", ""),
-                                _hidden_per_head(config, ""), dtype)
+        "mamba1",
+        conv_kernel=_positive_int(config, "mamba_d_conv", ""),
+        conv_dtype=dtype,
+        ssm_dtype=dtype,
+        intermediate_size=expand * _positive_int(config, "hidden_size", ""),
+        state_size=_positive_int(config, "mamba_d_state", ""),
+    )
+    attention = AttentionParams(
+        _positive_int(config, "num_key_value_heads", ""), _hidden_per_head(config, ""), dtype
+    )
     return _spec(name, layers, attention, mamba)
 
 

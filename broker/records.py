@@ -217,5 +217,10 @@ class ReleaseEvent:
     def nbytes(self) -> int:
         """What the event counts against a release backlog: 8 bytes a block id, its texts,
         and 64 for the rest."""
-        return (64 + 8 * sum(len(g) for g in self.block_ids) + len(self.transfer_id)
-                + len(self.detail) + len(self.traceparent))
+        return (
+            64
+            + 8 * sum(len(g) for g in self.block_ids)
+            + len(self.transfer_id)
+            + len(self.detail)
+            + len(self.traceparent)
+        )

@@ -181,7 +181,9 @@ end
 """
 # KEYS: transfer, deadlines, transfers, usage
 # ARGV: id, meta, deadline, plan ids, plans or '', ttl_ms, block ids held
-_PUT_TRANSFER = _USAGE + """
+_PUT_TRANSFER = (
+    _USAGE
+    + """
 if redis.call('HGET', KEYS[1], 'd') ~= ARGV[3] then
   redis.call('ZADD', KEYS[2], ARGV[3], ARGV[1])
 end
@@ -192,8 +194,11 @@ redis.call('PEXPIRE', KEYS[1], ARGV[6])
 redis.call('PEXPIRE', KEYS[4], ARGV[6])
 redis.call('SADD', KEYS[3], ARGV[1])
 """
+)
 # KEYS: transfer, deadlines, transfers, usage; ARGV: id, plan key prefix
-_DELETE_TRANSFER = _USAGE + """
+_DELETE_TRANSFER = (
+    _USAGE
+    + """
 recount(KEYS[1], KEYS[4], 0)
 local ids = redis.call('HGET', KEYS[1], 'ids')
 if ids then
@@ -203,6 +208,7 @@ redis.call('DEL', KEYS[1])
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('SREM', KEYS[3], ARGV[1])
 """
+)
 # KEYS: deadlines; ARGV: now, redeliver at. Hands each due id out once per REDELIVER_MS.
 _DUE = """
 local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
@@ -211,7 +217,9 @@ return ids
 """
 # KEYS: stream, counter, backlog; ARGV: prefix, event, channel, member, ttl_ms, bytes,
 # rank budget, total budget. Returns the sequence.
-_APPEND = _BACKLOG + """
+_APPEND = (
+    _BACKLOG
+    + """
 local member = ARGV[4]
 local seq = redis.call('INCR', KEYS[2])
 redis.call('XADD', KEYS[1], seq .. '-0', 'e', ARGV[2], 'b', ARGV[6])
@@ -234,6 +242,7 @@ end
 redis.call('PUBLISH', ARGV[3], member)
 return seq
 """
+)
 # KEYS: cursor; ARGV: sequence, ttl_ms
 _MARK = """
 if tonumber(ARGV[1]) > tonumber(redis.call('GET', KEYS[1]) or '0') then
@@ -242,7 +251,9 @@ end
 """
 # KEYS: stream, cursor; ARGV: prefix, member, keep. Keeps every undelivered event and `keep`
 # delivered ones.
-_TRIM = _BACKLOG + """
+_TRIM = (
+    _BACKLOG
+    + """
 local cursor = redis.call('GET', KEYS[2])
 if not cursor then return 0 end
 local delivered = #redis.call('XRANGE', KEYS[1], '-', cursor .. '-0')
@@ -250,8 +261,11 @@ local keep = tonumber(ARGV[3])
 if delivered > keep then return drop(ARGV[2], delivered - keep) end
 return 0
 """
+)
 # KEYS: stream, cursor, backlog; ARGV: prefix, member, channel. Forgets the rank's queue.
-_DROP = _BACKLOG + """
+_DROP = (
+    _BACKLOG
+    + """
 drop(ARGV[2], -1)
 -- Whatever the rank still counts (events written before backlogs were counted) goes too.
 local left = tonumber(redis.call('HGET', KEYS[3], 'bytes') or '0')
@@ -260,6 +274,7 @@ redis.call('ZREM', prefix .. 'backlogs', ARGV[2])
 redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
 redis.call('PUBLISH', ARGV[3], ARGV[2])
 """
+)
 
 
 class ConflictError(RuntimeError):
@@ -649,8 +664,12 @@ class RedisStateStore(StateStore):
     def delete_transfer(self, transfer_id: str) -> None:
         record = self.get_transfer(transfer_id)
         engine = "" if record is None else record.prefill_engine_id
-        keys = [self._key("transfer", transfer_id), self._key("deadlines"), self._key("transfers"),
-                self._key("usage", engine)]
+        keys = [
+            self._key("transfer", transfer_id),
+            self._key("deadlines"),
+            self._key("transfers"),
+            self._key("usage", engine),
+        ]
         args = [transfer_id, self._key("plan", "").decode()]
         if self._tx is not None:
             self._tx.transfers[transfer_id] = None
@@ -782,16 +801,28 @@ class RedisStateStore(StateStore):
 
     # ------------------------------------------------------------------ release queues
 
-    def append_release(self, key: RankKey, event: ReleaseEvent, rank_bytes: int,
-                       total_bytes: int) -> None:
+    def append_release(
+        self, key: RankKey, event: ReleaseEvent, rank_bytes: int, total_bytes: int
+    ) -> None:
         """Queue ``event`` under a sequence taken when the write is applied (so sequences
         grow in commit order across replicas); ``event.sequence`` is not used."""
         member = self._member(key)
-        keys = [self._key("releases", member), self._key("counter", "release"),
-                self._key("backlog", member)]
+        keys = [
+            self._key("releases", member),
+            self._key("counter", "release"),
+            self._key("backlog", member),
+        ]
         payload = json.dumps(_encode(event, "sequence"), separators=(",", ":"))
-        args = [self.prefix, payload, self._key("releases").decode(), member, self.rank_ttl_ms,
-                event.nbytes, rank_bytes, total_bytes]
+        args = [
+            self.prefix,
+            payload,
+            self._key("releases").decode(),
+            member,
+            self.rank_ttl_ms,
+            event.nbytes,
+            rank_bytes,
+            total_bytes,
+        ]
         self._write(lambda c: self._run("append", keys, args, c))
 
     def engine_usage(self, engine_id: str) -> tuple[int, int]:
@@ -823,8 +854,11 @@ class RedisStateStore(StateStore):
 
     def drop_releases(self, key: RankKey) -> None:
         member = self._member(key)
-        keys = [self._key("releases", member), self._key("cursor", member),
-                self._key("backlog", member)]
+        keys = [
+            self._key("releases", member),
+            self._key("cursor", member),
+            self._key("backlog", member),
+        ]
         args = [self.prefix, member, self._key("releases").decode()]
         self._write(lambda c: self._run("drop", keys, args, c))
 

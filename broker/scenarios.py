@@ -25,11 +25,14 @@ def with_kv_dtype(model: ModelSpec, kv_dtype: str | None) -> ModelSpec:
     """``model`` with its KV cache stored in ``kv_dtype`` (e.g. ``fp8``)."""
     if not kv_dtype or model.attention is None:
         return model
-    return dataclasses.replace(model, attention=dataclasses.replace(model.attention, dtype=kv_dtype))
+    return dataclasses.replace(
+        model, attention=dataclasses.replace(model.attention, dtype=kv_dtype)
+    )
 
 
-def fresh_block_ids(layout: EngineLayout, num_tokens: int, first_block: int = 0,
-                    stride: int = 1) -> tuple[tuple[int, ...], ...]:
+def fresh_block_ids(
+    layout: EngineLayout, num_tokens: int, first_block: int = 0, stride: int = 1
+) -> tuple[tuple[int, ...], ...]:
     """Block ids for a new request: ``ceil(num_tokens / block_size)`` per attention group,
     one per Mamba group, allocated from ``first_block`` every ``stride`` blocks (``stride``
     > 1 models a fragmented allocator)."""
@@ -45,9 +48,17 @@ def blocks_needed(layout: EngineLayout, num_tokens: int, stride: int = 1) -> int
     return max(max(g) for g in fresh_block_ids(layout, num_tokens, 0, stride) if g) + 1
 
 
-def build_scenario(model: ModelSpec, prefill_tp: int, decode_tp: int, num_tokens: int,
-                   block_size: int = 0, kernel_block_size: int = 0, stride: int = 1,
-                   prefill_offset: int = 0, decode_offset: int = 0) -> Scenario:
+def build_scenario(
+    model: ModelSpec,
+    prefill_tp: int,
+    decode_tp: int,
+    num_tokens: int,
+    block_size: int = 0,
+    kernel_block_size: int = 0,
+    stride: int = 1,
+    prefill_offset: int = 0,
+    decode_offset: int = 0,
+) -> Scenario:
     """Both engines sized to hold the request, with block ids from the given offsets.
 
     ``block_size`` 0 uses one block size on both sides, the larger of their HMA choices, as
@@ -61,7 +72,9 @@ def build_scenario(model: ModelSpec, prefill_tp: int, decode_tp: int, num_tokens
     d_blocks = decode_offset + blocks_needed(probe_d, num_tokens, stride)
     prefill = build_engine_layout(model, prefill_tp, p_blocks, block_size, kernel_block_size)
     decode = build_engine_layout(model, decode_tp, d_blocks, block_size, kernel_block_size)
-    request = TransferRequest(num_tokens,
-                              fresh_block_ids(prefill, num_tokens, prefill_offset, stride),
-                              fresh_block_ids(decode, num_tokens, decode_offset, stride))
+    request = TransferRequest(
+        num_tokens,
+        fresh_block_ids(prefill, num_tokens, prefill_offset, stride),
+        fresh_block_ids(decode, num_tokens, decode_offset, stride),
+    )
     return Scenario(model, prefill, decode, request)

@@ -107,7 +107,9 @@ class ServerSecurity:
             except (OSError, ValueError) as exc:
                 raise ValueError(f"--auth-tokens: {exc}") from None
         return AccessGuard(
-            Authenticator(bool(self.tls_client_ca), tokens), store, self.admin_identities,
+            Authenticator(bool(self.tls_client_ca), tokens),
+            store,
+            self.admin_identities,
             self.max_ranks_per_identity,
         )
 

@@ -103,8 +103,11 @@ def status_code(exc: PdbrokerError) -> grpc.StatusCode:
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> NoReturn:
     """End the call with the status of ``exc`` (INTERNAL for anything but our errors)."""
     if isinstance(exc, CompactedError):
-        await context.abort(status_code(exc), str(exc),
-                            trailing_metadata=((COMPACTED_THROUGH_KEY, str(exc.through)),))
+        await context.abort(
+            status_code(exc),
+            str(exc),
+            trailing_metadata=((COMPACTED_THROUGH_KEY, str(exc.through)),),
+        )
     if isinstance(exc, PdbrokerError):
         await context.abort(status_code(exc), str(exc))
     log.exception("internal error", exc_info=exc)
@@ -180,7 +183,8 @@ class BrokerServicer(pb_grpc.BrokerServicer):
     async def offload(self, function: Callable[..., T], *args: Any) -> T:
         """``function(*args)`` on the translating thread (pure work only: no service calls)."""
         return await asyncio.get_running_loop().run_in_executor(
-            self._translator, partial(function, *args))
+            self._translator, partial(function, *args)
+        )
 
     def close(self) -> None:
         self._translator.shutdown(wait=False, cancel_futures=True)
@@ -213,7 +217,8 @@ class BrokerServicer(pb_grpc.BrokerServicer):
             registration = await self.offload(convert.registration_from_proto, request)
             if self.traced:
                 lease = tracing.call_in_context(
-                    context.invocation_metadata(), self.service.register_rank, registration)
+                    context.invocation_metadata(), self.service.register_rank, registration
+                )
             else:
                 lease = self.service.register_rank(registration)
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status
@@ -238,7 +243,8 @@ class BrokerServicer(pb_grpc.BrokerServicer):
             self.authorize(context, _as_engine, request)
             if _many_block_ids(request.block_ids):
                 publication = await self.offload(
-                    convert.publication_from_proto, request, traceparent)
+                    convert.publication_from_proto, request, traceparent
+                )
             else:
                 publication = convert.publication_from_proto(request, traceparent)
             expires = self.service.publish(publication)
@@ -257,11 +263,16 @@ class BrokerServicer(pb_grpc.BrokerServicer):
             self.authorize(context, _as_engine, request)
             if not _many_block_ids(request.block_ids):
                 return convert.plan_to_proto(
-                    self.service.get_plan(convert.plan_query_from_proto(request)))
+                    self.service.get_plan(convert.plan_query_from_proto(request))
+                )
             query = await self.offload(convert.plan_query_from_proto, request)
             plan = self.service.get_plan(query)
-            key = (plan.plan_id, plan.expires_at_ms, plan.traceparent,
-                   tuple(bool(s.agent_metadata) for s in plan.sources))
+            key = (
+                plan.plan_id,
+                plan.expires_at_ms,
+                plan.traceparent,
+                tuple(bool(s.agent_metadata) for s in plan.sources),
+            )
             encoded = self._plan_bytes.get(key)
             if encoded is None:
                 encoded = await self.offload(_serialized_plan, plan)
@@ -369,8 +380,10 @@ def _lenient(message_type: type, max_bytes: int) -> Callable[[bytes], Any]:
 
     def parse(data: bytes) -> Any:
         if len(data) > max_bytes:
-            return _Undecodable(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"{len(data)} bytes is more than a {name} may have ({max_bytes})")
+            return _Undecodable(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{len(data)} bytes is more than a {name} may have ({max_bytes})",
+            )
         try:
             return message_type.FromString(data)
         except Exception as exc:  # noqa: BLE001 - DecodeError, or RecursionError when too deep
@@ -445,16 +458,20 @@ class _AuthenticateFirst(grpc.aio.ServerInterceptor):
         why = self.authenticator.refusal(details.invocation_metadata)
         if why is None:
             return await continuation(details)
-        log.warning("unauthenticated %s refused before its request: %s",
-                    details.method.rsplit("/", 1)[-1], why)
+        log.warning(
+            "unauthenticated %s refused before its request: %s",
+            details.method.rsplit("/", 1)[-1],
+            why,
+        )
         detail = f"authorization: {why}"
         streaming = details.method.endswith("/WatchReleases")
 
         async def unary(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, detail)
 
-        async def stream(requests: AsyncIterator[Any],
-                         context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        async def stream(
+            requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
+        ) -> AsyncIterator[Any]:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, detail)
             yield  # pragma: no cover - abort raises
 
@@ -529,8 +546,9 @@ class BrokerServer:
 
     async def start(self) -> None:
         server = grpc.aio.server(
-            interceptors=() if self._guard is None else (
-                _AuthenticateFirst(self._guard.authenticator),),
+            interceptors=()
+            if self._guard is None
+            else (_AuthenticateFirst(self._guard.authenticator),),
             options=[
                 ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),
                 ("grpc.max_send_message_length", -1),
@@ -556,7 +574,8 @@ class BrokerServer:
             raise OSError(f"cannot listen on {self.listen}")
         if self.health_port is not None:
             self._health_server = grpc.aio.server(
-                options=[("grpc.so_reuseport", 0), *self._connection_options()])
+                options=[("grpc.so_reuseport", 0), *self._connection_options()]
+            )
             health_pb2_grpc.add_HealthServicer_to_server(self._health, self._health_server)
             health_listen = f"{self.listen.rsplit(':', 1)[0]}:{self.health_port}"
             self.health_port = self._health_server.add_insecure_port(health_listen)

@@ -234,7 +234,8 @@ class BrokerService:
                     f"{other.registration.tp_rank}",
                 )
         metadata = len(reg.agent_metadata) + sum(
-            len(s.registration.agent_metadata) for s in siblings)
+            len(s.registration.agent_metadata) for s in siblings
+        )
         if metadata > self.config.max_metadata_bytes_per_engine:
             raise LimitExceededError(
                 "agent_metadata",
@@ -933,8 +934,12 @@ class BrokerService:
                 now,
                 tracing.span_traceparent(span) or transfer.traceparent,
             )
-            self.store.append_release(key, event, self.config.release_backlog_bytes,
-                                      self.config.release_backlog_total_bytes)
+            self.store.append_release(
+                key,
+                event,
+                self.config.release_backlog_bytes,
+                self.config.release_backlog_total_bytes,
+            )
             self._notify(key)
         _drop_block_ids_once_released(transfer)
         self._later(self.observer.rank_released, reason, (now - transfer.published_at_ms) / 1000)

@@ -121,8 +121,9 @@ class StateStore(ABC):
     # ---- release queues, one per prefill rank
 
     @abstractmethod
-    def append_release(self, key: RankKey, event: ReleaseEvent, rank_bytes: int,
-                       total_bytes: int) -> None:
+    def append_release(
+        self, key: RankKey, event: ReleaseEvent, rank_bytes: int, total_bytes: int
+    ) -> None:
         """Queue ``event``; sequences appended to one key are increasing. Then, while the
         rank's kept events exceed ``rank_bytes`` (:attr:`ReleaseEvent.nbytes`), drop its
         oldest; while all ranks' exceed ``total_bytes``, the oldest of the rank holding most.
@@ -283,8 +284,9 @@ class InMemoryStateStore(StateStore):
     def drop_contacts(self, decode: RankKey) -> None:
         self._contacts.pop(decode, None)
 
-    def append_release(self, key: RankKey, event: ReleaseEvent, rank_bytes: int,
-                       total_bytes: int) -> None:
+    def append_release(
+        self, key: RankKey, event: ReleaseEvent, rank_bytes: int, total_bytes: int
+    ) -> None:
         # Block ids as arrays of int64: 8 bytes an id rather than a Python int each.
         compact = tuple(array("q", g) for g in event.block_ids)
         self._releases.setdefault(key, []).append(replace(event, block_ids=compact))

@@ -100,8 +100,9 @@ class SourceRead:
     remote_kind: str
 
 
-def check_plan(plan: pb.GetTransferPlanResponse, regions: Sequence[Region],
-               tp_rank: int) -> list[SourceRead]:
+def check_plan(
+    plan: pb.GetTransferPlanResponse, regions: Sequence[Region], tp_rank: int
+) -> list[SourceRead]:
     """Parse and check every source of ``plan`` before anything is posted: descriptors whole
     and paired one to one with equal lengths, every local one inside ``regions`` (decode rank
     ``tp_rank``'s registered memory), no local byte written twice, and the lengths adding up
@@ -123,8 +124,10 @@ def check_plan(plan: pb.GetTransferPlanResponse, regions: Sequence[Region],
         if local.shape != remote.shape:
             raise PlanRejected(f"{where}: {len(local)} local descriptors for {len(remote)} remote")
         if len(local) != source.num_descriptors:
-            raise PlanRejected(f"{where}: {len(local)} descriptors, not its num_descriptors "
-                               f"{source.num_descriptors}")
+            raise PlanRejected(
+                f"{where}: {len(local)} descriptors, not its num_descriptors "
+                f"{source.num_descriptors}"
+            )
         if not np.array_equal(local[:, 1], remote[:, 1]):
             raise PlanRejected(f"{where}: local and remote descriptor lengths differ")
         if not inside(local, [r for r in regions if r.kind == kinds[0]]):
@@ -140,12 +143,16 @@ def check_plan(plan: pb.GetTransferPlanResponse, regions: Sequence[Region],
     for i, read in enumerate(reads):
         nbytes = int(read.local[:, 1].sum())
         if nbytes != read.source.total_bytes:
-            raise PlanRejected(f"plan {plan.plan_id} source {i}'s descriptors add up to {nbytes} "
-                               f"bytes, not its total_bytes {read.source.total_bytes}")
+            raise PlanRejected(
+                f"plan {plan.plan_id} source {i}'s descriptors add up to {nbytes} "
+                f"bytes, not its total_bytes {read.source.total_bytes}"
+            )
     nbytes = sum(r.source.total_bytes for r in reads)
     if nbytes != plan.total_bytes:
-        raise PlanRejected(f"plan {plan.plan_id}'s descriptors add up to {nbytes} bytes, not its "
-                           f"total_bytes {plan.total_bytes}")
+        raise PlanRejected(
+            f"plan {plan.plan_id}'s descriptors add up to {nbytes} bytes, not its "
+            f"total_bytes {plan.total_bytes}"
+        )
     return reads
 
 
@@ -166,15 +173,30 @@ class AsyncDecodeClient(AsyncEngineClient):
 
     role = pb.ROLE_DECODE
 
-    def __init__(self, target: str, engine_id: str, layout: EngineLayout,
-                 memory: Mapping[int, Sequence[object]], *, read_timeout_s: float = 30.0,
-                 call_timeout_s: float = 10.0, security: ChannelSecurity = PLAINTEXT) -> None:
-        super().__init__(target, engine_id, layout, memory, call_timeout_s=call_timeout_s,
-                         security=security)
+    def __init__(
+        self,
+        target: str,
+        engine_id: str,
+        layout: EngineLayout,
+        memory: Mapping[int, Sequence[object]],
+        *,
+        read_timeout_s: float = 30.0,
+        call_timeout_s: float = 10.0,
+        security: ChannelSecurity = PLAINTEXT,
+    ) -> None:
+        super().__init__(
+            target, engine_id, layout, memory, call_timeout_s=call_timeout_s, security=security
+        )
         self.read_timeout_s = read_timeout_s
 
-    async def fetch(self, transfer_id: str, block_ids: Sequence[Sequence[int]],
-                    timeout_s: float | None = None, *, prefill_engine_id: str = "") -> Fetch:
+    async def fetch(
+        self,
+        transfer_id: str,
+        block_ids: Sequence[Sequence[int]],
+        timeout_s: float | None = None,
+        *,
+        prefill_engine_id: str = "",
+    ) -> Fetch:
         """Move ``transfer_id``'s state into ``block_ids`` (this engine's, per group) on every
         hosted rank. Raises :class:`FetchError` unless every rank's data is usable. Given
         ``prefill_engine_id``, only that engine's transfer of this id is read (another's is
@@ -183,22 +205,35 @@ class AsyncDecodeClient(AsyncEngineClient):
         ids = [pb.BlockIds(ids=list(g)) for g in block_ids]
         sessions = list(self.sessions.values())
         results = await asyncio.gather(
-            *(self._fetch_rank(s, transfer_id, ids, deadline, prefill_engine_id)
-              for s in sessions), return_exceptions=True)
+            *(self._fetch_rank(s, transfer_id, ids, deadline, prefill_engine_id) for s in sessions),
+            return_exceptions=True,
+        )
         errors = {s.tp_rank: r for s, r in zip(sessions, results) if isinstance(r, BaseException)}
         if errors:
             raise FetchError(transfer_id, errors)
         return Fetch(transfer_id, tuple(r for r in results if isinstance(r, RankFetch)))
 
-    async def _fetch_rank(self, session: RankSession, transfer_id: str, block_ids: list[pb.BlockIds],
-                          deadline: float, prefill_engine_id: str) -> RankFetch:
+    async def _fetch_rank(
+        self,
+        session: RankSession,
+        transfer_id: str,
+        block_ids: list[pb.BlockIds],
+        deadline: float,
+        prefill_engine_id: str,
+    ) -> RankFetch:
         started = time.perf_counter()
-        request = pb.GetTransferPlanRequest(transfer_id=transfer_id, engine_id=self.engine_id,
-                                            tp_rank=session.tp_rank, block_ids=block_ids,
-                                            prefill_engine_id=prefill_engine_id)
+        request = pb.GetTransferPlanRequest(
+            transfer_id=transfer_id,
+            engine_id=self.engine_id,
+            tp_rank=session.tp_rank,
+            block_ids=block_ids,
+            prefill_engine_id=prefill_engine_id,
+        )
         plan = await call(self.stub, "GetTransferPlan", request, self.call_timeout_s)
-        if any(not s.remote_agent_metadata and not session.agent.knows(s.remote_agent_name)
-               for s in plan.sources):  # this process lost agents the broker thinks it knows
+        if any(
+            not s.remote_agent_metadata and not session.agent.knows(s.remote_agent_name)
+            for s in plan.sources
+        ):  # this process lost agents the broker thinks it knows
             request.want_agent_metadata = True
             plan = await call(self.stub, "GetTransferPlan", request, self.call_timeout_s)
         planned = time.perf_counter()
@@ -213,15 +248,30 @@ class AsyncDecodeClient(AsyncEngineClient):
         read = time.perf_counter()
         reported_at = time.monotonic()
         status = pb.REPORT_STATUS_FAILED if error else pb.REPORT_STATUS_DONE
-        with tracing.span("decode.report", plan.traceparent, {
-                "pdbroker.transfer_id": transfer_id, "pdbroker.decode_rank": session.tp_rank,
-                "pdbroker.status": "failed" if error else "done"}) as span:
+        with tracing.span(
+            "decode.report",
+            plan.traceparent,
+            {
+                "pdbroker.transfer_id": transfer_id,
+                "pdbroker.decode_rank": session.tp_rank,
+                "pdbroker.status": "failed" if error else "done",
+            },
+        ) as span:
             try:
-                outcome = await call(self.stub, "ReportTransfer", pb.ReportTransferRequest(
-                    plan_id=plan.plan_id, engine_id=self.engine_id, tp_rank=session.tp_rank,
-                    status=status, bytes_moved=0 if error else plan.total_bytes,
-                    duration_us=int((read - planned) * 1e6), error=error[:LIMITS.max_text_chars]),
-                    self.call_timeout_s)
+                outcome = await call(
+                    self.stub,
+                    "ReportTransfer",
+                    pb.ReportTransferRequest(
+                        plan_id=plan.plan_id,
+                        engine_id=self.engine_id,
+                        tp_rank=session.tp_rank,
+                        status=status,
+                        bytes_moved=0 if error else plan.total_bytes,
+                        duration_us=int((read - planned) * 1e6),
+                        error=error[: LIMITS.max_text_chars],
+                    ),
+                    self.call_timeout_s,
+                )
             except BrokerCallError as exc:
                 if exc.code is not grpc.StatusCode.ABORTED:
                     raise
@@ -229,20 +279,42 @@ class AsyncDecodeClient(AsyncEngineClient):
                 raise TransferError(f"data invalid, recompute: {exc.details}") from None
             if span is not None:
                 span.set_attribute("pdbroker.intact", outcome.intact)
-        log.debug("rank %d: read %d bytes in %.3f ms, reported %s", session.tp_rank,
-                  plan.total_bytes, (read - planned) * 1e3, pb.ReportStatus.Name(status), extra=fields)
+        log.debug(
+            "rank %d: read %d bytes in %.3f ms, reported %s",
+            session.tp_rank,
+            plan.total_bytes,
+            (read - planned) * 1e3,
+            pb.ReportStatus.Name(status),
+            extra=fields,
+        )
         if failure is not None:
             raise failure
         if not outcome.intact:
-            raise TransferError(f"data invalid, recompute: plan {plan.plan_id}'s transfer ended "
-                                f"({pb.TransferState.Name(outcome.state)}) before the report")
-        return RankFetch(session.tp_rank, plan.plan_id, tuple(s.prefill_rank for s in plan.sources),
-                         plan.total_bytes, plan.num_descriptors, plan.naive_bytes,
-                         plan.vllm_descriptors, planned - started, read - planned,
-                         time.perf_counter() - read, reported_at)
+            raise TransferError(
+                f"data invalid, recompute: plan {plan.plan_id}'s transfer ended "
+                f"({pb.TransferState.Name(outcome.state)}) before the report"
+            )
+        return RankFetch(
+            session.tp_rank,
+            plan.plan_id,
+            tuple(s.prefill_rank for s in plan.sources),
+            plan.total_bytes,
+            plan.num_descriptors,
+            plan.naive_bytes,
+            plan.vllm_descriptors,
+            planned - started,
+            read - planned,
+            time.perf_counter() - read,
+            reported_at,
+        )
 
-    async def _read(self, session: RankSession, plan: pb.GetTransferPlanResponse,
-                    transfer_id: str, deadline: float) -> None:
+    async def _read(
+        self,
+        session: RankSession,
+        plan: pb.GetTransferPlanResponse,
+        transfer_id: str,
+        deadline: float,
+    ) -> None:
         """Check the plan, post every source's READ, then wait for all; raises
         :class:`TransferError`. Each read is a ``decode.nixl_read`` span, from posting to the
         end of its wait."""
@@ -254,16 +326,29 @@ class AsyncDecodeClient(AsyncEngineClient):
                 source = read.source
                 if source.remote_agent_metadata:
                     session.agent.add_remote(source.remote_agent_name, source.remote_agent_metadata)
-                span = tracing.start_span("decode.nixl_read", plan.traceparent, {
-                    "pdbroker.transfer_id": transfer_id, "pdbroker.decode_rank": session.tp_rank,
-                    "pdbroker.prefill_rank": source.prefill_rank,
-                    "pdbroker.bytes": source.total_bytes,
-                    "pdbroker.descriptors": source.num_descriptors})
+                span = tracing.start_span(
+                    "decode.nixl_read",
+                    plan.traceparent,
+                    {
+                        "pdbroker.transfer_id": transfer_id,
+                        "pdbroker.decode_rank": session.tp_rank,
+                        "pdbroker.prefill_rank": source.prefill_rank,
+                        "pdbroker.bytes": source.total_bytes,
+                        "pdbroker.descriptors": source.num_descriptors,
+                    },
+                )
                 if span is not None:
                     spans[len(transfers)] = span
-                transfers.append(session.agent.read(
-                    source.remote_agent_name, read.local, read.remote, read.local_kind,
-                    read.remote_kind, source.notification))
+                transfers.append(
+                    session.agent.read(
+                        source.remote_agent_name,
+                        read.local,
+                        read.remote,
+                        read.local_kind,
+                        read.remote_kind,
+                        source.notification,
+                    )
+                )
             await self._wait(transfers, spans, deadline)
         except BaseException as exc:
             for span in spans.values():
@@ -274,8 +359,7 @@ class AsyncDecodeClient(AsyncEngineClient):
                 transfer.release()
 
     @staticmethod
-    async def _wait(transfers: Sequence[Transfer], spans: dict[int, Span],
-                    deadline: float) -> None:
+    async def _wait(transfers: Sequence[Transfer], spans: dict[int, Span], deadline: float) -> None:
         """Wait for every posted read (polling one progresses them all), ending each one's
         span as it completes."""
         for i, transfer in enumerate(transfers):
@@ -288,14 +372,39 @@ class DecodeClient(BlockingEngineClient):
 
     _async: AsyncDecodeClient
 
-    def __init__(self, target: str, engine_id: str, layout: EngineLayout,
-                 memory: Mapping[int, Sequence[object]], *, read_timeout_s: float = 30.0,
-                 call_timeout_s: float = 10.0, security: ChannelSecurity = PLAINTEXT) -> None:
-        super().__init__(AsyncDecodeClient(target, engine_id, layout, memory,
-                                           read_timeout_s=read_timeout_s,
-                                           call_timeout_s=call_timeout_s, security=security))
+    def __init__(
+        self,
+        target: str,
+        engine_id: str,
+        layout: EngineLayout,
+        memory: Mapping[int, Sequence[object]],
+        *,
+        read_timeout_s: float = 30.0,
+        call_timeout_s: float = 10.0,
+        security: ChannelSecurity = PLAINTEXT,
+    ) -> None:
+        super().__init__(
+            AsyncDecodeClient(
+                target,
+                engine_id,
+                layout,
+                memory,
+                read_timeout_s=read_timeout_s,
+                call_timeout_s=call_timeout_s,
+                security=security,
+            )
+        )
 
-    def fetch(self, transfer_id: str, block_ids: Sequence[Sequence[int]],
-              timeout_s: float | None = None, *, prefill_engine_id: str = "") -> Fetch:
-        return self._run(self._async.fetch(transfer_id, block_ids, timeout_s,
-                                           prefill_engine_id=prefill_engine_id))
+    def fetch(
+        self,
+        transfer_id: str,
+        block_ids: Sequence[Sequence[int]],
+        timeout_s: float | None = None,
+        *,
+        prefill_engine_id: str = "",
+    ) -> Fetch:
+        return self._run(
+            self._async.fetch(
+                transfer_id, block_ids, timeout_s, prefill_engine_id=prefill_engine_id
+            )
+        )

@@ -75,20 +75,26 @@ class PairSpec:
 
     def layouts(self, inflight: int) -> tuple[EngineLayout, EngineLayout]:
         """Both engines, each with blocks for ``inflight`` requests of ``max_tokens``."""
-        block_size = max(hma_block_size(self.model, self.prefill_tp),
-                         hma_block_size(self.model, self.decode_tp))
-        probe = build_engine_layout(self.model, self.prefill_tp, 1, block_size, self.kernel_block_size)
+        block_size = max(
+            hma_block_size(self.model, self.prefill_tp), hma_block_size(self.model, self.decode_tp)
+        )
+        probe = build_engine_layout(
+            self.model, self.prefill_tp, 1, block_size, self.kernel_block_size
+        )
         mamba_blocks = max(self.prefill_mamba_blocks, self.decode_mamba_blocks)
         num_blocks = inflight * sum(block_counts(probe, self.max_tokens, mamba_blocks))
-        return tuple(build_engine_layout(self.model, tp, num_blocks, block_size, self.kernel_block_size)
-                     for tp in (self.prefill_tp, self.decode_tp))  # type: ignore[return-value]
+        return tuple(
+            build_engine_layout(self.model, tp, num_blocks, block_size, self.kernel_block_size)
+            for tp in (self.prefill_tp, self.decode_tp)
+        )  # type: ignore[return-value]
 
 
 def block_counts(layout: EngineLayout, num_tokens: int, mamba_blocks: int = 1) -> list[int]:
     """Blocks a request takes per group: its pages for attention, ``mamba_blocks`` state
     blocks for Mamba."""
-    return [-(-num_tokens // g.block_size) if g.is_attention else mamba_blocks
-            for g in layout.groups]
+    return [
+        -(-num_tokens // g.block_size) if g.is_attention else mamba_blocks for g in layout.groups
+    ]
 
 
 @dataclass
@@ -155,7 +161,9 @@ class FleetReport:
             elif not r.fetched:
                 out.append(f"{r.transfer_id}: never fetched")
             elif r.nbytes != r.expected_bytes:
-                out.append(f"{r.transfer_id}: moved {r.nbytes} bytes, the layouts need {r.expected_bytes}")
+                out.append(
+                    f"{r.transfer_id}: moved {r.nbytes} bytes, the layouts need {r.expected_bytes}"
+                )
             missing = sorted(set(range(tp)) - set(r.releases))
             if missing:
                 out.append(f"{r.transfer_id}: no release for prefill ranks {missing}")
@@ -199,9 +207,17 @@ class BlockPool:
             self._cond.notify_all()
 
 
-def engine_main(role: str, engine_id: str, layout: EngineLayout, peer: EngineLayout, target: str,
-                conn: Connection, seed: int, security: ChannelSecurity = PLAINTEXT,
-                mamba_blocks: int = 1) -> None:
+def engine_main(
+    role: str,
+    engine_id: str,
+    layout: EngineLayout,
+    peer: EngineLayout,
+    target: str,
+    conn: Connection,
+    seed: int,
+    security: ChannelSecurity = PLAINTEXT,
+    mamba_blocks: int = 1,
+) -> None:
     """One engine process (``role`` ``prefill`` or ``decode``); ``peer`` is the other side's
     layout; ``security``: how its client reaches the broker; ``mamba_blocks``: state blocks a
     request takes per Mamba group. Answers the coordinator's commands on ``conn`` until
@@ -215,7 +231,8 @@ def engine_main(role: str, engine_id: str, layout: EngineLayout, peer: EngineLay
     try:
         tracer_provider = configure_tracing(engine_id)
         engine = (_PrefillEngine if role == "prefill" else _DecodeEngine)(
-            engine_id, layout, peer, seed, send, mamba_blocks)
+            engine_id, layout, peer, seed, send, mamba_blocks
+        )
         with engine.connect(target, security) as engine.client:
             send(("ready", engine_id))
             while (message := conn.recv())[0] != "close":
@@ -232,16 +249,27 @@ class _Engine:
     """An engine process's state: per rank torch KV tensors (numpy views for the pattern),
     the block allocator, the pattern contents, and its client (set by :func:`engine_main`)."""
 
-    def __init__(self, engine_id: str, layout: EngineLayout, peer: EngineLayout, seed: int,
-                 send: Callable[[tuple], None], mamba_blocks: int) -> None:
+    def __init__(
+        self,
+        engine_id: str,
+        layout: EngineLayout,
+        peer: EngineLayout,
+        seed: int,
+        send: Callable[[tuple], None],
+        mamba_blocks: int,
+    ) -> None:
         import torch
 
         from clients.pattern import Contents
 
         self.engine_id, self.layout, self.peer, self.send = engine_id, layout, peer, send
         self.mamba_blocks = mamba_blocks
-        self.memory = {rank.tp_rank: [torch.empty(rank.region_bytes, dtype=torch.uint8)
-                                      for _ in range(rank.num_regions)] for rank in layout.ranks}
+        self.memory = {
+            rank.tp_rank: [
+                torch.empty(rank.region_bytes, dtype=torch.uint8) for _ in range(rank.num_regions)
+            ]
+            for rank in layout.ranks
+        }
         self.arrays = {r: [t.numpy() for t in tensors] for r, tensors in self.memory.items()}
         self.contents = Contents(layout)
         self.pool = BlockPool(layout.ranks[0].num_blocks, seed)
@@ -249,8 +277,9 @@ class _Engine:
         self.client: Any = None
 
     def allocate(self, num_tokens: int) -> list[list[int]]:
-        return self.pool.allocate(block_counts(self.layout, num_tokens, self.mamba_blocks),
-                                  REQUEST_TIMEOUT_S)
+        return self.pool.allocate(
+            block_counts(self.layout, num_tokens, self.mamba_blocks), REQUEST_TIMEOUT_S
+        )
 
 
 class _PrefillEngine(_Engine):
@@ -261,9 +290,15 @@ class _PrefillEngine(_Engine):
     def connect(self, target: str, security: ChannelSecurity) -> PrefillClient:
         from clients.prefill import PrefillClient
 
-        return PrefillClient(target, self.engine_id, self.layout, self.memory,
-                             on_release=self.on_release, on_notification=self.on_notification,
-                             security=security)
+        return PrefillClient(
+            target,
+            self.engine_id,
+            self.layout,
+            self.memory,
+            on_release=self.on_release,
+            on_notification=self.on_notification,
+            security=security,
+        )
 
     def on_release(self, release: Release) -> None:
         """Scrub the rank's pages (a late reader would copy POISON), free the blocks once every
@@ -280,8 +315,15 @@ class _PrefillEngine(_Engine):
         if not waiting:
             del self.held[release.transfer_id]
             self.pool.free(blocks)
-        self.send(("released", release.transfer_id, release.tp_rank, release.reason.value,
-                   release.received_at))
+        self.send(
+            (
+                "released",
+                release.transfer_id,
+                release.tp_rank,
+                release.reason.value,
+                release.received_at,
+            )
+        )
 
     def on_notification(self, tp_rank: int, sender: str, message: bytes) -> None:
         self.notifications += 1
@@ -296,8 +338,16 @@ class _PrefillEngine(_Engine):
         self.held[transfer_id] = (blocks, set(self.arrays))
         published_at, filled = time.monotonic(), time.perf_counter()
         self.client.publish(transfer_id, blocks, num_tokens)
-        self.send(("published", transfer_id, published_at, filled - started,
-                   time.perf_counter() - filled, tuple(len(g) for g in blocks)))
+        self.send(
+            (
+                "published",
+                transfer_id,
+                published_at,
+                filled - started,
+                time.perf_counter() - filled,
+                tuple(len(g) for g in blocks),
+            )
+        )
 
 
 class _DecodeEngine(_Engine):
@@ -312,11 +362,18 @@ class _DecodeEngine(_Engine):
     def connect(self, target: str, security: ChannelSecurity) -> DecodeClient:
         from clients.decode import DecodeClient
 
-        return DecodeClient(target, self.engine_id, self.layout, self.memory,
-                            read_timeout_s=REQUEST_TIMEOUT_S, security=security)
+        return DecodeClient(
+            target,
+            self.engine_id,
+            self.layout,
+            self.memory,
+            read_timeout_s=REQUEST_TIMEOUT_S,
+            security=security,
+        )
 
-    def fetch_and_hold(self, transfer_id: str, num_tokens: int, salt: int,
-                       prefill_pages: Sequence[int]) -> None:
+    def fetch_and_hold(
+        self, transfer_id: str, num_tokens: int, salt: int, prefill_pages: Sequence[int]
+    ) -> None:
         """Fetch, but let every rank stop once its NIXL reads are posted, before it waits for
         them or reports: each rank tells the coordinator ``reads_posted`` and the process
         hangs there until it is killed (the fault tests' reader dying mid-read)."""
@@ -329,7 +386,9 @@ class _DecodeEngine(_Engine):
         self.client._async._wait = hold  # the rank's wait for its posted reads
         self.fetch(transfer_id, num_tokens, salt, prefill_pages)
 
-    def fetch(self, transfer_id: str, num_tokens: int, salt: int, prefill_pages: Sequence[int]) -> None:
+    def fetch(
+        self, transfer_id: str, num_tokens: int, salt: int, prefill_pages: Sequence[int]
+    ) -> None:
         """Fetch, then compare every byte of every hosted rank's memory with the layout."""
         from clients.pattern import POISON, check_decode, decode_limits
 
@@ -351,8 +410,17 @@ class _DecodeEngine(_Engine):
             mismatches, expected = mismatches + m, expected + e
         self.pool.free(blocks)
         checked = sum(region.size for regions in self.arrays.values() for region in regions)
-        self.send(("fetched", transfer_id, [asdict(rank) for rank in fetch.ranks], mismatches,
-                   expected, checked, time.perf_counter() - started))
+        self.send(
+            (
+                "fetched",
+                transfer_id,
+                [asdict(rank) for rank in fetch.ranks],
+                mismatches,
+                expected,
+                checked,
+                time.perf_counter() - started,
+            )
+        )
 
 
 # --------------------------------------------------------------------------- coordinator
@@ -369,8 +437,21 @@ class BrokerProcess:
         self.security = security
         plaintext = () if "--tls-cert" in flags else ("--insecure",)
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "broker.cli", "serve", "--listen", "127.0.0.1:0",
-             "--log-level", "WARNING", *plaintext, *flags], stdout=subprocess.PIPE, text=True)
+            [
+                sys.executable,
+                "-m",
+                "broker.cli",
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--log-level",
+                "WARNING",
+                *plaintext,
+                *flags,
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert self.process.stdout is not None
         self.address = self.metrics_url = ""
         while not self.address and (line := self.process.stdout.readline()):
@@ -382,8 +463,9 @@ class BrokerProcess:
             self.stop()
             raise RuntimeError(f"the broker did not start (exit code {self.process.poll()})")
         # Keep its stdout flowing (a console span exporter writes there).
-        threading.Thread(target=shutil.copyfileobj, args=(self.process.stdout, sys.stdout),
-                         daemon=True).start()
+        threading.Thread(
+            target=shutil.copyfileobj, args=(self.process.stdout, sys.stdout), daemon=True
+        ).start()
 
     def list_engines(self) -> tuple[str, ...]:
         from broker.v1 import broker_pb2 as pb
@@ -407,7 +489,9 @@ class RunningBrokers:
     """Brokers already running (replicas sharing a store), for :func:`run_fleet` in place of
     a :class:`BrokerProcess`: engines get every address and fail over between them."""
 
-    def __init__(self, addresses: str | Sequence[str], security: ChannelSecurity = PLAINTEXT) -> None:
+    def __init__(
+        self, addresses: str | Sequence[str], security: ChannelSecurity = PLAINTEXT
+    ) -> None:
         self.addresses = broker_addresses(addresses)
         self.address = ",".join(self.addresses)
         self.security = security
@@ -421,7 +505,9 @@ class RunningBrokers:
         for address in self.addresses:
             try:
                 with self.security.channel(address) as channel:
-                    response = pb_grpc.BrokerStub(channel).ListEngines(pb.ListEnginesRequest(), timeout=10)
+                    response = pb_grpc.BrokerStub(channel).ListEngines(
+                        pb.ListEnginesRequest(), timeout=10
+                    )
                 return tuple(e.engine_id for e in response.engines)
             except grpc.RpcError as exc:
                 error = exc
@@ -448,10 +534,16 @@ class _PairState:
     decode_busy: bool = False
 
 
-def run_fleet(pairs: Sequence[PairSpec], requests: int, *, inflight: int = 2, seed: int = 0,
-              on_progress: Callable[[FleetReport], None] | None = None,
-              broker: BrokerProcess | RunningBrokers | None = None,
-              credentials: Mapping[str, ChannelSecurity] | None = None) -> FleetReport:
+def run_fleet(
+    pairs: Sequence[PairSpec],
+    requests: int,
+    *,
+    inflight: int = 2,
+    seed: int = 0,
+    on_progress: Callable[[FleetReport], None] | None = None,
+    broker: BrokerProcess | RunningBrokers | None = None,
+    credentials: Mapping[str, ChannelSecurity] | None = None,
+) -> FleetReport:
     """Run ``requests`` requests (round-robin over ``pairs``) through real processes and
     return what happened; never raises for a failed transfer (see :meth:`FleetReport.problems`).
     ``broker``: a running broker (or replicas, :class:`RunningBrokers`) to use and leave
@@ -461,10 +553,16 @@ def run_fleet(pairs: Sequence[PairSpec], requests: int, *, inflight: int = 2, se
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # inherited by the engine processes
     rng = random.Random(seed)
     layouts = tuple(p.layouts(inflight) for p in pairs)
-    outcomes = [RequestOutcome(i, i % len(pairs), f"req-{i:05d}-{rng.getrandbits(32):08x}",
-                               rng.randint(pairs[i % len(pairs)].min_tokens, pairs[i % len(pairs)].max_tokens),
-                               1 + rng.randrange(255))
-                for i in range(requests)]
+    outcomes = [
+        RequestOutcome(
+            i,
+            i % len(pairs),
+            f"req-{i:05d}-{rng.getrandbits(32):08x}",
+            rng.randint(pairs[i % len(pairs)].min_tokens, pairs[i % len(pairs)].max_tokens),
+            1 + rng.randrange(255),
+        )
+        for i in range(requests)
+    ]
     report = FleetReport(tuple(pairs), layouts, outcomes)
     started = time.monotonic()
     own_broker = broker is None
@@ -474,15 +572,29 @@ def run_fleet(pairs: Sequence[PairSpec], requests: int, *, inflight: int = 2, se
     try:
         ctx = mp.get_context("spawn")
         for i, (p_layout, d_layout) in enumerate(layouts):
-            sides = (("prefill", p_layout, d_layout, pairs[i].prefill_mamba_blocks),
-                     ("decode", d_layout, p_layout, pairs[i].decode_mamba_blocks))
+            sides = (
+                ("prefill", p_layout, d_layout, pairs[i].prefill_mamba_blocks),
+                ("decode", d_layout, p_layout, pairs[i].decode_mamba_blocks),
+            )
             for role, layout, peer, mamba_blocks in sides:
                 parent, child = ctx.Pipe()
                 engine_id = f"{role}-{i}"
-                process = ctx.Process(target=engine_main, name=engine_id, daemon=True,
-                                      args=(role, engine_id, layout, peer, broker.address, child, seed + i,
-                                            (credentials or {}).get(engine_id, PLAINTEXT),
-                                            mamba_blocks))
+                process = ctx.Process(
+                    target=engine_main,
+                    name=engine_id,
+                    daemon=True,
+                    args=(
+                        role,
+                        engine_id,
+                        layout,
+                        peer,
+                        broker.address,
+                        child,
+                        seed + i,
+                        (credentials or {}).get(engine_id, PLAINTEXT),
+                        mamba_blocks,
+                    ),
+                )
                 process.start()
                 child.close()
                 engines.append(_Engine(engine_id, i, process, parent))
@@ -517,15 +629,21 @@ def _receive(engines: Sequence[_Engine], timeout_s: float) -> list[tuple[_Engine
         try:
             message = conn.recv()  # type: ignore[union-attr]
         except EOFError:
-            raise _Abort(f"engine {engine.engine_id} exited (code {engine.process.exitcode})") from None
+            raise _Abort(
+                f"engine {engine.engine_id} exited (code {engine.process.exitcode})"
+            ) from None
         if message[0] == "error":
             raise _Abort(f"engine {message[1]} failed:\n{message[2]}")
         out.append((engine, message))
     return out
 
 
-def _drive(engines: list[_Engine], report: FleetReport, inflight: int,
-           on_progress: Callable[[FleetReport], None] | None) -> None:
+def _drive(
+    engines: list[_Engine],
+    report: FleetReport,
+    inflight: int,
+    on_progress: Callable[[FleetReport], None] | None,
+) -> None:
     """Start, run every request, close the engines."""
     ready: set[str] = set()
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -535,8 +653,10 @@ def _drive(engines: list[_Engine], report: FleetReport, inflight: int,
                 ready.add(engine.engine_id)
     prefill = {e.pair: e for e in engines if e.engine_id.startswith("prefill")}
     decode = {e.pair: e for e in engines if e.engine_id.startswith("decode")}
-    states = {i: _PairState(deque(r.index for r in report.requests if r.pair == i))
-              for i in range(len(report.pairs))}
+    states = {
+        i: _PairState(deque(r.index for r in report.requests if r.pair == i))
+        for i in range(len(report.pairs))
+    }
     by_id = {r.transfer_id: r for r in report.requests}
     settled: set[int] = set()
 
@@ -592,8 +712,9 @@ def _drive(engines: list[_Engine], report: FleetReport, inflight: int,
     closed: set[str] = set()
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while len(closed) < len(engines):
-        for engine, message in _receive([e for e in engines if e.engine_id not in closed],
-                                        max(0.1, deadline - time.monotonic())):
+        for engine, message in _receive(
+            [e for e in engines if e.engine_id not in closed], max(0.1, deadline - time.monotonic())
+        ):
             if message[0] == "closed":
                 closed.add(engine.engine_id)
                 report.notifications += message[2]

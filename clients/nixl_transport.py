@@ -77,8 +77,12 @@ def describe_region(memory: object) -> Region:
         if not memory.is_contiguous():
             raise ValueError("tensor regions must be contiguous")
         device = memory.get_device()
-        return Region(memory.data_ptr(), memory.numel() * memory.element_size(),
-                      max(device, 0), DRAM if device < 0 else VRAM)
+        return Region(
+            memory.data_ptr(),
+            memory.numel() * memory.element_size(),
+            max(device, 0),
+            DRAM if device < 0 else VRAM,
+        )
     if isinstance(memory, np.ndarray):
         if not memory.flags.c_contiguous:
             raise ValueError("numpy regions must be C-contiguous")
@@ -118,8 +122,15 @@ class Transfer:
     """One posted READ. Poll it (that also progresses the agent) until done, then
     :meth:`release` it; a released transfer that was still running is cancelled."""
 
-    def __init__(self, agent: NixlAgent, handle: object, remote_agent: str, nbytes: int,
-                 num_descriptors: int, done: bool) -> None:
+    def __init__(
+        self,
+        agent: NixlAgent,
+        handle: object,
+        remote_agent: str,
+        nbytes: int,
+        num_descriptors: int,
+        done: bool,
+    ) -> None:
         self._agent = agent
         self._handle = handle
         self.remote_agent = remote_agent
@@ -163,8 +174,10 @@ class Transfer:
 
     def _timeout(self, timeout_s: float) -> None:
         self.release()
-        raise TransferTimeout(f"read of {self.nbytes} bytes from {self.remote_agent} did not "
-                              f"complete within {timeout_s:g} s")
+        raise TransferTimeout(
+            f"read of {self.nbytes} bytes from {self.remote_agent} did not "
+            f"complete within {timeout_s:g} s"
+        )
 
     def release(self) -> None:
         """Free the NIXL handle (cancelling the transfer if it is still running). Idempotent."""
@@ -180,8 +193,10 @@ def _nixl_logs_to_stderr() -> None:
     """NIXL's logging configuration prints to standard output, where a command's results
     (``--json``) go; move its handlers to standard error, beside every other log."""
     for handler in logging.getLogger("nixl").handlers:
-        if isinstance(handler, logging.StreamHandler) and handler.stream in (sys.stdout,
-                                                                             sys.__stdout__):
+        if isinstance(handler, logging.StreamHandler) and handler.stream in (
+            sys.stdout,
+            sys.__stdout__,
+        ):
             handler.setStream(sys.stderr)
 
 
@@ -191,16 +206,21 @@ class NixlAgent:
     ``name`` must be unique across the fleet: remote agents are addressed by it.
     """
 
-    def __init__(self, name: str, backends: Sequence[str] = ("UCX",),
-                 backend_params: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        backends: Sequence[str] = ("UCX",),
+        backend_params: Mapping[str, str] | None = None,
+    ) -> None:
         """``backend_params`` (e.g. ``{"ucx_error_handling_mode": "none", "num_workers":
         "4"}``) are passed to every backend created; None keeps NIXL's defaults."""
         from nixl._api import nixl_agent, nixl_agent_config
 
         _nixl_logs_to_stderr()
         self.name = name
-        config = nixl_agent_config(enable_prog_thread=False,
-                                   backends=[] if backend_params else list(backends))
+        config = nixl_agent_config(
+            enable_prog_thread=False, backends=[] if backend_params else list(backends)
+        )
         self._nixl = nixl_agent(name, config)
         if backend_params:
             for backend in backends:
@@ -217,7 +237,9 @@ class NixlAgent:
         kinds = {r.kind for r in regions}
         if len(kinds) != 1:
             raise ValueError(f"register one memory kind at a time, got {sorted(kinds)}")
-        rows = np.array([(r.base_addr, r.length_bytes, r.device_id) for r in regions], dtype=np.int64)
+        rows = np.array(
+            [(r.base_addr, r.length_bytes, r.device_id) for r in regions], dtype=np.int64
+        )
         descs = self._nixl.register_memory(rows, regions[0].kind)
         self._registered.append(descs)
         return regions
@@ -251,14 +273,22 @@ class NixlAgent:
         if self._remotes.pop(agent_name, None) is not None:
             self._nixl.remove_remote_agent(agent_name)
 
-    def read(self, remote_agent: str, local: bytes | np.ndarray, remote: bytes | np.ndarray,
-             local_kind: str = DRAM, remote_kind: str = DRAM, notification: bytes = b"",
-             ) -> Transfer:
+    def read(
+        self,
+        remote_agent: str,
+        local: bytes | np.ndarray,
+        remote: bytes | np.ndarray,
+        local_kind: str = DRAM,
+        remote_kind: str = DRAM,
+        notification: bytes = b"",
+    ) -> Transfer:
         """Post one READ filling ``local`` descriptor *i* from ``remote`` descriptor *i* of
         ``remote_agent``; NIXL sends ``notification`` to that agent when it is done."""
         local_rows, remote_rows = descriptor_array(local), descriptor_array(remote)
         if local_rows.shape != remote_rows.shape:
-            raise TransferError(f"{len(local_rows)} local descriptors for {len(remote_rows)} remote")
+            raise TransferError(
+                f"{len(local_rows)} local descriptors for {len(remote_rows)} remote"
+            )
         if not len(local_rows):
             raise TransferError("nothing to read")
         if not np.array_equal(local_rows[:, 1], remote_rows[:, 1]):
@@ -267,16 +297,26 @@ class NixlAgent:
             raise TransferError(f"unknown remote agent {remote_agent!r}: add its metadata first")
         try:
             handle = self._nixl.initialize_xfer(
-                "READ", self._nixl.get_xfer_descs(local_rows, local_kind),
-                self._nixl.get_xfer_descs(remote_rows, remote_kind), remote_agent, notification)
+                "READ",
+                self._nixl.get_xfer_descs(local_rows, local_kind),
+                self._nixl.get_xfer_descs(remote_rows, remote_kind),
+                remote_agent,
+                notification,
+            )
             state = self._nixl.transfer(handle)
         except Exception as exc:  # NIXL's binding errors share no base class
             raise TransferError(f"cannot read from {remote_agent}: {exc}") from exc
         if state == "ERR":
             handle.release()
             raise TransferError(f"posting the read from {remote_agent} failed")
-        return Transfer(self, handle, remote_agent, int(local_rows[:, 1].sum()), len(local_rows),
-                        state == "DONE")
+        return Transfer(
+            self,
+            handle,
+            remote_agent,
+            int(local_rows[:, 1].sum()),
+            len(local_rows),
+            state == "DONE",
+        )
 
     def notifications(self) -> dict[str, list[bytes]]:
         """Notifications received since the last call, by sending agent. Also progresses

@@ -28,7 +28,11 @@ from broker.layout import EngineLayout, GroupLayout, RankLayout, Segment
 POISON = 0xA5
 #: Global token positions are below this (it fixes the element numbering, not memory use).
 TOKEN_BOUND = 1 << 24
-_MIX1, _MIX2, _GOLDEN = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB), np.uint64(0x9E3779B97F4A7C15)
+_MIX1, _MIX2, _GOLDEN = (
+    np.uint64(0xBF58476D1CE4E5B9),
+    np.uint64(0x94D049BB133111EB),
+    np.uint64(0x9E3779B97F4A7C15),
+)
 BlockIds = Sequence[Sequence[int]]
 
 
@@ -46,8 +50,9 @@ def _segment_view(buffer: np.ndarray, base: int, seg: Segment) -> np.ndarray:
     array of shape ``seg.shape + (itemsize,)``."""
     if base + seg.end > buffer.size:
         raise ValueError(f"segment {seg.tensor!r} ends past the buffer")
-    return as_strided(buffer[base + seg.offset:], shape=seg.shape + (seg.itemsize,),
-                      strides=seg.strides + (1,))
+    return as_strided(
+        buffer[base + seg.offset :], shape=seg.shape + (seg.itemsize,), strides=seg.strides + (1,)
+    )
 
 
 class Contents:
@@ -65,23 +70,35 @@ class Contents:
         ``global_shape + (itemsize,)`` with at least ``tokens`` entries on the token axis.
         Values do not depend on that length."""
         cached = self._tensors.get((seg.tensor, snapshot))
-        if cached is not None and (seg.token_axis is None or cached.shape[seg.token_axis] >= tokens):
+        if cached is not None and (
+            seg.token_axis is None or cached.shape[seg.token_axis] >= tokens
+        ):
             return cached
         shape = list(seg.global_shape) + [seg.itemsize]
         extents = list(shape)
         if seg.token_axis is not None:
-            shape[seg.token_axis] = max(tokens, 2 * (cached.shape[seg.token_axis] if cached is not None else 0))
+            shape[seg.token_axis] = max(
+                tokens, 2 * (cached.shape[seg.token_axis] if cached is not None else 0)
+            )
             extents[seg.token_axis] = TOKEN_BOUND
         flat = np.zeros((), dtype=np.uint64)
         for size, extent in zip(shape, extents):
             flat = flat[..., None] * np.uint64(extent) + np.arange(size, dtype=np.uint64)
         flat ^= (np.uint64(zlib.crc32(seg.tensor.encode())) << np.uint64(40)) ^ (
-            np.uint64(snapshot) << np.uint64(32))
+            np.uint64(snapshot) << np.uint64(32)
+        )
         self._tensors[seg.tensor, snapshot] = tensor = _mix(flat)
         return tensor
 
-    def write_state(self, page: np.ndarray, group: GroupLayout, layer: str, page_index: int,
-                    salt: int, token_limit: int | None = None) -> int:
+    def write_state(
+        self,
+        page: np.ndarray,
+        group: GroupLayout,
+        layer: str,
+        page_index: int,
+        salt: int,
+        token_limit: int | None = None,
+    ) -> int:
         """Write ``layer``'s state of the request's page ``page_index`` (attention: the page
         holding tokens ``page_index * block_size ..``; Mamba: snapshot ``page_index``) into
         ``page`` (``page_bytes`` uint8). Attention writes tokens below ``token_limit`` (all
@@ -100,7 +117,9 @@ class Contents:
                 view = _segment_view(page, kb * group.kernel_block_bytes, seg)
                 box: list[slice] = [slice(None)] * len(seg.shape)
                 if seg.shard_axis is not None:
-                    box[seg.shard_axis] = slice(seg.shard_start, seg.shard_start + seg.shape[seg.shard_axis])
+                    box[seg.shard_axis] = slice(
+                        seg.shard_start, seg.shard_start + seg.shape[seg.shard_axis]
+                    )
                 if seg.token_axis is not None:
                     box[seg.token_axis] = slice(first, first + count)
                     local: list[slice] = [slice(None)] * len(seg.shape)
@@ -115,29 +134,35 @@ class Contents:
         and salt; never shipped."""
         ramp = self._ramps.get(page_bytes)
         if ramp is None:
-            ramp = self._ramps[page_bytes] = (np.arange(page_bytes, dtype=np.uint32) * 131 % 251).astype(np.uint8)
+            ramp = self._ramps[page_bytes] = (
+                np.arange(page_bytes, dtype=np.uint32) * 131 % 251
+            ).astype(np.uint8)
         return ramp ^ np.uint8((rank * 61 + region * 31 + block * 7 + salt * 13) % 256)
 
 
-def decode_token_limit(prefill_group: GroupLayout, decode_group: GroupLayout, num_tokens: int,
-                       prefill_pages: int) -> int:
+def decode_token_limit(
+    prefill_group: GroupLayout, decode_group: GroupLayout, num_tokens: int, prefill_pages: int
+) -> int:
     """Tokens of an attention group that reach decode: whole decode kernel blocks holding a
     token below ``num_tokens``, as far as prefill's ``prefill_pages`` pages reach."""
     kbs = decode_group.kernel_block_size
     return min(-(-num_tokens // kbs) * kbs, prefill_pages * prefill_group.block_size)
 
 
-def decode_limits(prefill: EngineLayout, decode: EngineLayout, num_tokens: int,
-                  prefill_pages: Sequence[int]) -> list[int]:
+def decode_limits(
+    prefill: EngineLayout, decode: EngineLayout, num_tokens: int, prefill_pages: Sequence[int]
+) -> list[int]:
     """What reaches decode per group, for :func:`check_decode`: an attention group's tokens
     (:func:`decode_token_limit`), a Mamba group's count of prefill state blocks (decode's
     list pairs with their tail)."""
-    return [decode_token_limit(pg, dg, num_tokens, pages) if dg.is_attention else pages
-            for pg, dg, pages in zip(prefill.groups, decode.groups, prefill_pages)]
+    return [
+        decode_token_limit(pg, dg, num_tokens, pages) if dg.is_attention else pages
+        for pg, dg, pages in zip(prefill.groups, decode.groups, prefill_pages)
+    ]
 
 
 def _pages(rank: RankLayout, regions: Sequence[np.ndarray], block: int) -> list[np.ndarray]:
-    return [region[block * rank.page_bytes:(block + 1) * rank.page_bytes] for region in regions]
+    return [region[block * rank.page_bytes : (block + 1) * rank.page_bytes] for region in regions]
 
 
 def scrub_pages(rank: RankLayout, regions: Sequence[np.ndarray], block_ids: BlockIds) -> None:
@@ -149,8 +174,13 @@ def scrub_pages(rank: RankLayout, regions: Sequence[np.ndarray], block_ids: Bloc
                 page.fill(POISON)
 
 
-def fill_prefill(contents: Contents, rank: RankLayout, regions: Sequence[np.ndarray],
-                 block_ids: BlockIds, salt: int) -> None:
+def fill_prefill(
+    contents: Contents,
+    rank: RankLayout,
+    regions: Sequence[np.ndarray],
+    block_ids: BlockIds,
+    salt: int,
+) -> None:
     """Write a request's pages on one prefill rank: junk everywhere, then every group's state
     of each layer in its region (attention: whole pages; Mamba: snapshot *i* in the group's
     *i*-th block, the newest in the last)."""
@@ -162,8 +192,14 @@ def fill_prefill(contents: Contents, rank: RankLayout, regions: Sequence[np.ndar
                     contents.write_state(page, group, group.layers[r], page_index, salt)
 
 
-def check_decode(contents: Contents, rank: RankLayout, regions: Sequence[np.ndarray],
-                 block_ids: BlockIds, salt: int, limits: Sequence[int]) -> tuple[int, int]:
+def check_decode(
+    contents: Contents,
+    rank: RankLayout,
+    regions: Sequence[np.ndarray],
+    block_ids: BlockIds,
+    salt: int,
+    limits: Sequence[int],
+) -> tuple[int, int]:
     """Compare every byte of one decode rank's ``regions`` with what the request must have
     left there: each group's state in its pages, POISON everywhere else. ``limits`` per group
     (:func:`decode_limits`): attention pages hold tokens below the limit; a Mamba group's *n*
@@ -180,8 +216,13 @@ def check_decode(contents: Contents, rank: RankLayout, regions: Sequence[np.ndar
                 expected = np.full(rank.page_bytes, POISON, dtype=np.uint8)
                 if r < len(group.layers) and page_index < received:
                     expected_state += contents.write_state(
-                        expected, group, group.layers[r], first + page_index, salt,
-                        limit if group.is_attention else None)
+                        expected,
+                        group,
+                        group.layers[r],
+                        first + page_index,
+                        salt,
+                        limit if group.is_attention else None,
+                    )
                 mismatches += int(np.count_nonzero(page != expected))
                 page[:] = POISON
     mismatches += sum(int(np.count_nonzero(region != POISON)) for region in regions)

@@ -85,9 +85,17 @@ def _compacted_through(exc: grpc.aio.AioRpcError) -> int | None:
 
 def _release_from_proto(tp_rank: int, event: pb.ReleaseEvent) -> Release:
     reason = ReleaseReason[pb.ReleaseReason.Name(event.reason).removeprefix("RELEASE_REASON_")]
-    return Release(tp_rank, event.transfer_id, tuple(tuple(g.ids) for g in event.block_ids),
-                   reason, event.detail, event.sequence, event.released_at_ms, time.monotonic(),
-                   event.traceparent)
+    return Release(
+        tp_rank,
+        event.transfer_id,
+        tuple(tuple(g.ids) for g in event.block_ids),
+        reason,
+        event.detail,
+        event.sequence,
+        event.released_at_ms,
+        time.monotonic(),
+        event.traceparent,
+    )
 
 
 class AsyncPrefillClient(AsyncEngineClient):
@@ -96,13 +104,23 @@ class AsyncPrefillClient(AsyncEngineClient):
 
     role = pb.ROLE_PREFILL
 
-    def __init__(self, target: str, engine_id: str, layout: EngineLayout,
-                 memory: Mapping[int, Sequence[object]], *, on_release: ReleaseCallback | None = None,
-                 on_notification: NotificationCallback | None = None,
-                 progress_interval_s: float = 0.001, idle_interval_s: float = 0.05,
-                 call_timeout_s: float = 10.0, security: ChannelSecurity = PLAINTEXT) -> None:
-        super().__init__(target, engine_id, layout, memory, call_timeout_s=call_timeout_s,
-                         security=security)
+    def __init__(
+        self,
+        target: str,
+        engine_id: str,
+        layout: EngineLayout,
+        memory: Mapping[int, Sequence[object]],
+        *,
+        on_release: ReleaseCallback | None = None,
+        on_notification: NotificationCallback | None = None,
+        progress_interval_s: float = 0.001,
+        idle_interval_s: float = 0.05,
+        call_timeout_s: float = 10.0,
+        security: ChannelSecurity = PLAINTEXT,
+    ) -> None:
+        super().__init__(
+            target, engine_id, layout, memory, call_timeout_s=call_timeout_s, security=security
+        )
         self.on_release = on_release
         self.on_notification = on_notification
         self.progress_interval_s = progress_interval_s
@@ -125,21 +143,39 @@ class AsyncPrefillClient(AsyncEngineClient):
         them, so free their blocks here (reason ABORTED). A decode rank still reading them
         gets ABORTED or NOT_FOUND for its report, never DONE. A transfer whose publish has
         not answered yet may belong to the new registration: :meth:`publish` checks it."""
-        lost = [t for t, ranks in self._awaiting.items()
-                if session.tp_rank in ranks and t not in self._publishing]
+        lost = [
+            t
+            for t, ranks in self._awaiting.items()
+            if session.tp_rank in ranks and t not in self._publishing
+        ]
         for transfer_id in lost:
             self._free_lost(transfer_id, session.tp_rank)
 
     def _free_lost(self, transfer_id: str, tp_rank: int) -> None:
-        release = Release(tp_rank, transfer_id, self._blocks[transfer_id], ReleaseReason.ABORTED,
-                          "the broker lost this rank's registration", 0, 0, time.monotonic())
+        release = Release(
+            tp_rank,
+            transfer_id,
+            self._blocks[transfer_id],
+            ReleaseReason.ABORTED,
+            "the broker lost this rank's registration",
+            0,
+            0,
+            time.monotonic(),
+        )
         self._spawn(self._deliver(release))
 
     def _leases(self) -> tuple[str, ...]:
         return tuple(s.lease_id for s in self.sessions.values())
 
-    async def publish(self, transfer_id: str, block_ids: Sequence[Sequence[int]], num_tokens: int,
-                      *, ttl_ms: int = 0, allowed_decode_engines: Sequence[str] = ()) -> int:
+    async def publish(
+        self,
+        transfer_id: str,
+        block_ids: Sequence[Sequence[int]],
+        num_tokens: int,
+        *,
+        ttl_ms: int = 0,
+        allowed_decode_engines: Sequence[str] = (),
+    ) -> int:
         """Offer a request's prefill blocks (per group) to decode engines; returns when the
         transfer expires (ms since the epoch on the broker's clock). ``ttl_ms`` 0 takes the
         broker's default. Starts the transfer's trace (span ``prefill.publish``).
@@ -154,22 +190,34 @@ class AsyncPrefillClient(AsyncEngineClient):
         self._publishing.add(transfer_id)
         self._busy.set()
         request = pb.PublishBlocksRequest(
-            transfer_id=transfer_id, engine_id=self.engine_id,
-            block_ids=[pb.BlockIds(ids=list(g)) for g in block_ids], num_tokens=num_tokens,
-            ttl_ms=ttl_ms, allowed_decode_engines=list(allowed_decode_engines))
+            transfer_id=transfer_id,
+            engine_id=self.engine_id,
+            block_ids=[pb.BlockIds(ids=list(g)) for g in block_ids],
+            num_tokens=num_tokens,
+            ttl_ms=ttl_ms,
+            allowed_decode_engines=list(allowed_decode_engines),
+        )
         try:
-            with tracing.root_span("prefill.publish", {
-                    "pdbroker.transfer_id": transfer_id, "pdbroker.prefill_engine": self.engine_id,
+            with tracing.root_span(
+                "prefill.publish",
+                {
+                    "pdbroker.transfer_id": transfer_id,
+                    "pdbroker.prefill_engine": self.engine_id,
                     "pdbroker.num_tokens": num_tokens,
-                    "pdbroker.blocks": sum(len(g) for g in block_ids)}):
+                    "pdbroker.blocks": sum(len(g) for g in block_ids),
+                },
+            ):
                 leases = self._leases()
                 try:
                     expires_at_ms = await self._publish_once(request)
                 except BrokerCallError as exc:
                     if exc.field != "engine_id" or exc.code not in _ENGINE_UNKNOWN:
                         raise
-                    log.warning("publish: %s; renewing the leases, then publishing again", exc,
-                                extra=transfer_fields(transfer_id))
+                    log.warning(
+                        "publish: %s; renewing the leases, then publishing again",
+                        exc,
+                        extra=transfer_fields(transfer_id),
+                    )
                     await self._known_again(exc)
                     leases = self._leases()
                     expires_at_ms = await self._publish_once(request)
@@ -191,16 +239,19 @@ class AsyncPrefillClient(AsyncEngineClient):
         except BrokerCallError as exc:
             if exc.code is not grpc.StatusCode.ALREADY_EXISTS or self.stub.failovers == failovers:
                 raise
-            return await self._published_before_failover(request.transfer_id, request.num_tokens,
-                                                         exc)
+            return await self._published_before_failover(
+                request.transfer_id, request.num_tokens, exc
+            )
         return response.expires_at_ms
 
     async def _known_again(self, exc: BrokerCallError) -> None:
         """Wait until the broker holds every hosted rank (renewed or registered again), at
         most ``call_timeout_s``; ``exc`` is raised if it does not by then."""
         try:
-            await asyncio.wait_for(asyncio.gather(*(s.known_again() for s in self.sessions.values())),
-                                   self.call_timeout_s)
+            await asyncio.wait_for(
+                asyncio.gather(*(s.known_again() for s in self.sessions.values())),
+                self.call_timeout_s,
+            )
         except asyncio.TimeoutError:
             raise exc from None
 
@@ -208,20 +259,29 @@ class AsyncPrefillClient(AsyncEngineClient):
         """A rank registered again while ``transfer_id`` was published: free it (reason
         ``aborted``) unless the broker still knows it."""
         try:
-            await call(self.stub, "GetTransfer", pb.GetTransferRequest(transfer_id=transfer_id),
-                       self.call_timeout_s)
+            await call(
+                self.stub,
+                "GetTransfer",
+                pb.GetTransferRequest(transfer_id=transfer_id),
+                self.call_timeout_s,
+            )
         except BrokerCallError as exc:
             if exc.code is not grpc.StatusCode.NOT_FOUND:
                 raise
             for tp_rank in sorted(self._awaiting.get(transfer_id, ())):
                 self._free_lost(transfer_id, tp_rank)
 
-    async def _published_before_failover(self, transfer_id: str, num_tokens: int,
-                                         exc: BrokerCallError) -> int:
+    async def _published_before_failover(
+        self, transfer_id: str, num_tokens: int, exc: BrokerCallError
+    ) -> int:
         """A publish retried on another replica found the transfer: it is ours (the first
         replica committed it, then its reply was lost) when engine and size match."""
-        info = await call(self.stub, "GetTransfer", pb.GetTransferRequest(transfer_id=transfer_id),
-                          self.call_timeout_s)
+        info = await call(
+            self.stub,
+            "GetTransfer",
+            pb.GetTransferRequest(transfer_id=transfer_id),
+            self.call_timeout_s,
+        )
         if info.prefill_engine_id != self.engine_id or info.num_tokens != num_tokens:
             raise exc
         return info.expires_at_ms
@@ -238,8 +298,12 @@ class AsyncPrefillClient(AsyncEngineClient):
             if session.lease_id != lease:
                 cursor, lease = 0, session.lease_id
             address = self.stub.address
-            request = pb.WatchReleasesRequest(engine_id=self.engine_id, tp_rank=session.tp_rank,
-                                              after_sequence=cursor, lease_id=lease)
+            request = pb.WatchReleasesRequest(
+                engine_id=self.engine_id,
+                tp_rank=session.tp_rank,
+                after_sequence=cursor,
+                lease_id=lease,
+            )
             stream = self.stub.WatchReleases(request)
             moved = asyncio.ensure_future(self.stub.moved_from(address))
             read: asyncio.Future | None = None
@@ -249,8 +313,12 @@ class AsyncPrefillClient(AsyncEngineClient):
                     read = asyncio.ensure_future(stream.read())
                     await asyncio.wait((read, moved), return_when=asyncio.FIRST_COMPLETED)
                     if not read.done():
-                        log.warning("rank %s/%d: reopening the release stream on %s",
-                                    self.engine_id, session.tp_rank, self.stub.address)
+                        log.warning(
+                            "rank %s/%d: reopening the release stream on %s",
+                            self.engine_id,
+                            session.tp_rank,
+                            self.stub.address,
+                        )
                         moved_on = True
                         break
                     event = read.result()
@@ -259,8 +327,12 @@ class AsyncPrefillClient(AsyncEngineClient):
                     cursor = event.sequence
                     await self._deliver(_release_from_proto(session.tp_rank, event))
             except grpc.aio.AioRpcError as exc:
-                log.warning("rank %s/%d: release stream broke: %s", self.engine_id,
-                            session.tp_rank, exc.details())
+                log.warning(
+                    "rank %s/%d: release stream broke: %s",
+                    self.engine_id,
+                    session.tp_rank,
+                    exc.details(),
+                )
                 if exc.code() is grpc.StatusCode.UNAVAILABLE:
                     self.stub.fail_over(address)
                 through = _compacted_through(exc)
@@ -281,12 +353,18 @@ class AsyncPrefillClient(AsyncEngineClient):
         ``through``: ask it about each transfer the rank still awaits and free exactly those
         it released the rank of (with its reason), or forgot (it forgets a transfer only
         after every rank was released). Returns whether every answer came."""
-        for transfer_id in [t for t, ranks in self._awaiting.items() if session.tp_rank in ranks
-                            and t not in self._publishing]:
+        for transfer_id in [
+            t
+            for t, ranks in self._awaiting.items()
+            if session.tp_rank in ranks and t not in self._publishing
+        ]:
             try:
-                info = await call(self.stub, "GetTransfer",
-                                  pb.GetTransferRequest(transfer_id=transfer_id),
-                                  self.call_timeout_s)
+                info = await call(
+                    self.stub,
+                    "GetTransfer",
+                    pb.GetTransferRequest(transfer_id=transfer_id),
+                    self.call_timeout_s,
+                )
             except BrokerCallError as exc:
                 if exc.code is not grpc.StatusCode.NOT_FOUND:
                     return False
@@ -296,10 +374,21 @@ class AsyncPrefillClient(AsyncEngineClient):
                 if rank is None or rank.reason == pb.RELEASE_REASON_UNSPECIFIED:
                     continue  # not released yet: its event is still to come
                 reason = ReleaseReason[
-                    pb.ReleaseReason.Name(rank.reason).removeprefix("RELEASE_REASON_")]
+                    pb.ReleaseReason.Name(rank.reason).removeprefix("RELEASE_REASON_")
+                ]
                 detail = "reconciled: the broker no longer kept the release event"
-            await self._deliver(Release(session.tp_rank, transfer_id, self._blocks[transfer_id],
-                                        reason, detail, 0, 0, time.monotonic()))
+            await self._deliver(
+                Release(
+                    session.tp_rank,
+                    transfer_id,
+                    self._blocks[transfer_id],
+                    reason,
+                    detail,
+                    0,
+                    0,
+                    time.monotonic(),
+                )
+            )
         return True
 
     async def _deliver(self, release: Release) -> None:
@@ -317,9 +406,15 @@ class AsyncPrefillClient(AsyncEngineClient):
                 del self._awaiting[release.transfer_id]
                 self._blocks.pop(release.transfer_id, None)
         fields = transfer_fields(release.transfer_id, release.traceparent)
-        with tracing.span("prefill.free", release.traceparent, {
-                "pdbroker.transfer_id": release.transfer_id, "pdbroker.prefill_rank": release.tp_rank,
-                "pdbroker.reason": release.reason.value}) as span:
+        with tracing.span(
+            "prefill.free",
+            release.traceparent,
+            {
+                "pdbroker.transfer_id": release.transfer_id,
+                "pdbroker.prefill_rank": release.tp_rank,
+                "pdbroker.reason": release.reason.value,
+            },
+        ) as span:
             log.debug("rank %d released: %s", release.tp_rank, release.reason.value, extra=fields)
             if self.on_release is None:
                 return
@@ -355,17 +450,50 @@ class PrefillClient(BlockingEngineClient):
 
     _async: AsyncPrefillClient
 
-    def __init__(self, target: str, engine_id: str, layout: EngineLayout,
-                 memory: Mapping[int, Sequence[object]], *, on_release: ReleaseCallback | None = None,
-                 on_notification: NotificationCallback | None = None,
-                 progress_interval_s: float = 0.001, idle_interval_s: float = 0.05,
-                 call_timeout_s: float = 10.0, security: ChannelSecurity = PLAINTEXT) -> None:
-        super().__init__(AsyncPrefillClient(
-            target, engine_id, layout, memory, on_release=on_release,
-            on_notification=on_notification, progress_interval_s=progress_interval_s,
-            idle_interval_s=idle_interval_s, call_timeout_s=call_timeout_s, security=security))
+    def __init__(
+        self,
+        target: str,
+        engine_id: str,
+        layout: EngineLayout,
+        memory: Mapping[int, Sequence[object]],
+        *,
+        on_release: ReleaseCallback | None = None,
+        on_notification: NotificationCallback | None = None,
+        progress_interval_s: float = 0.001,
+        idle_interval_s: float = 0.05,
+        call_timeout_s: float = 10.0,
+        security: ChannelSecurity = PLAINTEXT,
+    ) -> None:
+        super().__init__(
+            AsyncPrefillClient(
+                target,
+                engine_id,
+                layout,
+                memory,
+                on_release=on_release,
+                on_notification=on_notification,
+                progress_interval_s=progress_interval_s,
+                idle_interval_s=idle_interval_s,
+                call_timeout_s=call_timeout_s,
+                security=security,
+            )
+        )
 
-    def publish(self, transfer_id: str, block_ids: Sequence[Sequence[int]], num_tokens: int,
-                *, ttl_ms: int = 0, allowed_decode_engines: Sequence[str] = ()) -> int:
-        return self._run(self._async.publish(transfer_id, block_ids, num_tokens, ttl_ms=ttl_ms,
-                                             allowed_decode_engines=allowed_decode_engines))
+    def publish(
+        self,
+        transfer_id: str,
+        block_ids: Sequence[Sequence[int]],
+        num_tokens: int,
+        *,
+        ttl_ms: int = 0,
+        allowed_decode_engines: Sequence[str] = (),
+    ) -> int:
+        return self._run(
+            self._async.publish(
+                transfer_id,
+                block_ids,
+                num_tokens,
+                ttl_ms=ttl_ms,
+                allowed_decode_engines=allowed_decode_engines,
+            )
+        )

@@ -42,10 +42,19 @@ MAX_RETRY_DELAY_S = 5.0
 #: Calls the broker answers alike when they are repeated while the first may still be running
 #: (a plan or report again, a lease renewed twice, a publish that finds its own transfer):
 #: :class:`FailoverStub` repeats them on the next replica when one does not answer in time.
-REPEATABLE = frozenset({
-    "KeepAlive", "GetTransferPlan", "ReportTransfer", "AbortTransfer", "PublishBlocks",
-    "GetTransfer", "ListEngines", "ListTransfers", "Deregister",
-})
+REPEATABLE = frozenset(
+    {
+        "KeepAlive",
+        "GetTransferPlan",
+        "ReportTransfer",
+        "AbortTransfer",
+        "PublishBlocks",
+        "GetTransfer",
+        "ListEngines",
+        "ListTransfers",
+        "Deregister",
+    }
+)
 
 
 class BrokerCallError(RuntimeError):
@@ -75,8 +84,10 @@ async def call(stub: pb_grpc.BrokerStub, method: str, request: Any, timeout_s: f
 def open_channel(target: str, security: ChannelSecurity = PLAINTEXT) -> grpc.aio.Channel:
     """A channel to the broker at ``HOST:PORT`` (plans of long requests are large); plaintext
     unless ``security`` names a CA."""
-    return security.aio_channel(target, options=[("grpc.max_receive_message_length", -1),
-                                                 ("grpc.max_send_message_length", -1)])
+    return security.aio_channel(
+        target,
+        options=[("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)],
+    )
 
 
 def broker_addresses(target: str | Sequence[str]) -> tuple[str, ...]:
@@ -191,9 +202,17 @@ class RankSession:
     """One hosted rank: its NIXL agent and registered regions, its broker registration and
     lease. Region *i* holds layer *i* of every group, as the layout declares."""
 
-    def __init__(self, stub: FailoverStub, engine_id: str, role: int, tp_size: int,
-                 layout: RankLayout, fingerprint: str, agent: NixlAgent,
-                 regions: tuple[Region, ...]) -> None:
+    def __init__(
+        self,
+        stub: FailoverStub,
+        engine_id: str,
+        role: int,
+        tp_size: int,
+        layout: RankLayout,
+        fingerprint: str,
+        agent: NixlAgent,
+        regions: tuple[Region, ...],
+    ) -> None:
         self.stub = stub
         self.engine_id = engine_id
         self.role = role
@@ -217,12 +236,24 @@ class RankSession:
 
     def registration(self) -> pb.RegisterRankRequest:
         return pb.RegisterRankRequest(
-            engine_id=self.engine_id, role=self.role, tp_size=self.tp_size, tp_rank=self.tp_rank,
-            agent_name=self.agent.name, agent_metadata=self.agent.metadata,
-            regions=[pb.Region(base_addr=r.base_addr, length_bytes=r.length_bytes,
-                               device_id=r.device_id, memory_kind=_MEMORY_KINDS[r.kind])
-                     for r in self.regions],
-            layout=rank_layout_to_proto(self.layout), model_fingerprint=self.fingerprint)
+            engine_id=self.engine_id,
+            role=self.role,
+            tp_size=self.tp_size,
+            tp_rank=self.tp_rank,
+            agent_name=self.agent.name,
+            agent_metadata=self.agent.metadata,
+            regions=[
+                pb.Region(
+                    base_addr=r.base_addr,
+                    length_bytes=r.length_bytes,
+                    device_id=r.device_id,
+                    memory_kind=_MEMORY_KINDS[r.kind],
+                )
+                for r in self.regions
+            ],
+            layout=rank_layout_to_proto(self.layout),
+            model_fingerprint=self.fingerprint,
+        )
 
     async def register(self, timeout_s: float) -> None:
         lease = await call(self.stub, "RegisterRank", self.registration(), timeout_s)
@@ -268,24 +299,39 @@ class RankSession:
                         self.on_registered_again(self)
                     self._confirmed()
                     continue
-                self.ttl_ms = (await call(self.stub, "KeepAlive",
-                                          pb.KeepAliveRequest(lease_id=self.lease_id), timeout_s)).ttl_ms
+                self.ttl_ms = (
+                    await call(
+                        self.stub,
+                        "KeepAlive",
+                        pb.KeepAliveRequest(lease_id=self.lease_id),
+                        timeout_s,
+                    )
+                ).ttl_ms
                 delay = RETRY_DELAY_S
                 self._confirmed()
             except BrokerCallError as exc:
                 if not lost and exc.code is grpc.StatusCode.NOT_FOUND:
-                    log.warning("rank %s/%d: lease lost, registering again", self.engine_id, self.tp_rank)
+                    log.warning(
+                        "rank %s/%d: lease lost, registering again", self.engine_id, self.tp_rank
+                    )
                     lost = True
                     delay = 0.0
                     continue
-                log.warning("rank %s/%d: %s failed: %s", self.engine_id, self.tp_rank,
-                            "registering again" if lost else "lease renewal", exc)
+                log.warning(
+                    "rank %s/%d: %s failed: %s",
+                    self.engine_id,
+                    self.tp_rank,
+                    "registering again" if lost else "lease renewal",
+                    exc,
+                )
                 delay = min(max(2 * delay, RETRY_DELAY_S), MAX_RETRY_DELAY_S)
 
     async def deregister(self, timeout_s: float) -> None:
         """Leave the broker; a lease that already expired is not an error."""
         try:
-            await call(self.stub, "Deregister", pb.DeregisterRequest(lease_id=self.lease_id), timeout_s)
+            await call(
+                self.stub, "Deregister", pb.DeregisterRequest(lease_id=self.lease_id), timeout_s
+            )
         except BrokerCallError as exc:
             if exc.code is not grpc.StatusCode.NOT_FOUND:
                 raise
@@ -306,17 +352,26 @@ class AsyncEngineClient:
 
     role: ClassVar[int] = pb.ROLE_UNSPECIFIED
 
-    def __init__(self, target: str, engine_id: str, layout: EngineLayout,
-                 memory: Mapping[int, Sequence[object]], *, call_timeout_s: float = 10.0,
-                 security: ChannelSecurity = PLAINTEXT) -> None:
+    def __init__(
+        self,
+        target: str,
+        engine_id: str,
+        layout: EngineLayout,
+        memory: Mapping[int, Sequence[object]],
+        *,
+        call_timeout_s: float = 10.0,
+        security: ChannelSecurity = PLAINTEXT,
+    ) -> None:
         if not memory:
             raise ValueError("memory: host at least one rank")
         for tp_rank, regions in memory.items():
             if not 0 <= tp_rank < layout.tp_size:
                 raise ValueError(f"memory: rank {tp_rank} outside [0, {layout.tp_size})")
             if len(regions) != layout.ranks[tp_rank].num_regions:
-                raise ValueError(f"memory[{tp_rank}]: {len(regions)} regions, the layout declares "
-                                 f"{layout.ranks[tp_rank].num_regions}")
+                raise ValueError(
+                    f"memory[{tp_rank}]: {len(regions)} regions, the layout declares "
+                    f"{layout.ranks[tp_rank].num_regions}"
+                )
         self.target = target
         self.engine_id = engine_id
         self.layout = layout
@@ -348,15 +403,26 @@ class AsyncEngineClient:
                 regions = tuple(describe_region(m) for m in memory)
                 for i, region in enumerate(regions):
                     if region.length_bytes < rank_layout.region_bytes:
-                        raise ValueError(f"memory[{tp_rank}][{i}]: {region.length_bytes} bytes, the "
-                                         f"layout needs {rank_layout.region_bytes}")
+                        raise ValueError(
+                            f"memory[{tp_rank}][{i}]: {region.length_bytes} bytes, the "
+                            f"layout needs {rank_layout.region_bytes}"
+                        )
                 agent = NixlAgent(f"{self.engine_id}.rank{tp_rank}.{secrets.token_hex(4)}")
-                self.sessions[tp_rank] = RankSession(self._stub, self.engine_id, self.role,
-                                                     self.layout.tp_size, rank_layout,
-                                                     self.layout.model, agent, regions)
+                self.sessions[tp_rank] = RankSession(
+                    self._stub,
+                    self.engine_id,
+                    self.role,
+                    self.layout.tp_size,
+                    rank_layout,
+                    self.layout.model,
+                    agent,
+                    regions,
+                )
                 agent.register(regions)
-            outcomes = await asyncio.gather(*(s.register(self.call_timeout_s)
-                                              for s in self.sessions.values()), return_exceptions=True)
+            outcomes = await asyncio.gather(
+                *(s.register(self.call_timeout_s) for s in self.sessions.values()),
+                return_exceptions=True,
+            )
             for outcome in outcomes:
                 if isinstance(outcome, BaseException):
                     raise outcome
@@ -381,8 +447,9 @@ class AsyncEngineClient:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         sessions = [s for s in self.sessions.values() if s.lease_id]
-        errors = await asyncio.gather(*(s.deregister(self.call_timeout_s) for s in sessions),
-                                      return_exceptions=True)
+        errors = await asyncio.gather(
+            *(s.deregister(self.call_timeout_s) for s in sessions), return_exceptions=True
+        )
         for session in self.sessions.values():
             session.agent.close()
         self.sessions.clear()

@@ -72,9 +72,17 @@ def ucx_params_from_env() -> dict[str, str]:
     return dict(item.split("=", 1) for item in raw.split(",") if item)
 
 
-def _prefill_target(conn: Any, name: str, layout: EngineLayout, tp_rank: int,
-                    block_ids: tuple[tuple[int, ...], ...], single_bytes: int, device: str,
-                    device_id: int, params: dict[str, str]) -> None:
+def _prefill_target(
+    conn: Any,
+    name: str,
+    layout: EngineLayout,
+    tp_rank: int,
+    block_ids: tuple[tuple[int, ...], ...],
+    single_bytes: int,
+    device: str,
+    device_id: int,
+    params: dict[str, str],
+) -> None:
     """Child process: register prefill rank ``tp_rank``'s regions holding the request's
     pattern, hand out metadata, drive progress."""
     agent = NixlAgent(name, backend_params=params or None)
@@ -110,8 +118,9 @@ class TransferFigures:
         return asdict(self)
 
 
-def _descriptors(plan: RankPlan, local_bases: list[tuple[int, int]],
-                 remote_bases: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+def _descriptors(
+    plan: RankPlan, local_bases: list[tuple[int, int]], remote_bases: list[tuple[int, int]]
+) -> tuple[np.ndarray, np.ndarray]:
     (source,) = plan.sources
     local_base = np.array([b for b, _ in local_bases], dtype=np.int64)[source.region]
     remote_base = np.array([b for b, _ in remote_bases], dtype=np.int64)[source.region]
@@ -129,20 +138,28 @@ class _Checker:
         self.contents = Contents(sc.decode)
         self.rank = sc.decode.ranks[0]
         self.block_ids = sc.request.decode_block_ids
-        self.limits = decode_limits(sc.prefill, sc.decode, sc.request.num_tokens,
-                                    [len(ids) for ids in sc.request.prefill_block_ids])
+        self.limits = decode_limits(
+            sc.prefill,
+            sc.decode,
+            sc.request.num_tokens,
+            [len(ids) for ids in sc.request.prefill_block_ids],
+        )
 
     def verify(self, mode: str, regions: list[Any], nbytes: int) -> None:
         host = [_host_bytes(r) for r in regions]
-        mismatches, expected = check_decode(self.contents, self.rank, host, self.block_ids, SALT,
-                                            self.limits)
+        mismatches, expected = check_decode(
+            self.contents, self.rank, host, self.block_ids, SALT, self.limits
+        )
         if mismatches or expected != nbytes:
-            raise AssertionError(f"{mode} read: {mismatches} bytes of decode rank 0 differ from "
-                                 f"its layout ({expected} state bytes expected, {nbytes} read)")
+            raise AssertionError(
+                f"{mode} read: {mismatches} bytes of decode rank 0 differ from "
+                f"its layout ({expected} state bytes expected, {nbytes} read)"
+            )
 
 
-def _memcpy_gbps(nbytes: int, device: str, prefill_device: int, decode_device: int,
-                 repeats: int) -> float:
+def _memcpy_gbps(
+    nbytes: int, device: str, prefill_device: int, decode_device: int, repeats: int
+) -> float:
     src = _allocate(nbytes, device, prefill_device)
     dst = _allocate(nbytes, device, decode_device)
     times = []
@@ -161,12 +178,21 @@ def _memcpy_gbps(nbytes: int, device: str, prefill_device: int, decode_device: i
     return nbytes / statistics.median(times[1:]) / 1e9
 
 
-def run_transfer_bench(sc: Scenario, device: str = "cpu", prefill_device: int = 0,
-                       decode_device: int = 0, repeats: int = 5,
-                       timeout_s: float = 120.0) -> TransferFigures:
+def run_transfer_bench(
+    sc: Scenario,
+    device: str = "cpu",
+    prefill_device: int = 0,
+    decode_device: int = 0,
+    repeats: int = 5,
+    timeout_s: float = 120.0,
+) -> TransferFigures:
     """Measure one scenario whose decode rank 0 reads from a single prefill rank."""
-    plans = {mode: PairPlanner(sc.prefill, sc.decode, coalesce=mode == "coalesced").plan_rank(0, sc.request)
-             for mode in ("coalesced", "per_block")}
+    plans = {
+        mode: PairPlanner(sc.prefill, sc.decode, coalesce=mode == "coalesced").plan_rank(
+            0, sc.request
+        )
+        for mode in ("coalesced", "per_block")
+    }
     if len(plans["coalesced"].sources) != 1:
         raise ValueError("the transfer bench needs a decode rank 0 that reads one prefill rank")
     source_rank = plans["coalesced"].sources[0].prefill_rank
@@ -178,13 +204,27 @@ def run_transfer_bench(sc: Scenario, device: str = "cpu", prefill_device: int = 
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    target = ctx.Process(target=_prefill_target, daemon=True, args=(
-        child, f"bench-prefill-{os.getpid()}", sc.prefill, source_rank,
-        sc.request.prefill_block_ids, nbytes, device, prefill_device, params))
+    target = ctx.Process(
+        target=_prefill_target,
+        daemon=True,
+        args=(
+            child,
+            f"bench-prefill-{os.getpid()}",
+            sc.prefill,
+            source_rank,
+            sc.request.prefill_block_ids,
+            nbytes,
+            device,
+            prefill_device,
+            params,
+        ),
+    )
     target.start()
     agent = NixlAgent(f"bench-decode-{os.getpid()}", backend_params=params or None)
     try:
-        regions = [_allocate(d_rank.region_bytes, device, decode_device) for _ in range(d_rank.num_regions)]
+        regions = [
+            _allocate(d_rank.region_bytes, device, decode_device) for _ in range(d_rank.num_regions)
+        ]
         single = _allocate(nbytes, device, decode_device)
         described = agent.register([*regions, single])
         local_bases = [(r.base_addr, r.device_id) for r in described]
@@ -202,11 +242,14 @@ def run_transfer_bench(sc: Scenario, device: str = "cpu", prefill_device: int = 
             transfer.release()
             return elapsed
 
-        reads = {mode: _descriptors(plan, local_bases[:-1], remote_bases[:-1])
-                 for mode, plan in plans.items()}
+        reads = {
+            mode: _descriptors(plan, local_bases[:-1], remote_bases[:-1])
+            for mode, plan in plans.items()
+        }
         reads["single_desc"] = (
             np.array([[local_bases[-1][0], nbytes, local_bases[-1][1]]], dtype=np.int64),
-            np.array([[remote_bases[-1][0], nbytes, remote_bases[-1][1]]], dtype=np.int64))
+            np.array([[remote_bases[-1][0], nbytes, remote_bases[-1][1]]], dtype=np.int64),
+        )
         times: dict[str, list[float]] = {mode: [] for mode in reads}
         for _ in range(repeats + 1):  # modes interleaved; round 0 also opens the connection
             for mode, (local, remote) in reads.items():
@@ -224,9 +267,14 @@ def run_transfer_bench(sc: Scenario, device: str = "cpu", prefill_device: int = 
     memcpy = _memcpy_gbps(nbytes, device, prefill_device, decode_device, repeats)
     return TransferFigures(
         device=device if device == "cpu" else f"cuda:{prefill_device}->cuda:{decode_device}",
-        bytes=nbytes, coalesced_descriptors=plans["coalesced"].num_descriptors,
+        bytes=nbytes,
+        coalesced_descriptors=plans["coalesced"].num_descriptors,
         per_block_descriptors=plans["per_block"].num_descriptors,
-        coalesced_gbps=round(gbps["coalesced"], 3), per_block_gbps=round(gbps["per_block"], 3),
-        single_desc_gbps=round(gbps["single_desc"], 3), memcpy_gbps=round(memcpy, 3),
-        repeats=repeats, ucx_env={k: v for k, v in os.environ.items() if k.startswith("UCX_")},
-        ucx_params=params)
+        coalesced_gbps=round(gbps["coalesced"], 3),
+        per_block_gbps=round(gbps["per_block"], 3),
+        single_desc_gbps=round(gbps["single_desc"], 3),
+        memcpy_gbps=round(memcpy, 3),
+        repeats=repeats,
+        ucx_env={k: v for k, v in os.environ.items() if k.startswith("UCX_")},
+        ucx_params=params,
+    )

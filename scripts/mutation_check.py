@@ -34,33 +34,66 @@ class Mutation:
 
 
 MUTATIONS = (
-    Mutation("raised limit", "broker/limits.py", "max_tp_size: int = 128",
-             "max_tp_size: int = 1280", ("tests/test_limits.py",)),
-    Mutation("no region check in the decode client", "clients/decode.py",
-             "if not inside(local, [r for r in regions if r.kind == kinds[0]]):", "if False:",
-             ("tests/test_decode_checks.py",)),
-    Mutation("no byte-total check in the decode client", "clients/decode.py",
-             "if nbytes != plan.total_bytes:", "if False:", ("tests/test_decode_checks.py",)),
-    Mutation("byte checker always reports 0 mismatches", "clients/pattern.py",
-             "return mismatches, expected_state", "return 0, expected_state",
-             ("tests/test_pattern.py",)),
-    Mutation("oldest Mamba snapshot instead of the newest", "broker/planner.py",
-             "p_sel, d_sel, pages = p_ids[len(p_ids) - n:], d_ids[:n], n",
-             "p_sel, d_sel, pages = p_ids[:n], d_ids[:n], n",
-             ("tests/test_planner.py", "tests/test_e2e.py")),
-    Mutation("failed reads reported DONE", "clients/decode.py",
-             "status = pb.REPORT_STATUS_FAILED if error else pb.REPORT_STATUS_DONE",
-             "status = pb.REPORT_STATUS_DONE", ("tests/test_decode_checks.py",)),
-    Mutation("late DONE counted intact", "broker/service.py",
-             "plan.intact = report.status is ReportStatus.DONE and not transfer.state.terminal",
-             "plan.intact = report.status is ReportStatus.DONE", ("tests/test_service.py",)),
+    Mutation(
+        "raised limit",
+        "broker/limits.py",
+        "max_tp_size: int = 128",
+        "max_tp_size: int = 1280",
+        ("tests/test_limits.py",),
+    ),
+    Mutation(
+        "no region check in the decode client",
+        "clients/decode.py",
+        "if not inside(local, [r for r in regions if r.kind == kinds[0]]):",
+        "if False:",
+        ("tests/test_decode_checks.py",),
+    ),
+    Mutation(
+        "no byte-total check in the decode client",
+        "clients/decode.py",
+        "if nbytes != plan.total_bytes:",
+        "if False:",
+        ("tests/test_decode_checks.py",),
+    ),
+    Mutation(
+        "byte checker always reports 0 mismatches",
+        "clients/pattern.py",
+        "return mismatches, expected_state",
+        "return 0, expected_state",
+        ("tests/test_pattern.py",),
+    ),
+    Mutation(
+        "oldest Mamba snapshot instead of the newest",
+        "broker/planner.py",
+        "p_sel, d_sel, pages = p_ids[len(p_ids) - n:], d_ids[:n], n",
+        "p_sel, d_sel, pages = p_ids[:n], d_ids[:n], n",
+        ("tests/test_planner.py", "tests/test_e2e.py"),
+    ),
+    Mutation(
+        "failed reads reported DONE",
+        "clients/decode.py",
+        "status = pb.REPORT_STATUS_FAILED if error else pb.REPORT_STATUS_DONE",
+        "status = pb.REPORT_STATUS_DONE",
+        ("tests/test_decode_checks.py",),
+    ),
+    Mutation(
+        "late DONE counted intact",
+        "broker/service.py",
+        "plan.intact = report.status is ReportStatus.DONE and not transfer.state.terminal",
+        "plan.intact = report.status is ReportStatus.DONE",
+        ("tests/test_service.py",),
+    ),
 )
 
 
 def scratch_copy(into: Path) -> Path:
     """The checkout's tracked and untracked-not-ignored files, under ``into``."""
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                            cwd=ROOT, check=True, capture_output=True).stdout
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    ).stdout
     tree = into / "tree"
     for name in filter(None, listed.decode().split("\0")):
         source = ROOT / name
@@ -74,8 +107,14 @@ def scratch_copy(into: Path) -> Path:
 def run_tests(tree: Path, tests: tuple[str, ...]) -> tuple[int, float]:
     env = {**os.environ, "CI": "true", "PYTHONPATH": str(tree)}
     started = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
-                           *tests], cwd=tree, env=env, capture_output=True, text=True, check=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
+        cwd=tree,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     return done.returncode, time.monotonic() - started
 
 

@@ -73,9 +73,25 @@ def start_redis(directory: Path, port: int | None = None) -> RedisServer:
     binary = require_binary("redis-server", "bash scripts/test.sh installs it with apt-get")
     port = port or free_port()
     process = subprocess.Popen(
-        [binary, "--bind", "127.0.0.1", "--port", str(port), "--dir", str(directory),
-         "--appendonly", "yes", "--appendfsync", "everysec", "--save", "",
-         "--protected-mode", "yes", "--loglevel", "warning"],
+        [
+            binary,
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--dir",
+            str(directory),
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            "everysec",
+            "--save",
+            "",
+            "--protected-mode",
+            "yes",
+            "--loglevel",
+            "warning",
+        ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,

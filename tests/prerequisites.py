@@ -51,10 +51,15 @@ def require_module(name: str, extra: str, distribution: str | None = None) -> Mo
         return importlib.import_module(name)
     except ImportError as exc:
         if _installed(distribution or name.split(".")[0]):
-            unavailable(f"{name} is installed but does not import ({exc}); reinstall it with "
-                        f"pip install -e '.[{extra}]'", broken=True)
-        unavailable(f"{name} is not installed ({exc}); pip install -e '.[{extra}]' "
-                    "(bash scripts/test.sh installs every extra)")
+            unavailable(
+                f"{name} is installed but does not import ({exc}); reinstall it with "
+                f"pip install -e '.[{extra}]'",
+                broken=True,
+            )
+        unavailable(
+            f"{name} is not installed ({exc}); pip install -e '.[{extra}]' "
+            "(bash scripts/test.sh installs every extra)"
+        )
 
 
 def require_binary(name: str, how: str) -> str:

@@ -20,8 +20,13 @@ UNSET = -1  # a byte nobody wrote
 TOKEN_BOUND = 1 << 16  # global token positions are < this in simulations
 
 
-def _segment_labels(seg: Segment, layer_id: int, tensor_id: int, first_token: int, snapshot: int,
-                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _segment_labels(
+    seg: Segment,
+    layer_id: int,
+    tensor_id: int,
+    first_token: int,
+    snapshot: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per byte of ``seg``: its offset from the segment base, its label and its token."""
     idx = np.indices(seg.shape).reshape(len(seg.shape), -1)
     offsets = (idx * np.array(seg.strides)[:, None]).sum(axis=0)
@@ -38,8 +43,11 @@ def _segment_labels(seg: Segment, layer_id: int, tensor_id: int, first_token: in
     item = seg.itemsize
     element_label = (((layer_id * 64 + tensor_id) * 16 + snapshot) * (1 << 36) + flat) * 8
     byte = np.arange(item)
-    return ((offsets[:, None] + byte).ravel(), (element_label[:, None] + byte).ravel(),
-            np.repeat(tokens, item))
+    return (
+        (offsets[:, None] + byte).ravel(),
+        (element_label[:, None] + byte).ravel(),
+        np.repeat(tokens, item),
+    )
 
 
 @dataclass
@@ -52,12 +60,15 @@ class RankMemory:
 
 def blank_memory(rank: RankLayout, fill: int = UNSET) -> RankMemory:
     """Memory of ``rank`` with every byte holding ``fill``."""
-    return RankMemory([np.full(rank.region_bytes, fill, dtype=np.int64) for _ in range(rank.num_regions)],
-                      [np.full(rank.region_bytes, -1, dtype=np.int64) for _ in range(rank.num_regions)])
+    return RankMemory(
+        [np.full(rank.region_bytes, fill, dtype=np.int64) for _ in range(rank.num_regions)],
+        [np.full(rank.region_bytes, -1, dtype=np.int64) for _ in range(rank.num_regions)],
+    )
 
 
-def label_memory(rank: RankLayout, placed: tuple[tuple[tuple[int, int], ...], ...],
-                 fill: int) -> RankMemory:
+def label_memory(
+    rank: RankLayout, placed: tuple[tuple[tuple[int, int], ...], ...], fill: int
+) -> RankMemory:
     """Memory of ``rank`` with every byte of the placed blocks labelled by its declaration.
 
     ``placed[g]`` lists ``(block_id, logical_index)`` for group ``g``: the request-wide page
@@ -77,7 +88,9 @@ def label_memory(rank: RankLayout, placed: tuple[tuple[tuple[int, int], ...], ..
                     base = page + kb * group.kernel_block_bytes
                     for seg in group.segments:
                         tid = tensor_ids.setdefault(seg.tensor, len(tensor_ids))
-                        offs, labels, toks = _segment_labels(seg, layer_id, tid, first_token, snapshot)
+                        offs, labels, toks = _segment_labels(
+                            seg, layer_id, tid, first_token, snapshot
+                        )
                         memory.regions[region][base + seg.offset + offs] = labels
                         memory.tokens[region][base + seg.offset + offs] = toks
     return memory
@@ -88,15 +101,22 @@ def apply_plan(plan: RankPlan, prefill: list[RankMemory], decode: RankMemory) ->
     moved = 0
     for src in plan.sources:
         memory = prefill[src.prefill_rank].regions
-        for region, d_off, p_off, length in zip(src.region.tolist(), src.local_offset.tolist(),
-                                                src.remote_offset.tolist(), src.length.tolist()):
-            decode.regions[region][d_off:d_off + length] = memory[region][p_off:p_off + length]
+        for region, d_off, p_off, length in zip(
+            src.region.tolist(),
+            src.local_offset.tolist(),
+            src.remote_offset.tolist(),
+            src.length.tolist(),
+        ):
+            decode.regions[region][d_off : d_off + length] = memory[region][p_off : p_off + length]
             moved += length
     return moved
 
 
-def placed_blocks(engine: EngineLayout, request: TransferRequest, side: str,
-                  ) -> tuple[tuple[tuple[int, int], ...], ...]:
+def placed_blocks(
+    engine: EngineLayout,
+    request: TransferRequest,
+    side: str,
+) -> tuple[tuple[tuple[int, int], ...], ...]:
     """``(block, logical index)`` per group of one side of ``request``, per the request
     semantics: a short decode attention list holds the request's *last* pages; Mamba
     snapshots pair the prefill list's tail with the decode list's head."""
@@ -111,6 +131,6 @@ def placed_blocks(engine: EngineLayout, request: TransferRequest, side: str,
             out.append(tuple((b, first + i) for i, b in enumerate(ids)))
         else:
             n = min(len(p_ids), len(d_ids))
-            chosen = p_ids[len(p_ids) - n:] if side == "prefill" else d_ids[:n]
+            chosen = p_ids[len(p_ids) - n :] if side == "prefill" else d_ids[:n]
             out.append(tuple((b, n - 1 - i) for i, b in enumerate(chosen)))
     return tuple(out)

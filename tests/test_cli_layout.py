@@ -21,18 +21,27 @@ def test_nemotron_h_8b_tp1(capsys: pytest.CaptureFixture[str]) -> None:
     out = layout(capsys, "--model", "nemotron-h-8b", "--tp", "1")
     assert out["block_size"] == 1040 and out["kernel_block_size"] == 1040
     assert out["page_bytes"] == 4259840
-    assert out["mamba"] == {"conv_segments": [[0, 49152], [49152, 6144], [55296, 6144]],
-                            "ssm_offset": 61440, "ssm_bytes": 4194304, "padding_bytes": 4096}
+    assert out["mamba"] == {
+        "conv_segments": [[0, 49152], [49152, 6144], [55296, 6144]],
+        "ssm_offset": 61440,
+        "ssm_bytes": 4194304,
+        "padding_bytes": 4096,
+    }
     model = resolve_model("nemotron-h-8b")
-    assert out["groups"] == [{"type": kind.value, "layers": list(names)}
-                             for kind, names in model.groups]
+    assert out["groups"] == [
+        {"type": kind.value, "layers": list(names)} for kind, names in model.groups
+    ]
 
 
 def test_nemotron_h_8b_tp4(capsys: pytest.CaptureFixture[str]) -> None:
     out = layout(capsys, "--model", "nemotron-h-8b", "--tp", "4")
     assert (out["block_size"], out["page_bytes"]) == (1040, 1064960)
-    assert out["mamba"] == {"conv_segments": [[0, 12288], [12288, 1536], [13824, 1536]],
-                            "ssm_offset": 15360, "ssm_bytes": 1048576, "padding_bytes": 1024}
+    assert out["mamba"] == {
+        "conv_segments": [[0, 12288], [12288, 1536], [13824, 1536]],
+        "ssm_offset": 15360,
+        "ssm_bytes": 1048576,
+        "padding_bytes": 1024,
+    }
 
 
 def test_qwen35_27b_tp8(capsys: pytest.CaptureFixture[str]) -> None:
@@ -69,20 +78,33 @@ def test_hf_config_matches_the_preset(tmp_path: Path, capsys: pytest.CaptureFixt
 def test_text_output(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["layout", "--model", "nemotron-h-8b"]) == 0
     text = capsys.readouterr().out
-    for expected in ("1040 tokens", "4,259,840", "conv.x", "(128, 64, 128)", "float32",
-                     "4,096  padding", "model.layers.7.mixer.attn"):
+    for expected in (
+        "1040 tokens",
+        "4,259,840",
+        "conv.x",
+        "(128, 64, 128)",
+        "float32",
+        "4,096  padding",
+        "model.layers.7.mixer.attn",
+    ):
         assert expected in text
 
 
-@pytest.mark.parametrize("args,field", [
-    (["--model", "no-such-model"], "model"),
-    (["--model", "nemotron-h-8b", "--block-size", "64"], "block_size"),
-    (["--model", "nemotron-h-8b", "--block-size", "1040", "--kernel-block-size", "48"],
-     "kernel_block_size"),
-    (["--model", "qwen3.5-27b", "--tp", "3"], "mamba.conv.Q"),
-    (["--hf-config", "/nonexistent/config.json"], "hf_config"),
-])
-def test_errors_name_the_field(args: list[str], field: str,
-                               capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    "args,field",
+    [
+        (["--model", "no-such-model"], "model"),
+        (["--model", "nemotron-h-8b", "--block-size", "64"], "block_size"),
+        (
+            ["--model", "nemotron-h-8b", "--block-size", "1040", "--kernel-block-size", "48"],
+            "kernel_block_size",
+        ),
+        (["--model", "qwen3.5-27b", "--tp", "3"], "mamba.conv.Q"),
+        (["--hf-config", "/nonexistent/config.json"], "hf_config"),
+    ],
+)
+def test_errors_name_the_field(
+    args: list[str], field: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(["layout", *args]) == 2
     assert f"pdbroker layout: error: {field}: " in capsys.readouterr().err

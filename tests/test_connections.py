@@ -82,7 +82,8 @@ def _health(address: str, security: ChannelSecurity = PLAINTEXT) -> tuple[str, f
     with security.channel(address) as channel:
         try:
             response = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(), timeout=5)
+                health_pb2.HealthCheckRequest(), timeout=5
+            )
             outcome = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
         except grpc.RpcError as exc:
             outcome = exc.code().name
@@ -107,8 +108,10 @@ def test_sockets_that_never_handshake_are_closed_at_the_deadline(pki: Pki, mode:
         assert _wait_closed(sockets, 0.3) == {}
         assert _fds(pid) >= baseline + IDLE_SOCKETS
         outcome, took = _health(broker.address, security)
-        print(f"{mode}: health check with {IDLE_SOCKETS} idle sockets open: {outcome} in "
-              f"{took * 1000:.1f} ms")
+        print(
+            f"{mode}: health check with {IDLE_SOCKETS} idle sockets open: {outcome} in "
+            f"{took * 1000:.1f} ms"
+        )
         assert outcome == "SERVING"
         closed = _wait_closed(sockets, HANDSHAKE_MS / 1000 + 5)
         assert len(closed) == IDLE_SOCKETS
@@ -127,8 +130,9 @@ def test_a_port_holds_at_most_max_connections_and_serves_again_after_the_deadlin
     """``--max-connections 16``, 40 idle sockets: 24 are closed at once, 16 held; meanwhile a
     new client fails fast UNAVAILABLE and the broker keeps running; once the handshake
     deadline has closed the 16, new clients are served."""
-    broker = BrokerProcess("--max-connections", str(CAP), "--handshake-timeout-ms",
-                           str(HANDSHAKE_MS))
+    broker = BrokerProcess(
+        "--max-connections", str(CAP), "--handshake-timeout-ms", str(HANDSHAKE_MS)
+    )
     sockets: list[socket.socket] = []
     try:
         pid = broker.process.pid
@@ -192,13 +196,18 @@ def test_a_client_pinging_too_often_is_disconnected_and_engines_are_not() -> Non
     with a stream open over the same time stays connected throughout."""
     broker = BrokerProcess()
     request = health_pb2.HealthCheckRequest()
-    pinging = [("grpc.keepalive_time_ms", 200), ("grpc.keepalive_timeout_ms", 5000),
-               ("grpc.keepalive_permit_without_calls", 1),
-               ("grpc.http2.max_pings_without_data", 0)]
+    pinging = [
+        ("grpc.keepalive_time_ms", 200),
+        ("grpc.keepalive_timeout_ms", 5000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
 
     async def scenario() -> None:
-        async with grpc.aio.insecure_channel(broker.address, options=pinging) as abusive, \
-                open_channel(broker.address) as engine:
+        async with (
+            grpc.aio.insecure_channel(broker.address, options=pinging) as abusive,
+            open_channel(broker.address) as engine,
+        ):
             abusive_watch = health_pb2_grpc.HealthStub(abusive).Watch(request)
             engine_watch = health_pb2_grpc.HealthStub(engine).Watch(request)
             await abusive_watch.read()
@@ -212,8 +221,10 @@ def test_a_client_pinging_too_often_is_disconnected_and_engines_are_not() -> Non
                     await asyncio.sleep(0.02)
                 await asyncio.wait_for(reading, 0.1)
             took = time.monotonic() - started
-            print(f"pinging client cut after {took:.2f} s: {cut.value.code().name} "
-                  f"{cut.value.details()!r}")
+            print(
+                f"pinging client cut after {took:.2f} s: {cut.value.code().name} "
+                f"{cut.value.details()!r}"
+            )
             assert cut.value.code() is grpc.StatusCode.UNAVAILABLE and took < 10
             await asyncio.sleep(1)
             assert states == {grpc.ChannelConnectivity.READY}
@@ -231,16 +242,31 @@ def _under_file_limit(soft: int, hard: int, *flags: str) -> list[str]:
     """The command line of ``pdbroker serve`` (plaintext, INFO logs) under an open-file
     limit."""
     limit = f"resource.setrlimit(resource.RLIMIT_NOFILE, ({soft}, {hard}))"
-    argv = [sys.executable, "-m", "broker.cli", "serve", "--listen", "127.0.0.1:0",
-            "--insecure", *flags]
-    return [sys.executable, "-c",
-            f"import os, resource, sys; {limit}; os.execv(sys.executable, {argv!r})"]
+    argv = [
+        sys.executable,
+        "-m",
+        "broker.cli",
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--insecure",
+        *flags,
+    ]
+    return [
+        sys.executable,
+        "-c",
+        f"import os, resource, sys; {limit}; os.execv(sys.executable, {argv!r})",
+    ]
 
 
 def _serve_with_file_limit(soft: int, hard: int, *flags: str) -> tuple[subprocess.Popen, str]:
     """``pdbroker serve`` started under an open-file limit, and its address."""
-    process = subprocess.Popen(_under_file_limit(soft, hard, *flags), stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        _under_file_limit(soft, hard, *flags),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert process.stdout is not None
     address = ""
     while not address and (line := process.stdout.readline()):
@@ -291,14 +317,18 @@ def test_a_cap_that_does_not_fit_the_file_limit_is_lowered_with_a_warning() -> N
     finally:
         _close(sockets)
         logs = _stop(process)
-    assert "WARNING broker.serve: --max-connections 8192 does not fit the open-file limit " \
-           "300 (256 files beside connections, 1 port(s)): lowered to 44" in logs
+    assert (
+        "WARNING broker.serve: --max-connections 8192 does not fit the open-file limit "
+        "300 (256 files beside connections, 1 port(s)): lowered to 44" in logs
+    )
 
 
 def test_a_file_limit_without_room_for_connections_is_refused() -> None:
-    done = subprocess.run(_under_file_limit(200, 200), capture_output=True, text=True,
-                          timeout=60, check=False)
+    done = subprocess.run(
+        _under_file_limit(200, 200), capture_output=True, text=True, timeout=60, check=False
+    )
     assert done.returncode == 1
     assert done.stderr.strip().endswith(
         "pdbroker serve: error: --max-connections: the open-file limit 200 leaves no room "
-        "for connections beside 256 other files")
+        "for connections beside 256 other files"
+    )

@@ -23,25 +23,40 @@ from clients.nixl_transport import DRAM, VRAM, Region
 REGIONS = (Region(1 << 20, 4096), Region(2 << 20, 4096), Region(1 << 20, 4096, 1, VRAM))
 
 
-def source(local: list[tuple[int, int, int]], remote_offset: int = 1 << 30,
-           kind: int = pb.MEMORY_KIND_DRAM, prefill_rank: int = 0) -> pb.SourcePlan:
+def source(
+    local: list[tuple[int, int, int]],
+    remote_offset: int = 1 << 30,
+    kind: int = pb.MEMORY_KIND_DRAM,
+    prefill_rank: int = 0,
+) -> pb.SourcePlan:
     rows = np.array(local, dtype=np.int64).reshape(-1, 3)
     remote = rows + np.array([remote_offset, 0, 0])
-    return pb.SourcePlan(prefill_rank=prefill_rank, remote_agent_name=f"p{prefill_rank}",
-                         local_descriptors=pack(rows), remote_descriptors=pack(remote),
-                         num_descriptors=len(rows), total_bytes=int(rows[:, 1].sum()),
-                         local_memory_kind=kind, remote_memory_kind=kind)
+    return pb.SourcePlan(
+        prefill_rank=prefill_rank,
+        remote_agent_name=f"p{prefill_rank}",
+        local_descriptors=pack(rows),
+        remote_descriptors=pack(remote),
+        num_descriptors=len(rows),
+        total_bytes=int(rows[:, 1].sum()),
+        local_memory_kind=kind,
+        remote_memory_kind=kind,
+    )
 
 
 def plan(*sources: pb.SourcePlan) -> pb.GetTransferPlanResponse:
-    return pb.GetTransferPlanResponse(plan_id="plan-1", sources=sources,
-                                      total_bytes=sum(s.total_bytes for s in sources),
-                                      num_descriptors=sum(s.num_descriptors for s in sources))
+    return pb.GetTransferPlanResponse(
+        plan_id="plan-1",
+        sources=sources,
+        total_bytes=sum(s.total_bytes for s in sources),
+        num_descriptors=sum(s.num_descriptors for s in sources),
+    )
 
 
-GOOD = plan(source([(1 << 20, 100, 0), ((1 << 20) + 200, 3896, 0)]),
-            source([(2 << 20, 4096, 0)], prefill_rank=1),
-            source([(1 << 20, 4096, 1)], kind=pb.MEMORY_KIND_VRAM, prefill_rank=2))
+GOOD = plan(
+    source([(1 << 20, 100, 0), ((1 << 20) + 200, 3896, 0)]),
+    source([(2 << 20, 4096, 0)], prefill_rank=1),
+    source([(1 << 20, 4096, 1)], kind=pb.MEMORY_KIND_VRAM, prefill_rank=2),
+)
 
 
 def test_a_plan_inside_the_regions_is_accepted_as_is() -> None:
@@ -60,16 +75,25 @@ def _tampered(change: Callable[[pb.GetTransferPlanResponse], None]) -> pb.GetTra
     return bad
 
 
-def _local(index: int, rows: list[tuple[int, int, int]]) -> Callable[[pb.GetTransferPlanResponse], None]:
+def _local(
+    index: int, rows: list[tuple[int, int, int]]
+) -> Callable[[pb.GetTransferPlanResponse], None]:
     """Replace source ``index``'s local descriptors (remote ones moved alike, counts kept)."""
+
     def change(p: pb.GetTransferPlanResponse) -> None:
         fresh = source(rows, kind=p.sources[index].local_memory_kind)
         s = p.sources[index]
-        s.local_descriptors, s.remote_descriptors = fresh.local_descriptors, fresh.remote_descriptors
+        s.local_descriptors, s.remote_descriptors = (
+            fresh.local_descriptors,
+            fresh.remote_descriptors,
+        )
+
     return change
 
 
-def _set(field: str, value: int, index: int | None = None) -> Callable[[pb.GetTransferPlanResponse], None]:
+def _set(
+    field: str, value: int, index: int | None = None
+) -> Callable[[pb.GetTransferPlanResponse], None]:
     return lambda p: setattr(p if index is None else p.sources[index], field, value)
 
 
@@ -80,13 +104,27 @@ REFUSED = [
     ("on the wrong device", _local(2, [(1 << 20, 4096, 0)]), "outside rank 3's"),
     ("a wrapping length", _local(1, [(2 << 20, 2**63 - 1, 0)]), "outside rank 3's"),
     ("a zero length", _local(1, [(2 << 20, 0, 0)]), "outside rank 3's"),
-    ("a byte written twice", _local(1, [((1 << 20) + 99, 1, 0)]), "writes some bytes of rank 3 twice"),
-    ("plan total_bytes", _set("total_bytes", GOOD.total_bytes + 1),
-     f"plan-1's descriptors add up to {GOOD.total_bytes} bytes, not its total_bytes"),
+    (
+        "a byte written twice",
+        _local(1, [((1 << 20) + 99, 1, 0)]),
+        "writes some bytes of rank 3 twice",
+    ),
+    (
+        "plan total_bytes",
+        _set("total_bytes", GOOD.total_bytes + 1),
+        f"plan-1's descriptors add up to {GOOD.total_bytes} bytes, not its total_bytes",
+    ),
     ("plan total_bytes short", _set("total_bytes", GOOD.total_bytes - 1), "not its total_bytes"),
-    ("source total_bytes", _set("total_bytes", 4095, 1),
-     "source 1's descriptors add up to 4096 bytes, not its total_bytes 4095"),
-    ("source num_descriptors", _set("num_descriptors", 3, 0), "2 descriptors, not its num_descriptors 3"),
+    (
+        "source total_bytes",
+        _set("total_bytes", 4095, 1),
+        "source 1's descriptors add up to 4096 bytes, not its total_bytes 4095",
+    ),
+    (
+        "source num_descriptors",
+        _set("num_descriptors", 3, 0),
+        "2 descriptors, not its num_descriptors 3",
+    ),
     ("memory kind", _set("local_memory_kind", 7, 0), "unknown memory kind"),
 ]
 
@@ -98,19 +136,25 @@ def test_a_bad_plan_is_refused_naming_the_check(change, message: str) -> None:
 
 
 def test_descriptors_that_do_not_pair_are_refused() -> None:
-    unpaired = _tampered(lambda p: setattr(p.sources[0], "remote_descriptors",
-                                           p.sources[0].remote_descriptors[:24]))
+    unpaired = _tampered(
+        lambda p: setattr(p.sources[0], "remote_descriptors", p.sources[0].remote_descriptors[:24])
+    )
     with pytest.raises(PlanRejected, match="source 0 .*: 2 local descriptors for 1 remote"):
         check_plan(unpaired, REGIONS, 0)
     torn = _tampered(lambda p: setattr(p.sources[0], "local_descriptors", b"\0" * 25))
     with pytest.raises(PlanRejected, match="25 bytes is not a whole number"):
         check_plan(torn, REGIONS, 0)
-    longer = _tampered(lambda p: setattr(p.sources[1], "remote_descriptors",
-                                         pack(np.array([[3 << 30, 4095, 0]]))))
+    longer = _tampered(
+        lambda p: setattr(p.sources[1], "remote_descriptors", pack(np.array([[3 << 30, 4095, 0]])))
+    )
     with pytest.raises(PlanRejected, match="local and remote descriptor lengths differ"):
         check_plan(longer, REGIONS, 0)
-    empty = _tampered(lambda p: (setattr(p.sources[1], "local_descriptors", b""),
-                                 setattr(p.sources[1], "remote_descriptors", b"")))
+    empty = _tampered(
+        lambda p: (
+            setattr(p.sources[1], "local_descriptors", b""),
+            setattr(p.sources[1], "remote_descriptors", b""),
+        )
+    )
     with pytest.raises(PlanRejected, match="source 1 .*: no descriptors"):
         check_plan(empty, REGIONS, 0)
 
@@ -124,8 +168,10 @@ class TamperingProxy:
 
     def __init__(self, target: str) -> None:
         self.tamper: Callable[[pb.GetTransferPlanResponse], None] = lambda plan: None
-        options = [("grpc.max_receive_message_length", LIMITS.max_request_bytes),
-                   ("grpc.max_send_message_length", LIMITS.max_request_bytes)]
+        options = [
+            ("grpc.max_receive_message_length", LIMITS.max_request_bytes),
+            ("grpc.max_send_message_length", LIMITS.max_request_bytes),
+        ]
         self._channel = grpc.insecure_channel(target, options=options)
         self._server = grpc.server(ThreadPoolExecutor(4), options=options)
         self._server.add_generic_rpc_handlers([self])
@@ -147,7 +193,11 @@ class TamperingProxy:
                 reply = plan.SerializeToString()
             return reply
 
-        return None if method.endswith("/WatchReleases") else grpc.unary_unary_rpc_method_handler(handle)
+        return (
+            None
+            if method.endswith("/WatchReleases")
+            else grpc.unary_unary_rpc_method_handler(handle)
+        )
 
     def close(self) -> None:
         self._server.stop(0)
@@ -195,12 +245,17 @@ def _one_byte_more(plan: pb.GetTransferPlanResponse) -> None:
     plan.total_bytes += 1
 
 
-@pytest.mark.parametrize("tamper,message", [
-    (_out_of_region, "'s registered regions"),
-    (_one_byte_more, "descriptors add up to"),
-], ids=["write outside the regions", "total one byte more"])
+@pytest.mark.parametrize(
+    "tamper,message",
+    [
+        (_out_of_region, "'s registered regions"),
+        (_one_byte_more, "descriptors add up to"),
+    ],
+    ids=["write outside the regions", "total one byte more"],
+)
 def test_a_tampered_plan_is_refused_before_nixl_and_reported_failed(
-        broker: str, nixl_agent_calls: list[tuple[str, str]], tamper, message: str) -> None:
+    broker: str, nixl_agent_calls: list[tuple[str, str]], tamper, message: str
+) -> None:
     from test_e2e import PAIRS
 
     from clients.decode import AsyncDecodeClient, FetchError
@@ -209,21 +264,27 @@ def test_a_tampered_plan_is_refused_before_nixl_and_reported_failed(
     from clients.prefill import AsyncPrefillClient
 
     prefill, decode = PAIRS[1].layouts(inflight=1)  # FA+Mamba2 P1 -> D2
-    p_mem = {r.tp_rank: [np.zeros(r.region_bytes, np.uint8) for _ in range(r.num_regions)]
-             for r in prefill.ranks}
-    d_mem = {r.tp_rank: [np.full(r.region_bytes, POISON, np.uint8) for _ in range(r.num_regions)]
-             for r in decode.ranks}
+    p_mem = {
+        r.tp_rank: [np.zeros(r.region_bytes, np.uint8) for _ in range(r.num_regions)]
+        for r in prefill.ranks
+    }
+    d_mem = {
+        r.tp_rank: [np.full(r.region_bytes, POISON, np.uint8) for _ in range(r.num_regions)]
+        for r in decode.ranks
+    }
     tokens = 150
     counts = block_counts(prefill, tokens)
-    blocks = [list(range(sum(counts[:g]), sum(counts[:g + 1]))) for g in range(len(counts))]
+    blocks = [list(range(sum(counts[:g]), sum(counts[: g + 1]))) for g in range(len(counts))]
     contents_p, contents_d = Contents(prefill), Contents(decode)
     for rank in prefill.ranks:
         fill_prefill(contents_p, rank, p_mem[rank.tp_rank], blocks, salt=9)
     proxy = TamperingProxy(broker)
 
     async def scenario() -> None:
-        async with AsyncPrefillClient(broker, "p", prefill, p_mem) as p, \
-                AsyncDecodeClient(proxy.address, "d", decode, d_mem) as d:
+        async with (
+            AsyncPrefillClient(broker, "p", prefill, p_mem) as p,
+            AsyncDecodeClient(proxy.address, "d", decode, d_mem) as d,
+        ):
             decode_agents = {s.agent.name for s in d.sessions.values()}
             await p.publish("bad", blocks, tokens)
             proxy.tamper = tamper
@@ -240,7 +301,8 @@ def test_a_tampered_plan_is_refused_before_nixl_and_reported_failed(
                 from broker.v1 import broker_pb2_grpc as pb_grpc
 
                 info = pb_grpc.BrokerStub(channel).GetTransfer(
-                    pb.GetTransferRequest(transfer_id="bad"), timeout=10)
+                    pb.GetTransferRequest(transfer_id="bad"), timeout=10
+                )
             assert info.state == pb.TRANSFER_STATE_FAILED
             reports = [e.detail for e in info.timeline if e.event == "reported"]
             assert len(reports) == decode.tp_size and all(message in r for r in reports), reports
@@ -251,9 +313,14 @@ def test_a_tampered_plan_is_refused_before_nixl_and_reported_failed(
             fetch = await d.fetch("good", blocks)
             limits = decode_limits(prefill, decode, tokens, [len(ids) for ids in blocks])
             for rank in decode.ranks:
-                assert check_decode(contents_d, rank, d_mem[rank.tp_rank], blocks, 9, limits)[0] == 0
+                assert (
+                    check_decode(contents_d, rank, d_mem[rank.tp_rank], blocks, 9, limits)[0] == 0
+                )
             assert fetch.nbytes > 0
-            assert {c[1] for c in nixl_agent_calls if c[0] in decode_agents} == {"read", "add_remote"}
+            assert {c[1] for c in nixl_agent_calls if c[0] in decode_agents} == {
+                "read",
+                "add_remote",
+            }
 
     try:
         asyncio.run(scenario())

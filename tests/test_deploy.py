@@ -47,8 +47,16 @@ def test_every_manifest_validates_strictly() -> None:
         kubernetes_validate.validate(resource, KUBERNETES_VERSION, strict=True)
         kinds.append(resource["kind"])
     assert sorted(kinds) == sorted(
-        ["ConfigMap", "Secret", "Deployment", "Service", "Service", "PodDisruptionBudget",
-         "Service", "StatefulSet"]
+        [
+            "ConfigMap",
+            "Secret",
+            "Deployment",
+            "Service",
+            "Service",
+            "PodDisruptionBudget",
+            "Service",
+            "StatefulSet",
+        ]
     )
 
 
@@ -72,8 +80,14 @@ def test_the_pieces_refer_to_each_other() -> None:
     assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
     for service in ("pdbroker", "pdbroker-headless"):
         assert find("Service", service)["spec"]["selector"].items() <= labels.items()
-    assert find("PodDisruptionBudget", "pdbroker")["spec"]["selector"]["matchLabels"].items() <= labels.items()
-    assert deployment["spec"]["replicas"] > find("PodDisruptionBudget", "pdbroker")["spec"]["minAvailable"]
+    assert (
+        find("PodDisruptionBudget", "pdbroker")["spec"]["selector"]["matchLabels"].items()
+        <= labels.items()
+    )
+    assert (
+        deployment["spec"]["replicas"]
+        > find("PodDisruptionBudget", "pdbroker")["spec"]["minAvailable"]
+    )
 
     container = pod["spec"]["containers"][0]
     config = find("ConfigMap", container["envFrom"][0]["configMapRef"]["name"])["data"]
@@ -96,7 +110,10 @@ def test_the_pieces_refer_to_each_other() -> None:
     redis_service = find("Service", store.hostname)
     assert redis_service["spec"]["ports"][0]["port"] == store.port
     redis = find("StatefulSet", redis_service["metadata"]["name"])
-    assert redis_service["spec"]["selector"].items() <= redis["spec"]["template"]["metadata"]["labels"].items()
+    assert (
+        redis_service["spec"]["selector"].items()
+        <= redis["spec"]["template"]["metadata"]["labels"].items()
+    )
     assert "noeviction" in redis["spec"]["template"]["spec"]["containers"][0]["args"]
 
     for workload in (deployment, redis):
@@ -117,8 +134,12 @@ def test_kustomize_builds_the_base() -> None:
     for doc in docs:
         assert doc["metadata"]["labels"]["app.kubernetes.io/part-of"] == "pdbroker"
         kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
-    images = [c["image"] for d in docs if d["kind"] == "Deployment"
-              for c in d["spec"]["template"]["spec"]["containers"]]
+    images = [
+        c["image"]
+        for d in docs
+        if d["kind"] == "Deployment"
+        for c in d["spec"]["template"]["spec"]["containers"]
+    ]
     assert images == ["pdbroker:0.1.0"]
 
 
@@ -145,7 +166,7 @@ def test_dockerfile_is_multi_stage_non_root_and_control_plane_only() -> None:
     text = (DEPLOY / "Dockerfile").read_text()
     stages = re.findall(r"^FROM\s+(\S+)(?:\s+AS\s+(\S+))?", text, re.MULTILINE)
     assert len(stages) >= 2 and stages[0][1] == "build"
-    final = text[text.rindex("\nFROM "):]
+    final = text[text.rindex("\nFROM ") :]
     assert "COPY --from=build" in final
     user = re.findall(r"^USER\s+(\d+)", final, re.MULTILINE)
     assert user and int(user[-1]) != 0

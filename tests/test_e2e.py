@@ -27,29 +27,72 @@ from clients.loopback import BrokerProcess, FleetReport, PairSpec, block_counts,
 from clients.pattern import POISON, Contents, check_decode, decode_limits, fill_prefill
 
 REQUESTS_PER_PAIR = 3
-MAMBA2 = MambaParams("mamba2", conv_kernel=4, intermediate_size=128, num_heads=8, head_dim=16,
-                     n_groups=2, state_size=16)
+MAMBA2 = MambaParams(
+    "mamba2",
+    conv_kernel=4,
+    intermediate_size=128,
+    num_heads=8,
+    head_dim=16,
+    n_groups=2,
+    state_size=16,
+)
 GDN = MambaParams("gdn", conv_kernel=4, num_k_heads=4, num_v_heads=8, head_k_dim=16, head_v_dim=16)
 
 
 def hybrid(name: str, mamba: MambaParams, kv_heads: int) -> ModelSpec:
     """Two Mamba groups around one attention group, three regions per rank."""
-    return ModelSpec(name, ((GroupKind.MAMBA, ("m0", "m1", "m3")),
-                            (GroupKind.ATTENTION, ("a2", "a5", "a8")),
-                            (GroupKind.MAMBA, ("m4", "m6"))),
-                     AttentionParams(kv_heads, 32), mamba)
+    return ModelSpec(
+        name,
+        (
+            (GroupKind.MAMBA, ("m0", "m1", "m3")),
+            (GroupKind.ATTENTION, ("a2", "a5", "a8")),
+            (GroupKind.MAMBA, ("m4", "m6")),
+        ),
+        AttentionParams(kv_heads, 32),
+        mamba,
+    )
 
 
 PAIRS = (
     PairSpec("FA+Mamba2 P2->D2 (homogeneous)", hybrid("m2", MAMBA2, 4), 2, 2, 40, 300),
-    PairSpec("FA+Mamba2 P1->D2 (D>P, a spare decode state block)", hybrid("m2", MAMBA2, 4), 1, 2,
-             40, 300, decode_mamba_blocks=2),
-    PairSpec("FA+Mamba2 P4->D2 (P>D, 3 prefill snapshots: the newest moves)", hybrid("m2", MAMBA2, 4),
-             4, 2, 40, 300, prefill_mamba_blocks=3),
+    PairSpec(
+        "FA+Mamba2 P1->D2 (D>P, a spare decode state block)",
+        hybrid("m2", MAMBA2, 4),
+        1,
+        2,
+        40,
+        300,
+        decode_mamba_blocks=2,
+    ),
+    PairSpec(
+        "FA+Mamba2 P4->D2 (P>D, 3 prefill snapshots: the newest moves)",
+        hybrid("m2", MAMBA2, 4),
+        4,
+        2,
+        40,
+        300,
+        prefill_mamba_blocks=3,
+    ),
     PairSpec("FA+GDN P2->D1 (P>D)", hybrid("gdn", GDN, 2), 2, 1, 40, 300),
-    PairSpec("FA+GDN P1->D2 (D>P, kernel blocks of 16, 3 snapshots: the newest 2 move)",
-             hybrid("gdn", GDN, 2), 1, 2, 40, 300, 16, prefill_mamba_blocks=3, decode_mamba_blocks=2),
-    PairSpec("FA+Mamba2 P1->D4 (replicated KV heads and B/C groups)", hybrid("m2", MAMBA2, 2), 1, 4, 40, 300),
+    PairSpec(
+        "FA+GDN P1->D2 (D>P, kernel blocks of 16, 3 snapshots: the newest 2 move)",
+        hybrid("gdn", GDN, 2),
+        1,
+        2,
+        40,
+        300,
+        16,
+        prefill_mamba_blocks=3,
+        decode_mamba_blocks=2,
+    ),
+    PairSpec(
+        "FA+Mamba2 P1->D4 (replicated KV heads and B/C groups)",
+        hybrid("m2", MAMBA2, 2),
+        1,
+        4,
+        40,
+        300,
+    ),
 )
 
 
@@ -74,14 +117,22 @@ def test_every_decode_byte_matches_the_expected_layout(fleet: FleetReport, pair:
         assert r.mismatches == 0
         assert r.nbytes == r.expected_bytes > 0  # the plan moved exactly the state decode needs
         assert sorted(rank["tp_rank"] for rank in r.ranks) == list(range(spec.decode_tp))
-        decode_memory = sum(rank.region_bytes * rank.num_regions for rank in fleet.layouts[pair][1].ranks)
+        decode_memory = sum(
+            rank.region_bytes * rank.num_regions for rank in fleet.layouts[pair][1].ranks
+        )
         assert r.checked_bytes == decode_memory  # every byte of every decode region, every request
-        sources = [list(rank["prefill_ranks"]) for rank in sorted(r.ranks, key=lambda x: x["tp_rank"])]
+        sources = [
+            list(rank["prefill_ranks"]) for rank in sorted(r.ranks, key=lambda x: x["tp_rank"])
+        ]
         if spec.prefill_tp > spec.decode_tp:  # each decode rank gathers from k prefill ranks
             k = spec.prefill_tp // spec.decode_tp
-            assert [sorted(s) for s in sources] == [list(range(d * k, d * k + k)) for d in range(spec.decode_tp)]
+            assert [sorted(s) for s in sources] == [
+                list(range(d * k, d * k + k)) for d in range(spec.decode_tp)
+            ]
         else:  # each decode rank reads from its one vLLM partner
-            assert sources == [[d * spec.prefill_tp // spec.decode_tp] for d in range(spec.decode_tp)]
+            assert sources == [
+                [d * spec.prefill_tp // spec.decode_tp] for d in range(spec.decode_tp)
+            ]
 
 
 def test_prefill_receives_its_release_for_every_transfer(fleet: FleetReport) -> None:
@@ -89,7 +140,9 @@ def test_prefill_receives_its_release_for_every_transfer(fleet: FleetReport) -> 
     are one host's CLOCK_MONOTONIC, shared by the engine processes)."""
     for r in fleet.requests:
         p_tp = PAIRS[r.pair].prefill_tp
-        assert {p: why for p, (why, _) in r.releases.items()} == {p: "completed" for p in range(p_tp)}
+        assert {p: why for p, (why, _) in r.releases.items()} == {
+            p: "completed" for p in range(p_tp)
+        }
         for p, (_, released_at) in r.releases.items():
             reports = [rank["reported_at"] for rank in r.ranks if p in rank["prefill_ranks"]]
             assert reports, f"{r.transfer_id}: nobody read prefill rank {p}"
@@ -107,24 +160,41 @@ def test_nothing_left_registered(fleet: FleetReport) -> None:
 def test_demo_command_verifies_real_models_and_prints_a_trace() -> None:
     """``pdbroker demo --trace``: Nemotron-3-Nano P2→D2 and Qwen3.5-0.8B P1→D2, real preset
     layouts; the span tree of the first transfer (P2→D2) gathered from all three processes."""
-    done = subprocess.run([sys.executable, "-m", "broker.cli", "demo", "--requests", "2", "--trace"],
-                          check=False, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "broker.cli", "demo", "--requests", "2", "--trace"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.strip().splitlines()
     match = re.fullmatch(r"demo: 2 transfers, (\d+) bytes verified, 0 mismatches", lines[-1])
     assert match and int(match.group(1)) > 0, lines[-1]
     assert "releases: 3/3 completed" in done.stdout
     heading = next(i for i, line in enumerate(lines) if line.startswith("trace "))
-    assert re.fullmatch(r"trace [0-9a-f]{32} of req-00000-[0-9a-f]{8}: 14 spans from 3 processes "
-                        r"\(durations in ms\)", lines[heading]), lines[heading]
-    tree = [re.fullmatch(r"( *)(\S+) (\S+) (\d+\.\d{3})", line) for line in lines[heading + 1:-1]]
-    assert all(tree), lines[heading + 1:-1]
+    assert re.fullmatch(
+        r"trace [0-9a-f]{32} of req-00000-[0-9a-f]{8}: 14 spans from 3 processes "
+        r"\(durations in ms\)",
+        lines[heading],
+    ), lines[heading]
+    tree = [re.fullmatch(r"( *)(\S+) (\S+) (\d+\.\d{3})", line) for line in lines[heading + 1 : -1]]
+    assert all(tree), lines[heading + 1 : -1]
     shape = [(len(m.group(1)) // 2, m.group(2), m.group(3)) for m in tree]
-    per_decode_rank = [(1, "pdbroker", "broker.plan"), (2, "decode-0", "decode.nixl_read"),
-                       (2, "decode-0", "decode.report"), (3, "pdbroker", "broker.report"),
-                       (4, "pdbroker", "broker.release"), (5, "prefill-0", "prefill.free")]
-    assert shape == [(0, "prefill-0", "prefill.publish"), (1, "pdbroker", "broker.publish"),
-                     *per_decode_rank, *per_decode_rank]
+    per_decode_rank = [
+        (1, "pdbroker", "broker.plan"),
+        (2, "decode-0", "decode.nixl_read"),
+        (2, "decode-0", "decode.report"),
+        (3, "pdbroker", "broker.report"),
+        (4, "pdbroker", "broker.release"),
+        (5, "prefill-0", "prefill.free"),
+    ]
+    assert shape == [
+        (0, "prefill-0", "prefill.publish"),
+        (1, "pdbroker", "broker.publish"),
+        *per_decode_rank,
+        *per_decode_rank,
+    ]
 
 
 def test_async_clients_and_expiry() -> None:
@@ -137,25 +207,37 @@ def test_async_clients_and_expiry() -> None:
     spec = PAIRS[3]  # FA+GDN P2 -> D1
     prefill, decode = spec.layouts(inflight=2)
     contents_p, contents_d = Contents(prefill), Contents(decode)
-    p_mem = {r.tp_rank: [np.zeros(r.region_bytes, np.uint8) for _ in range(r.num_regions)] for r in prefill.ranks}
-    d_mem = {r.tp_rank: [np.full(r.region_bytes, POISON, np.uint8) for _ in range(r.num_regions)]
-             for r in decode.ranks}
+    p_mem = {
+        r.tp_rank: [np.zeros(r.region_bytes, np.uint8) for _ in range(r.num_regions)]
+        for r in prefill.ranks
+    }
+    d_mem = {
+        r.tp_rank: [np.full(r.region_bytes, POISON, np.uint8) for _ in range(r.num_regions)]
+        for r in decode.ranks
+    }
     tokens = 200
     counts = block_counts(prefill, tokens)
-    blocks = [list(range(sum(counts[:g]), sum(counts[:g + 1]))) for g in range(len(counts))]
+    blocks = [list(range(sum(counts[:g]), sum(counts[: g + 1]))) for g in range(len(counts))]
     releases: list[Release] = []
     broker = BrokerProcess()
 
     async def scenario() -> None:
-        async with AsyncPrefillClient(broker.address, "p", prefill, p_mem, on_release=releases.append) as p, \
-                AsyncDecodeClient(broker.address, "d", decode, d_mem) as d:
+        async with (
+            AsyncPrefillClient(
+                broker.address, "p", prefill, p_mem, on_release=releases.append
+            ) as p,
+            AsyncDecodeClient(broker.address, "d", decode, d_mem) as d,
+        ):
             for rank in prefill.ranks:
                 fill_prefill(contents_p, rank, p_mem[rank.tp_rank], blocks, salt=5)
             await p.publish("moved", blocks, tokens)
             fetch = await d.fetch("moved", blocks)
             assert [r.prefill_ranks for r in fetch.ranks] == [(0, 1)]
             limits = decode_limits(prefill, decode, tokens, [len(ids) for ids in blocks])
-            assert check_decode(contents_d, decode.ranks[0], d_mem[0], blocks, 5, limits) == (0, fetch.nbytes)
+            assert check_decode(contents_d, decode.ranks[0], d_mem[0], blocks, 5, limits) == (
+                0,
+                fetch.nbytes,
+            )
 
             await p.publish("ignored", blocks, tokens, ttl_ms=300)
             deadline = time.monotonic() + 10
@@ -174,5 +256,8 @@ def test_async_clients_and_expiry() -> None:
     finally:
         broker.stop()
     assert sorted((r.transfer_id, r.tp_rank, r.reason) for r in releases) == [
-        ("ignored", 0, ReleaseReason.EXPIRED), ("ignored", 1, ReleaseReason.EXPIRED),
-        ("moved", 0, ReleaseReason.COMPLETED), ("moved", 1, ReleaseReason.COMPLETED)]
+        ("ignored", 0, ReleaseReason.EXPIRED),
+        ("ignored", 1, ReleaseReason.EXPIRED),
+        ("moved", 0, ReleaseReason.COMPLETED),
+        ("moved", 1, ReleaseReason.COMPLETED),
+    ]

@@ -12,14 +12,16 @@ from typing import Any
 
 import grpc
 import pytest
+import test_security
 from fuzz_support import LiveBroker
-from test_security import Pki, pki, register, stub, tls_flags  # noqa: F401 - pki: a fixture
+from test_security import Pki, register, stub, tls_flags
 
 from broker.limits import LIMITS, MAX_SMALL_REQUEST_BYTES, max_request_bytes_of
 from broker.security import ChannelSecurity
 from broker.v1 import broker_pb2 as pb
 from clients.loopback import BrokerProcess
 
+pki = test_security.pki  # the module's certificates and tokens, as a fixture here
 UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
 #: Concurrent unauthenticated calls and the size of each request (as large as gRPC admits).
 FLOOD_CALLS, FLOOD_BYTES = 24, LIMITS.max_request_bytes - (1 << 20)
@@ -34,7 +36,7 @@ def _status_kib(pid: int, field: str) -> int:
 
 
 @pytest.fixture
-def token_broker(pki: Pki) -> Iterator[BrokerProcess]:  # noqa: F811
+def token_broker(pki: Pki) -> Iterator[BrokerProcess]:
     broker = BrokerProcess(*tls_flags(pki, "--auth-tokens", pki.tokens_file))
     try:
         yield broker
@@ -44,7 +46,8 @@ def token_broker(pki: Pki) -> Iterator[BrokerProcess]:  # noqa: F811
 
 @pytest.mark.parametrize("credential", ["no token", "unknown token"])
 def test_unauthenticated_floods_cost_the_broker_no_memory(
-        pki: Pki, token_broker: BrokerProcess, credential: str) -> None:  # noqa: F811
+    pki: Pki, token_broker: BrokerProcess, credential: str
+) -> None:
     """24 concurrent 23 MiB PublishBlocks without a valid token: every one UNAUTHENTICATED,
     and the broker's peak RSS grows by less than 64 MiB."""
     token = "" if credential == "no token" else "not-a-token-of-anyone-at-all"
@@ -52,8 +55,9 @@ def test_unauthenticated_floods_cost_the_broker_no_memory(
     pid = token_broker.process.pid
     Path(f"/proc/{pid}/clear_refs").write_text("5")  # peak RSS := current RSS
     before = _status_kib(pid, "VmRSS")
-    body = pb.PublishBlocksRequest(transfer_id="t", engine_id="P",
-                                   allowed_decode_engines=["x" * (FLOOD_BYTES - 64)])
+    body = pb.PublishBlocksRequest(
+        transfer_id="t", engine_id="P", allowed_decode_engines=["x" * (FLOOD_BYTES - 64)]
+    )
     raw = body.SerializeToString()
     assert FLOOD_BYTES - 1024 < len(raw) < LIMITS.max_request_bytes
     options = [("grpc.max_send_message_length", -1)]
@@ -73,8 +77,10 @@ def test_unauthenticated_floods_cost_the_broker_no_memory(
     assert codes == [UNAUTHENTICATED] * FLOOD_CALLS
     time.sleep(0.2)
     growth_mib = (_status_kib(pid, "VmHWM") - before) / 1024
-    print(f"\n{FLOOD_CALLS} unauthenticated {FLOOD_BYTES >> 20} MiB calls ({credential}): "
-          f"broker peak RSS +{growth_mib:.1f} MiB")
+    print(
+        f"\n{FLOOD_CALLS} unauthenticated {FLOOD_BYTES >> 20} MiB calls ({credential}): "
+        f"broker peak RSS +{growth_mib:.1f} MiB"
+    )
     assert growth_mib < 64, f"broker peak RSS grew {growth_mib:.0f} MiB"
     # The broker still serves authenticated callers.
     assert register(stub(token_broker.address, pki.token("P")), "P", pb.ROLE_PREFILL, 0)
@@ -89,29 +95,44 @@ def live() -> Iterator[LiveBroker]:
         broker.stop()
 
 
-@pytest.mark.parametrize("method,streaming", [
-    ("KeepAlive", False), ("ReportTransfer", False), ("AbortTransfer", False),
-    ("GetTransfer", False), ("WatchReleases", True),
-    ("PublishBlocks", False), ("GetTransferPlan", False), ("RegisterRank", False),
-])
+@pytest.mark.parametrize(
+    "method,streaming",
+    [
+        ("KeepAlive", False),
+        ("ReportTransfer", False),
+        ("AbortTransfer", False),
+        ("GetTransfer", False),
+        ("WatchReleases", True),
+        ("PublishBlocks", False),
+        ("GetTransferPlan", False),
+        ("RegisterRank", False),
+    ],
+)
 def test_a_request_larger_than_its_method_needs_is_refused_unparsed(
-        live: LiveBroker, method: str, streaming: bool) -> None:
+    live: LiveBroker, method: str, streaming: bool
+) -> None:
     limit = max_request_bytes_of(method)
     assert limit == MAX_SMALL_REQUEST_BYTES or method in (
-        "PublishBlocks", "GetTransferPlan", "RegisterRank")
+        "PublishBlocks",
+        "GetTransferPlan",
+        "RegisterRank",
+    )
     message = getattr(pb, f"{method}Request")
     text = next(f.name for f in message.DESCRIPTOR.fields if f.type == f.TYPE_STRING)
     oversized = message(**{text: "e" * limit}).SerializeToString()
     fits = message(**{text: "e" * 10}).SerializeToString()
     stub = (live.channel.unary_stream if streaming else live.channel.unary_unary)(
-        f"/pdbroker.v1.Broker/{method}")
+        f"/pdbroker.v1.Broker/{method}"
+    )
     with pytest.raises(grpc.RpcError) as err:
         reply = stub(oversized, timeout=WAIT_S)
         if streaming:
             next(reply)
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert err.value.details() == (f"request: {len(oversized)} bytes is more than a "
-                                   f"pdbroker.v1.{method}Request may have ({limit})")
+    assert err.value.details() == (
+        f"request: {len(oversized)} bytes is more than a "
+        f"pdbroker.v1.{method}Request may have ({limit})"
+    )
     with pytest.raises(grpc.RpcError) as err:  # a small one is parsed and judged on its fields
         reply = stub(fits, timeout=WAIT_S)
         if streaming:
@@ -123,7 +144,8 @@ def test_method_limits_fit_the_largest_valid_requests() -> None:
     assert max_request_bytes_of("RegisterRank") >= LIMITS.max_agent_metadata_bytes + (1 << 20)
     assert max_request_bytes_of("PublishBlocks") >= 10 * LIMITS.max_block_ids
     assert max(max_request_bytes_of(m) for m in ("RegisterRank", "PublishBlocks")) <= (
-        LIMITS.max_request_bytes)
+        LIMITS.max_request_bytes
+    )
     # Texts are cut to max_text_chars, not refused: even four-byte characters fit.
     assert MAX_SMALL_REQUEST_BYTES > 16 * LIMITS.max_text_chars
 
@@ -203,8 +225,9 @@ def test_health_and_keep_alives_stay_prompt_under_costly_registrations() -> None
             stub = pb_grpc.BrokerStub(channel)
             health = health_pb2_grpc.HealthStub(channel)
             layout = build_engine_layout(hybrid(), 1, 8, 32)
-            lease = stub.RegisterRank(register_request(layout, "D", pb.ROLE_DECODE, 0, 1),
-                                      timeout=WAIT_S).lease_id
+            lease = stub.RegisterRank(
+                register_request(layout, "D", pb.ROLE_DECODE, 0, 1), timeout=WAIT_S
+            ).lease_id
             heavy = worst_registration("W").SerializeToString()
             load = ctx.Process(target=_probe_loads, args=(broker.address, heavy, 7.0, results))
             load.start()
@@ -212,10 +235,12 @@ def test_health_and_keep_alives_stay_prompt_under_costly_registrations() -> None
             stop = time.monotonic() + 5.0
             while time.monotonic() < stop:
                 for kind, call in (
-                        ("health", lambda: health.Check(health_pb2.HealthCheckRequest(),
-                                                        timeout=5)),
-                        ("keepalive", lambda: stub.KeepAlive(
-                            pb.KeepAliveRequest(lease_id=lease), timeout=5))):
+                    ("health", lambda: health.Check(health_pb2.HealthCheckRequest(), timeout=5)),
+                    (
+                        "keepalive",
+                        lambda: stub.KeepAlive(pb.KeepAliveRequest(lease_id=lease), timeout=5),
+                    ),
+                ):
                     started = time.perf_counter()
                     call()
                     latencies[kind].append(time.perf_counter() - started)
@@ -225,8 +250,10 @@ def test_health_and_keep_alives_stay_prompt_under_costly_registrations() -> None
     finally:
         broker.stop()
     p99 = {k: sorted(v)[int(0.99 * len(v))] * 1e3 for k, v in latencies.items()}
-    print(f"\n{registrations} worst-case registrations; health p99 {p99['health']:.1f} ms, "
-          f"keep-alive p99 {p99['keepalive']:.1f} ms ({len(latencies['health'])} probes)")
+    print(
+        f"\n{registrations} worst-case registrations; health p99 {p99['health']:.1f} ms, "
+        f"keep-alive p99 {p99['keepalive']:.1f} ms ({len(latencies['health'])} probes)"
+    )
     assert registrations >= 8
     assert p99["health"] < 100 and p99["keepalive"] < 100, p99
 
@@ -247,11 +274,18 @@ def test_a_large_plan_asked_at_once_is_serialized_and_kept_once(live: LiveBroker
     stub.RegisterRank(register_request(layout, "LP", pb.ROLE_PREFILL, 0, 20), timeout=WAIT_S)
     stub.RegisterRank(register_request(layout, "LD", pb.ROLE_DECODE, 0, 21), timeout=WAIT_S)
     order = list(range(ids))
-    stub.PublishBlocks(pb.PublishBlocksRequest(
-        transfer_id="large", engine_id="LP", num_tokens=16 * ids,
-        block_ids=[pb.BlockIds(ids=order[1::2] + order[::2])]), timeout=WAIT_S)
-    plan = pb.GetTransferPlanRequest(transfer_id="large", engine_id="LD",
-                                     block_ids=[pb.BlockIds(ids=order)])
+    stub.PublishBlocks(
+        pb.PublishBlocksRequest(
+            transfer_id="large",
+            engine_id="LP",
+            num_tokens=16 * ids,
+            block_ids=[pb.BlockIds(ids=order[1::2] + order[::2])],
+        ),
+        timeout=WAIT_S,
+    )
+    plan = pb.GetTransferPlanRequest(
+        transfer_id="large", engine_id="LD", block_ids=[pb.BlockIds(ids=order)]
+    )
     first = stub.GetTransferPlan(plan, timeout=WAIT_S)  # the one with the agent metadata
     with ThreadPoolExecutor(4) as pool:
         answers = list(pool.map(lambda _: stub.GetTransferPlan(plan, timeout=WAIT_S), range(4)))

@@ -49,8 +49,13 @@ def test_killing_the_active_replica_mid_load_loses_nothing(redis_server: RedisSe
 
     try:
         pair = PairSpec("FA+Mamba2 P2->D2", hybrid("m2", MAMBA2, 4), 2, 2, 40, 300)
-        report = run_fleet([pair], REQUESTS, inflight=4, on_progress=on_progress,
-                           broker=RunningBrokers([a.address, b.address]))
+        report = run_fleet(
+            [pair],
+            REQUESTS,
+            inflight=4,
+            on_progress=on_progress,
+            broker=RunningBrokers([a.address, b.address]),
+        )
     finally:
         a.stop()
         b.stop()
@@ -64,8 +69,10 @@ def test_killing_the_active_replica_mid_load_loses_nothing(redis_server: RedisSe
     # Failover time: from the kill to the next request completed through replica B.
     after = [t for t, done in progress if t > killed_at[0] and done > KILL_AFTER]
     gap = after[0] - killed_at[0]
-    print(f"\nfailover: first completion through replica B {gap * 1e3:.0f} ms after SIGKILL of A; "
-          f"{REQUESTS} transfers, {report.mismatches} mismatches, 0 lost")
+    print(
+        f"\nfailover: first completion through replica B {gap * 1e3:.0f} ms after SIGKILL of A; "
+        f"{REQUESTS} transfers, {report.mismatches} mismatches, 0 lost"
+    )
     assert gap < 10.0
 
 
@@ -83,8 +90,11 @@ def test_a_replica_that_loses_redis_reports_not_serving_until_it_is_back(
 
     def status() -> int:
         with grpc.insecure_channel(broker.address) as channel:
-            return health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(), timeout=5).status
+            return (
+                health_pb2_grpc.HealthStub(channel)
+                .Check(health_pb2.HealthCheckRequest(), timeout=5)
+                .status
+            )
 
     def wait_for(expected: int) -> float:
         started = time.monotonic()
@@ -99,8 +109,10 @@ def test_a_replica_that_loses_redis_reports_not_serving_until_it_is_back(
         down = wait_for(health_pb2.HealthCheckResponse.NOT_SERVING)
         server = start_redis(directory, server.port)
         up = wait_for(health_pb2.HealthCheckResponse.SERVING)
-        print(f"\nNOT_SERVING {down * 1e3:.0f} ms after Redis stopped; SERVING {up * 1e3:.0f} ms "
-              "after it returned")
+        print(
+            f"\nNOT_SERVING {down * 1e3:.0f} ms after Redis stopped; SERVING {up * 1e3:.0f} ms "
+            "after it returned"
+        )
     finally:
         broker.stop()
         server.stop()
@@ -127,8 +139,13 @@ def test_a_stopped_replica_is_left_for_the_other_mid_load(redis_server: RedisSer
 
     try:
         pair = PairSpec("FA+Mamba2 P2->D2", hybrid("m2", MAMBA2, 4), 2, 2, 40, 300)
-        report = run_fleet([pair], REQUESTS // 2, inflight=4, on_progress=on_progress,
-                           broker=RunningBrokers([a.address, b.address]))
+        report = run_fleet(
+            [pair],
+            REQUESTS // 2,
+            inflight=4,
+            on_progress=on_progress,
+            broker=RunningBrokers([a.address, b.address]),
+        )
     finally:
         if a.process.poll() is None:
             a.process.send_signal(signal.SIGCONT)
@@ -139,6 +156,8 @@ def test_a_stopped_replica_is_left_for_the_other_mid_load(redis_server: RedisSer
     assert _completed(report) == REQUESTS // 2
     after = [t for t, done in progress if t > stopped_at[0] and done > KILL_AFTER]
     gap = after[0] - stopped_at[0]
-    print(f"\nfailover: first completion through replica B {gap * 1e3:.0f} ms after SIGSTOP of A; "
-          f"{REQUESTS // 2} transfers, {report.mismatches} mismatches, 0 lost")
+    print(
+        f"\nfailover: first completion through replica B {gap * 1e3:.0f} ms after SIGSTOP of A; "
+        f"{REQUESTS // 2} transfers, {report.mismatches} mismatches, 0 lost"
+    )
     assert gap < 15.0

@@ -70,7 +70,9 @@ class Engine:
                     return message
             seen = len(self.messages)
             self.conn.poll(0.05)
-        raise AssertionError(f"{self.engine_id}: nothing matched within {timeout_s} s: {self.messages}")
+        raise AssertionError(
+            f"{self.engine_id}: nothing matched within {timeout_s} s: {self.messages}"
+        )
 
     def kinds(self, kind: str) -> list[tuple]:
         self.pump()
@@ -81,8 +83,10 @@ def start_engine(role: str, engine_id: str, target: str) -> Engine:
     layout, peer = (P_LAYOUT, D_LAYOUT) if role == "prefill" else (D_LAYOUT, P_LAYOUT)
     parent, child = mp.get_context("spawn").Pipe()
     process = mp.get_context("spawn").Process(
-        target=engine_main, args=(role, engine_id, layout, peer, target, child, 0, PLAINTEXT),
-        daemon=True)
+        target=engine_main,
+        args=(role, engine_id, layout, peer, target, child, 0, PLAINTEXT),
+        daemon=True,
+    )
     process.start()
     engine = Engine(role, engine_id, process, parent)
     engine.wait_for(lambda m: m[0] == "ready", 120)
@@ -118,8 +122,10 @@ def released(prefill: Engine, transfer_id: str, ranks: int = 2) -> list[str]:
     """Wait for every rank's release of ``transfer_id``; their reasons by rank."""
     for p in range(ranks):
         prefill.wait_for(lambda m, p=p: m[0] == "released" and m[1:3] == (transfer_id, p))
-    return [next(m[3] for m in prefill.kinds("released") if m[1:3] == (transfer_id, p))
-            for p in range(ranks)]
+    return [
+        next(m[3] for m in prefill.kinds("released") if m[1:3] == (transfer_id, p))
+        for p in range(ranks)
+    ]
 
 
 def assert_clean(stub: pb_grpc.BrokerStub, *engines: Engine) -> None:
@@ -201,7 +207,8 @@ def test_decode_killed_mid_read_releases_its_sources_once() -> None:
         info = stub.GetTransfer(pb.GetTransferRequest(transfer_id="t-read"), timeout=10)
         assert info.state == pb.TRANSFER_STATE_IN_PROGRESS
         assert [(p.handed_out, p.status) for p in info.plans] == [
-            (True, pb.REPORT_STATUS_UNSPECIFIED)] * D_LAYOUT.tp_size
+            (True, pb.REPORT_STATUS_UNSPECIFIED)
+        ] * D_LAYOUT.tp_size
         assert prefill.kinds("released") == []
         killed_at = time.monotonic()
         decode.process.kill()
@@ -284,28 +291,57 @@ def raw() -> Iterator[tuple[pb_grpc.BrokerStub, object]]:
 
 
 def _publish(stub: pb_grpc.BrokerStub, sc: object, transfer_id: str) -> None:
-    stub.PublishBlocks(pb.PublishBlocksRequest(
-        transfer_id=transfer_id, engine_id="P", num_tokens=sc.request.num_tokens,
-        block_ids=[pb.BlockIds(ids=g) for g in sc.request.prefill_block_ids]), timeout=10)
+    stub.PublishBlocks(
+        pb.PublishBlocksRequest(
+            transfer_id=transfer_id,
+            engine_id="P",
+            num_tokens=sc.request.num_tokens,
+            block_ids=[pb.BlockIds(ids=g) for g in sc.request.prefill_block_ids],
+        ),
+        timeout=10,
+    )
 
 
-def _plan(stub: pb_grpc.BrokerStub, sc: object, transfer_id: str, rank: int) -> pb.GetTransferPlanResponse:
-    return stub.GetTransferPlan(pb.GetTransferPlanRequest(
-        transfer_id=transfer_id, engine_id="D", tp_rank=rank,
-        block_ids=[pb.BlockIds(ids=g) for g in sc.request.decode_block_ids]), timeout=10)
+def _plan(
+    stub: pb_grpc.BrokerStub, sc: object, transfer_id: str, rank: int
+) -> pb.GetTransferPlanResponse:
+    return stub.GetTransferPlan(
+        pb.GetTransferPlanRequest(
+            transfer_id=transfer_id,
+            engine_id="D",
+            tp_rank=rank,
+            block_ids=[pb.BlockIds(ids=g) for g in sc.request.decode_block_ids],
+        ),
+        timeout=10,
+    )
 
 
-def _report(stub: pb_grpc.BrokerStub, plan: pb.GetTransferPlanResponse, rank: int,
-            status: int = pb.REPORT_STATUS_DONE) -> pb.ReportTransferResponse:
-    return stub.ReportTransfer(pb.ReportTransferRequest(
-        plan_id=plan.plan_id, engine_id="D", tp_rank=rank, status=status,
-        bytes_moved=plan.total_bytes if status == pb.REPORT_STATUS_DONE else 0), timeout=10)
+def _report(
+    stub: pb_grpc.BrokerStub,
+    plan: pb.GetTransferPlanResponse,
+    rank: int,
+    status: int = pb.REPORT_STATUS_DONE,
+) -> pb.ReportTransferResponse:
+    return stub.ReportTransfer(
+        pb.ReportTransferRequest(
+            plan_id=plan.plan_id,
+            engine_id="D",
+            tp_rank=rank,
+            status=status,
+            bytes_moved=plan.total_bytes if status == pb.REPORT_STATUS_DONE else 0,
+        ),
+        timeout=10,
+    )
 
 
-def _events(stub: pb_grpc.BrokerStub, rank: int, after: int = 0, count: int = 0) -> list[pb.ReleaseEvent]:
+def _events(
+    stub: pb_grpc.BrokerStub, rank: int, after: int = 0, count: int = 0
+) -> list[pb.ReleaseEvent]:
     """Read ``count`` events (or what is there within a second) from a fresh stream."""
-    stream = stub.WatchReleases(pb.WatchReleasesRequest(engine_id="P", tp_rank=rank,
-                                                        after_sequence=after), timeout=1 if not count else 10)
+    stream = stub.WatchReleases(
+        pb.WatchReleasesRequest(engine_id="P", tp_rank=rank, after_sequence=after),
+        timeout=1 if not count else 10,
+    )
     events = []
     try:
         for event in stream:
@@ -343,8 +379,10 @@ def test_a_plan_outliving_its_ttl_holds_the_blocks_and_its_report_is_aborted(raw
     plans = [_plan(stub, sc, "t", d) for d in range(2)]
     _report(stub, plans[0], 0)
     time.sleep(2.5)  # past the 2 s TTL while decode rank 1 is "still reading"
-    assert stub.GetTransfer(pb.GetTransferRequest(transfer_id="t"), timeout=10).state == \
-        pb.TRANSFER_STATE_EXPIRED
+    assert (
+        stub.GetTransfer(pb.GetTransferRequest(transfer_id="t"), timeout=10).state
+        == pb.TRANSFER_STATE_EXPIRED
+    )
     assert [e.reason for e in _events(stub, 0)] == [pb.RELEASE_REASON_COMPLETED]
     assert _events(stub, 1) == []  # fenced: rank 1's reader has not reported
     with pytest.raises(grpc.RpcError) as info:

@@ -75,10 +75,12 @@ def test_every_limit_has_its_documented_value() -> None:
 
 
 def test_the_documented_tables_state_the_pinned_values() -> None:
-    rows = re.findall(r"^\| `(max_\w+|--[\w-]+)` \| ([\d,]+)", RELIABILITY.read_text(),
-                      re.MULTILINE)
-    stated = {name.lstrip("-").replace("-", "_"): int(value.replace(",", ""))
-              for name, value in rows}
+    rows = re.findall(
+        r"^\| `(max_\w+|--[\w-]+)` \| ([\d,]+)", RELIABILITY.read_text(), re.MULTILINE
+    )
+    stated = {
+        name.lstrip("-").replace("-", "_"): int(value.replace(",", "")) for name, value in rows
+    }
     pinned = {**DOCUMENTED_LIMITS, **DOCUMENTED_DEFAULTS}
     del pinned["release_resume_window"]
     assert stated == pinned

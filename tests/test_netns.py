@@ -72,8 +72,20 @@ def build(topo: Topology) -> None:
     for host in HOSTS:
         ns, port = topo.ns(host), topo.switch_port(host)
         ip("netns", "add", ns)
-        ip("link", "add", port, "netns", topo.ns("switch"), "type", "veth", "peer", "name", "eth0",
-           "netns", ns)
+        ip(
+            "link",
+            "add",
+            port,
+            "netns",
+            topo.ns("switch"),
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "eth0",
+            "netns",
+            ns,
+        )
         ip("-n", topo.ns("switch"), "link", "set", port, "master", "br0", "up")
         ip("-n", ns, "addr", "add", f"{topo.address(host)}/24", "dev", "eth0")
         ip("-n", ns, "link", "set", "eth0", "up")
@@ -121,9 +133,18 @@ class Host:
             "NIXL_LOG_LEVEL": "WARN",
         }
         self.process = subprocess.Popen(
-            ["ip", "netns", "exec", ns, sys.executable, "-c",
-             f"from test_netns import host_main; host_main({child.fileno()})"],
-            pass_fds=[child.fileno()], env=env, cwd=ROOT,
+            [
+                "ip",
+                "netns",
+                "exec",
+                ns,
+                sys.executable,
+                "-c",
+                f"from test_netns import host_main; host_main({child.fileno()})",
+            ],
+            pass_fds=[child.fileno()],
+            env=env,
+            cwd=ROOT,
         )
         child.close()
         self.conn.send((role, engine_id, layout, peer, target, 7))
@@ -176,19 +197,48 @@ def fleet(topology: Topology) -> Iterator[Fleet]:
     """A broker at 10.200.0.1, prefill (TP1) at .2 and decode (TP2) at .3."""
     address = f"{topology.address('broker')}:50151"
     broker = subprocess.Popen(
-        ["ip", "netns", "exec", topology.ns("broker"), sys.executable, "-m", "broker.cli", "serve",
-         "--insecure", "--listen", address, "--lease-ttl-ms", str(LEASE_MS),
-         "--default-ttl-ms", str(TRANSFER_TTL_MS), "--log-level", "WARNING"],
-        stdout=subprocess.PIPE, text=True, cwd=ROOT,
+        [
+            "ip",
+            "netns",
+            "exec",
+            topology.ns("broker"),
+            sys.executable,
+            "-m",
+            "broker.cli",
+            "serve",
+            "--insecure",
+            "--listen",
+            address,
+            "--lease-ttl-ms",
+            str(LEASE_MS),
+            "--default-ttl-ms",
+            str(TRANSFER_TTL_MS),
+            "--log-level",
+            "WARNING",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
     )
     assert "listening on" in broker.stdout.readline()
     prefill_layout, decode_layout = PAIR.layouts(inflight=2)
     hosts: list[Host] = []
     try:
-        hosts.append(Host(topology.ns("prefill"), "prefill", "prefill-0", prefill_layout,
-                          decode_layout, address))
-        hosts.append(Host(topology.ns("decode"), "decode", "decode-0", decode_layout,
-                          prefill_layout, address))
+        hosts.append(
+            Host(
+                topology.ns("prefill"),
+                "prefill",
+                "prefill-0",
+                prefill_layout,
+                decode_layout,
+                address,
+            )
+        )
+        hosts.append(
+            Host(
+                topology.ns("decode"), "decode", "decode-0", decode_layout, prefill_layout, address
+            )
+        )
         for host in hosts:
             assert host.receive()[0] == "ready"
         yield Fleet(topology, broker, *hosts)
@@ -238,5 +288,7 @@ def test_a_cut_link_fails_cleanly_and_recovers(fleet: Fleet) -> None:
         assert time.monotonic() - restored < 60, f"no recovery: {fetched}"
         time.sleep(0.5)
     assert fetched[3] == 0 and [r[3] for r in releases] == ["completed"]
-    print(f"link down: fetch failed after {failed_after:.1f} s; link up: transfers verify "
-          f"again after {time.monotonic() - restored:.1f} s")
+    print(
+        f"link down: fetch failed after {failed_after:.1f} s; link up: transfers verify "
+        f"again after {time.monotonic() - restored:.1f} s"
+    )

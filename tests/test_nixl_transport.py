@@ -33,7 +33,9 @@ WAIT_S = 30.0
 
 def source_bytes(seed: int, size: int = SIZE) -> np.ndarray:
     """What the target process holds in its region ``seed``: recomputable anywhere."""
-    return ((np.arange(size, dtype=np.uint64) * 2654435761 + seed * 40503) >> np.uint64(7)).astype(np.uint8)
+    return ((np.arange(size, dtype=np.uint64) * 2654435761 + seed * 40503) >> np.uint64(7)).astype(
+        np.uint8
+    )
 
 
 def _target(conn) -> None:
@@ -94,7 +96,9 @@ def scattered(base_local: int, base_remote: int, count: int, seed: int) -> tuple
     rng = np.random.default_rng(seed)
     width = SIZE // count
     lengths = rng.integers(1, width + 1, count)
-    remote_off = np.arange(count, dtype=np.int64) * width + rng.integers(0, width, count) % (width - lengths + 1)
+    remote_off = np.arange(count, dtype=np.int64) * width + rng.integers(0, width, count) % (
+        width - lengths + 1
+    )
     local_off = rng.permutation(count).astype(np.int64) * width
     order = rng.permutation(count)
     lengths, remote_off, local_off = lengths[order], remote_off[order], local_off[order]
@@ -104,11 +108,12 @@ def scattered(base_local: int, base_remote: int, count: int, seed: int) -> tuple
     return local, remote, local_off, remote_off, lengths
 
 
-def expected_after(source: np.ndarray, local_off: np.ndarray, remote_off: np.ndarray,
-                   lengths: np.ndarray) -> np.ndarray:
+def expected_after(
+    source: np.ndarray, local_off: np.ndarray, remote_off: np.ndarray, lengths: np.ndarray
+) -> np.ndarray:
     out = np.zeros(SIZE, dtype=np.uint8)
     for lo, ro, n in zip(local_off.tolist(), remote_off.tolist(), lengths.tolist()):
-        out[lo:lo + n] = source[ro:ro + n]
+        out[lo : lo + n] = source[ro : ro + n]
     return out
 
 
@@ -118,8 +123,12 @@ def test_read_moves_real_bytes_between_processes(target: Target) -> None:
         dst = np.zeros(SIZE, dtype=np.uint8)
         agent.register([dst])
         agent.add_remote(target.name, target.metadata)
-        local, remote, local_off, remote_off, lengths = scattered(dst.ctypes.data, target.bases[0], 1000, 7)
-        transfer = agent.read(target.name, pack(local), pack(remote), notification=b"pdbroker:t1:p1:0")
+        local, remote, local_off, remote_off, lengths = scattered(
+            dst.ctypes.data, target.bases[0], 1000, 7
+        )
+        transfer = agent.read(
+            target.name, pack(local), pack(remote), notification=b"pdbroker:t1:p1:0"
+        )
         assert (transfer.nbytes, transfer.num_descriptors) == (int(lengths.sum()), 1000)
         transfer.wait(WAIT_S)
         transfer.release()
@@ -140,12 +149,16 @@ def test_async_read_into_a_torch_tensor(target: Target) -> None:
         assert region == Region(dst.data_ptr(), SIZE, 0, "DRAM") == describe_region(dst)
         agent.add_remote(target.name, target.metadata)
         agent.add_remote(target.name, target.metadata)  # the same metadata again is a no-op
-        local, remote, local_off, remote_off, lengths = scattered(dst.data_ptr(), target.bases[1], 64, 3)
+        local, remote, local_off, remote_off, lengths = scattered(
+            dst.data_ptr(), target.bases[1], 64, 3
+        )
         transfer = agent.read(target.name, local, remote)
         asyncio.run(transfer.wait_async(WAIT_S))
         transfer.release()
         transfer.release()
-        assert np.array_equal(dst.numpy(), expected_after(source_bytes(1), local_off, remote_off, lengths))
+        assert np.array_equal(
+            dst.numpy(), expected_after(source_bytes(1), local_off, remote_off, lengths)
+        )
     finally:
         agent.close()
         agent.close()

@@ -31,13 +31,17 @@ class Transfer:
 
     def __init__(self, p_ids=P_IDS, d_ids=D_IDS) -> None:
         self.p_ids, self.d_ids = p_ids, d_ids
-        self.prefill = {r.tp_rank: [np.zeros(r.region_bytes, np.uint8) for _ in range(r.num_regions)]
-                        for r in PREFILL.ranks}
+        self.prefill = {
+            r.tp_rank: [np.zeros(r.region_bytes, np.uint8) for _ in range(r.num_regions)]
+            for r in PREFILL.ranks
+        }
         contents = Contents(PREFILL)
         for rank in PREFILL.ranks:
             fill_prefill(contents, rank, self.prefill[rank.tp_rank], p_ids, SALT)
         rank = DECODE.ranks[0]
-        self.decode = [np.full(rank.region_bytes, POISON, np.uint8) for _ in range(rank.num_regions)]
+        self.decode = [
+            np.full(rank.region_bytes, POISON, np.uint8) for _ in range(rank.num_regions)
+        ]
         self.contents = Contents(DECODE)
         self.limits = decode_limits(PREFILL, DECODE, TOKENS, [len(ids) for ids in p_ids])
 
@@ -47,22 +51,32 @@ class Transfer:
 
     def runs(self, plan: RankPlan) -> list[tuple[int, int, int, int, int]]:
         """``(prefill rank, region, decode offset, prefill offset, length)`` of every run."""
-        return [(s.prefill_rank, *run) for s in plan.sources
-                for run in zip(s.region.tolist(), s.local_offset.tolist(),
-                               s.remote_offset.tolist(), s.length.tolist())]
+        return [
+            (s.prefill_rank, *run)
+            for s in plan.sources
+            for run in zip(
+                s.region.tolist(),
+                s.local_offset.tolist(),
+                s.remote_offset.tolist(),
+                s.length.tolist(),
+            )
+        ]
 
     def copy(self, plan: RankPlan, keep: Callable[[int], bool] = lambda i: True) -> None:
         for i, (p, region, d_off, p_off, length) in enumerate(self.runs(plan)):
             if keep(i):
-                self.decode[region][d_off:d_off + length] = self.prefill[p][region][p_off:p_off + length]
+                self.decode[region][d_off : d_off + length] = self.prefill[p][region][
+                    p_off : p_off + length
+                ]
 
     def check(self) -> tuple[int, int]:
-        return check_decode(self.contents, DECODE.ranks[0], self.decode, self.d_ids, SALT,
-                            self.limits)
+        return check_decode(
+            self.contents, DECODE.ranks[0], self.decode, self.d_ids, SALT, self.limits
+        )
 
     def page(self, region: int, block: int) -> np.ndarray:
         page_bytes = DECODE.ranks[0].page_bytes
-        return self.decode[region][block * page_bytes:(block + 1) * page_bytes]
+        return self.decode[region][block * page_bytes : (block + 1) * page_bytes]
 
 
 @pytest.fixture
@@ -95,7 +109,7 @@ def test_a_dropped_run_is_counted_byte_for_byte(transfer: Transfer, which: str) 
     runs = transfer.runs(plan)
     dropped = {"first": 0, "middle": len(runs) // 2, "last": len(runs) - 1}[which]
     p, region, _, p_off, length = runs[dropped]
-    missing = int(np.count_nonzero(transfer.prefill[p][region][p_off:p_off + length] != POISON))
+    missing = int(np.count_nonzero(transfer.prefill[p][region][p_off : p_off + length] != POISON))
     transfer.copy(plan, keep=lambda i: i != dropped)
     assert missing > 0
     assert transfer.check() == (missing, plan.nbytes)

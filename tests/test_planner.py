@@ -20,23 +20,49 @@ from broker.models import AttentionParams, MambaParams, ModelSpec, build_engine_
 from broker.planner import PairPlanner, TransferRequest
 from broker.scenarios import build_scenario
 
-MAMBA2 = MambaParams("mamba2", conv_kernel=4, intermediate_size=64, num_heads=16, head_dim=4,
-                     n_groups=2, state_size=8)
-GDN = MambaParams("gdn", conv_kernel=4, conv_dtype="bfloat16", ssm_dtype="bfloat16",
-                  num_k_heads=8, num_v_heads=16, head_k_dim=4, head_v_dim=4)
+MAMBA2 = MambaParams(
+    "mamba2",
+    conv_kernel=4,
+    intermediate_size=64,
+    num_heads=16,
+    head_dim=4,
+    n_groups=2,
+    state_size=8,
+)
+GDN = MambaParams(
+    "gdn",
+    conv_kernel=4,
+    conv_dtype="bfloat16",
+    ssm_dtype="bfloat16",
+    num_k_heads=8,
+    num_v_heads=16,
+    head_k_dim=4,
+    head_v_dim=4,
+)
 
 
 def hybrid(mamba: MambaParams = MAMBA2, kv_heads: int = 4, kv_dtype: str = "bfloat16") -> ModelSpec:
-    return ModelSpec("tiny", ((GroupKind.MAMBA, ("m0", "m2")), (GroupKind.ATTENTION, ("a1", "a3")),
-                              (GroupKind.MAMBA, ("m4", "m5"))),
-                     AttentionParams(kv_heads, 8, kv_dtype), mamba)
+    return ModelSpec(
+        "tiny",
+        (
+            (GroupKind.MAMBA, ("m0", "m2")),
+            (GroupKind.ATTENTION, ("a1", "a3")),
+            (GroupKind.MAMBA, ("m4", "m5")),
+        ),
+        AttentionParams(kv_heads, 8, kv_dtype),
+        mamba,
+    )
 
 
-@pytest.mark.parametrize("p_ids,d_ids,pairs", [
-    ((4, 7, 2), (9,), {9: 2}),  # decode takes the newest state only
-    ((4, 7, 2), (9, 5), {9: 7, 5: 2}),  # the newest two, oldest first
-    ((4,), (9, 5), {9: 4}),  # a spare decode block receives nothing
-], ids=["3->1", "3->2", "1->2"])
+@pytest.mark.parametrize(
+    "p_ids,d_ids,pairs",
+    [
+        ((4, 7, 2), (9,), {9: 2}),  # decode takes the newest state only
+        ((4, 7, 2), (9, 5), {9: 7, 5: 2}),  # the newest two, oldest first
+        ((4,), (9, 5), {9: 4}),  # a spare decode block receives nothing
+    ],
+    ids=["3->1", "3->2", "1->2"],
+)
 @pytest.mark.parametrize("p_tp,d_tp", [(1, 1), (2, 1), (1, 2)])
 def test_mamba_state_blocks_pair_from_the_prefill_tail(p_ids, d_ids, pairs, p_tp, d_tp) -> None:
     """Prefill lists a Mamba group's state blocks oldest first (prefix caching keeps older
@@ -58,7 +84,9 @@ def test_mamba_state_blocks_pair_from_the_prefill_tail(p_ids, d_ids, pairs, p_tp
 @pytest.mark.parametrize("p_tp,d_tp", [(1, 1), (2, 2), (1, 4), (4, 1), (2, 8), (8, 2)])
 @pytest.mark.parametrize("mamba", [MAMBA2, GDN], ids=["mamba2", "gdn"])
 def test_tp_pairs_reshard_exactly(p_tp: int, d_tp: int, mamba: MambaParams) -> None:
-    sc = build_scenario(hybrid(mamba), p_tp, d_tp, num_tokens=100, prefill_offset=3, decode_offset=1)
+    sc = build_scenario(
+        hybrid(mamba), p_tp, d_tp, num_tokens=100, prefill_offset=3, decode_offset=1
+    )
     check_plan_by_simulation(sc.prefill, sc.decode, sc.request)
 
 
@@ -141,9 +169,14 @@ def test_dtype_mismatch_names_the_segment() -> None:
     prefill = build_engine_layout(hybrid(), 1, 8)
     decode = build_engine_layout(dataclasses.replace(hybrid(), name="tiny"), 1, 8)
     decode = dataclasses.replace(decode, model=prefill.model)
-    ssm_bf16 = dataclasses.replace(decode.groups[0].segment("ssm"), dtype="bfloat16",
-                                   strides=contiguous_strides(decode.groups[0].segment("ssm").shape, 2))
-    group = dataclasses.replace(decode.groups[0], segments=(*decode.groups[0].segments[:-1], ssm_bf16))
+    ssm_bf16 = dataclasses.replace(
+        decode.groups[0].segment("ssm"),
+        dtype="bfloat16",
+        strides=contiguous_strides(decode.groups[0].segment("ssm").shape, 2),
+    )
+    group = dataclasses.replace(
+        decode.groups[0], segments=(*decode.groups[0].segments[:-1], ssm_bf16)
+    )
     rank = dataclasses.replace(decode.ranks[0], groups=(group, *decode.ranks[0].groups[1:]))
     with pytest.raises(IncompatibleLayoutsError) as err:
         PairPlanner(prefill, EngineLayout(decode.model, 1, (rank,)))
@@ -151,22 +184,48 @@ def test_dtype_mismatch_names_the_segment() -> None:
 
 
 def test_tp_sizes_that_do_not_divide_are_rejected() -> None:
-    model = ModelSpec("t", ((GroupKind.MAMBA, ("m",)),), None,
-                      MambaParams("mamba1", 4, intermediate_size=12, state_size=2))
+    model = ModelSpec(
+        "t",
+        ((GroupKind.MAMBA, ("m",)),),
+        None,
+        MambaParams("mamba1", 4, intermediate_size=12, state_size=2),
+    )
     with pytest.raises(IncompatibleLayoutsError) as err:
         PairPlanner(build_engine_layout(model, 2, 4), build_engine_layout(model, 3, 4))
     assert err.value.field == "tp_size"
 
 
-@pytest.mark.parametrize("mutate,field", [
-    (lambda r: dataclasses.replace(r, prefill_block_ids=r.prefill_block_ids[:2]), "prefill_block_ids"),
-    (lambda r: dataclasses.replace(r, decode_block_ids=((99,), *r.decode_block_ids[1:])), "decode_block_ids[0]"),
-    (lambda r: dataclasses.replace(r, decode_block_ids=(r.decode_block_ids[1][:1], *r.decode_block_ids[1:])),
-     "decode_block_ids"),
-    (lambda r: dataclasses.replace(r, prefill_block_ids=(r.prefill_block_ids[0], r.prefill_block_ids[1][:1],
-                                                         r.prefill_block_ids[2])), "prefill_block_ids[1]"),
-    (lambda r: dataclasses.replace(r, num_tokens=0), "num_tokens"),
-])
+@pytest.mark.parametrize(
+    "mutate,field",
+    [
+        (
+            lambda r: dataclasses.replace(r, prefill_block_ids=r.prefill_block_ids[:2]),
+            "prefill_block_ids",
+        ),
+        (
+            lambda r: dataclasses.replace(r, decode_block_ids=((99,), *r.decode_block_ids[1:])),
+            "decode_block_ids[0]",
+        ),
+        (
+            lambda r: dataclasses.replace(
+                r, decode_block_ids=(r.decode_block_ids[1][:1], *r.decode_block_ids[1:])
+            ),
+            "decode_block_ids",
+        ),
+        (
+            lambda r: dataclasses.replace(
+                r,
+                prefill_block_ids=(
+                    r.prefill_block_ids[0],
+                    r.prefill_block_ids[1][:1],
+                    r.prefill_block_ids[2],
+                ),
+            ),
+            "prefill_block_ids[1]",
+        ),
+        (lambda r: dataclasses.replace(r, num_tokens=0), "num_tokens"),
+    ],
+)
 def test_bad_requests_name_the_field(mutate, field: str) -> None:
     sc = build_scenario(hybrid(), 2, 2, num_tokens=200)
     with pytest.raises(RequestError) as err:

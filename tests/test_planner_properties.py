@@ -25,32 +25,56 @@ DTYPES = ("bfloat16", "float32", "fp8")
 @st.composite
 def mamba_params(draw) -> MambaParams:
     kind = draw(st.sampled_from(("mamba1", "mamba2", "gdn")))
-    common = {"conv_kernel": draw(st.sampled_from((2, 3, 4))),
-                  "conv_dtype": draw(st.sampled_from(DTYPES)), "ssm_dtype": draw(st.sampled_from(DTYPES))}
+    common = {
+        "conv_kernel": draw(st.sampled_from((2, 3, 4))),
+        "conv_dtype": draw(st.sampled_from(DTYPES)),
+        "ssm_dtype": draw(st.sampled_from(DTYPES)),
+    }
     if kind == "mamba1":
-        return MambaParams(kind, intermediate_size=draw(st.sampled_from((8, 16))),
-                           state_size=draw(st.sampled_from((1, 2, 3))), **common)
+        return MambaParams(
+            kind,
+            intermediate_size=draw(st.sampled_from((8, 16))),
+            state_size=draw(st.sampled_from((1, 2, 3))),
+            **common,
+        )
     if kind == "mamba2":
         heads, head_dim = draw(st.sampled_from((8, 16))), draw(st.sampled_from((1, 2)))
-        return MambaParams(kind, intermediate_size=heads * head_dim, num_heads=heads, head_dim=head_dim,
-                           n_groups=draw(st.sampled_from((1, 2, 4, 8))),
-                           state_size=draw(st.sampled_from((1, 2, 3))), **common)
-    return MambaParams(kind, num_k_heads=draw(st.sampled_from((8, 16))),
-                       num_v_heads=draw(st.sampled_from((8, 16, 32))),
-                       head_k_dim=draw(st.sampled_from((1, 2))), head_v_dim=draw(st.sampled_from((1, 3))),
-                       **common)
+        return MambaParams(
+            kind,
+            intermediate_size=heads * head_dim,
+            num_heads=heads,
+            head_dim=head_dim,
+            n_groups=draw(st.sampled_from((1, 2, 4, 8))),
+            state_size=draw(st.sampled_from((1, 2, 3))),
+            **common,
+        )
+    return MambaParams(
+        kind,
+        num_k_heads=draw(st.sampled_from((8, 16))),
+        num_v_heads=draw(st.sampled_from((8, 16, 32))),
+        head_k_dim=draw(st.sampled_from((1, 2))),
+        head_v_dim=draw(st.sampled_from((1, 3))),
+        **common,
+    )
 
 
 @st.composite
 def hybrid_model(draw) -> ModelSpec:
     regions = draw(st.integers(1, 3))
-    groups = [(GroupKind.MAMBA, tuple(f"m{g}.{i}" for i in range(draw(st.integers(1, regions)))))
-              for g in range(draw(st.integers(1, 3)))]
+    groups = [
+        (GroupKind.MAMBA, tuple(f"m{g}.{i}" for i in range(draw(st.integers(1, regions)))))
+        for g in range(draw(st.integers(1, 3)))
+    ]
     groups[0] = (GroupKind.MAMBA, tuple(f"m0.{i}" for i in range(regions)))
-    groups.insert(draw(st.integers(0, len(groups))),
-                  (GroupKind.ATTENTION, tuple(f"a.{i}" for i in range(draw(st.integers(1, regions))))))
-    attention = AttentionParams(draw(st.sampled_from((1, 2, 4, 8))), draw(st.sampled_from((1, 2, 4))),
-                                draw(st.sampled_from(DTYPES)))
+    groups.insert(
+        draw(st.integers(0, len(groups))),
+        (GroupKind.ATTENTION, tuple(f"a.{i}" for i in range(draw(st.integers(1, regions))))),
+    )
+    attention = AttentionParams(
+        draw(st.sampled_from((1, 2, 4, 8))),
+        draw(st.sampled_from((1, 2, 4))),
+        draw(st.sampled_from(DTYPES)),
+    )
     return ModelSpec("random", tuple(groups), attention, draw(mamba_params()))
 
 
@@ -76,26 +100,36 @@ def scenario(draw):
             p_count, d_count = draw(st.sampled_from(((1, 1), (1, 1), (2, 1), (1, 2))))
         p_lists.append(p_count)
         d_lists.append(d_count)
-    p_blocks, d_blocks = sum(p_lists) + draw(st.integers(0, 3)), sum(d_lists) + draw(st.integers(0, 3))
+    p_blocks, d_blocks = (
+        sum(p_lists) + draw(st.integers(0, 3)),
+        sum(d_lists) + draw(st.integers(0, 3)),
+    )
     p_perm = draw(st.permutations(range(p_blocks)))
     d_perm = draw(st.permutations(range(d_blocks)))
 
     def split(perm, counts):
         out, at = [], 0
         for c in counts:
-            out.append(tuple(perm[at:at + c]))
+            out.append(tuple(perm[at : at + c]))
             at += c
         return tuple(out)
 
     prefill = build_engine_layout(model, p_tp, p_blocks, p_bs, p_kbs)
     decode = build_engine_layout(model, d_tp, d_blocks, d_bs, d_kbs)
-    return prefill, decode, TransferRequest(num_tokens, split(p_perm, p_lists), split(d_perm, d_lists))
+    return (
+        prefill,
+        decode,
+        TransferRequest(num_tokens, split(p_perm, p_lists), split(d_perm, d_lists)),
+    )
 
 
 def assert_same_plan(one, other) -> None:
     """Equal plans, run for run in the same order."""
     assert (one.decode_rank, one.naive_bytes, one.vllm_descriptors) == (
-        other.decode_rank, other.naive_bytes, other.vllm_descriptors)
+        other.decode_rank,
+        other.naive_bytes,
+        other.vllm_descriptors,
+    )
     assert [s.prefill_rank for s in one.sources] == [s.prefill_rank for s in other.sources]
     for a, b in zip(one.sources, other.sources):
         for column in ("region", "local_offset", "remote_offset", "length"):
@@ -104,15 +138,19 @@ def assert_same_plan(one, other) -> None:
 
 def check_plan_by_simulation(prefill, decode, request) -> None:
     pair = PairPlanner(prefill, decode)
-    p_mem = [label_memory(rank, placed_blocks(prefill, request, "prefill"), UNSET)
-             for rank in prefill.ranks]
+    p_mem = [
+        label_memory(rank, placed_blocks(prefill, request, "prefill"), UNSET)
+        for rank in prefill.ranks
+    ]
     d_placed = placed_blocks(decode, request, "decode")
     # Decode kernel blocks holding a token below num_tokens arrive whole, as far as the
     # prefill pages reach.
     attention = next(g for g, group in enumerate(decode.groups) if group.is_attention)
     kbs = decode.groups[attention].kernel_block_size
-    last_token = min(-(-request.num_tokens // kbs) * kbs,
-                     len(request.prefill_block_ids[attention]) * prefill.groups[attention].block_size)
+    last_token = min(
+        -(-request.num_tokens // kbs) * kbs,
+        len(request.prefill_block_ids[attention]) * prefill.groups[attention].block_size,
+    )
     together = PairPlanner(prefill, decode).plan(request).ranks  # all ranks in one pass
     for d_rank, rank in enumerate(decode.ranks):
         plan = pair.plan_rank(d_rank, request)
@@ -120,20 +158,28 @@ def check_plan_by_simulation(prefill, decode, request) -> None:
         for src in plan.sources:  # every run inside a registered region on both sides
             assert src.local_offset.min() >= 0 and src.remote_offset.min() >= 0
             assert (src.local_offset + src.length).max() <= rank.region_bytes
-            assert (src.remote_offset + src.length).max() <= prefill.ranks[src.prefill_rank].region_bytes
+            assert (src.remote_offset + src.length).max() <= prefill.ranks[
+                src.prefill_rank
+            ].region_bytes
         d_mem = blank_memory(rank)
         moved = apply_plan(plan, p_mem, d_mem)
         expected = label_memory(rank, d_placed, fill=-2)
         for region in range(rank.num_regions):
-            got, want, tokens = d_mem.regions[region], expected.regions[region], expected.tokens[region]
+            got, want, tokens = (
+                d_mem.regions[region],
+                expected.regions[region],
+                expected.tokens[region],
+            )
             written = got != UNSET
             # Whatever was written is exactly what the decode layout declares there.
             np.testing.assert_array_equal(got[written], want[written])
             # Every byte of state decode needs arrived: Mamba state, tokens < num_tokens.
             needed = (want >= 0) & ((tokens < 0) | (tokens < request.num_tokens))
             assert written[needed].all(), f"decode rank {d_rank} region {region} misses bytes"
-        optimal = sum(int(((e >= 0) & ((t < 0) | (t < last_token))).sum())
-                      for e, t in zip(expected.regions, expected.tokens))
+        optimal = sum(
+            int(((e >= 0) & ((t < 0) | (t < last_token))).sum())
+            for e, t in zip(expected.regions, expected.tokens)
+        )
         written_total = sum(int((r != UNSET).sum()) for r in d_mem.regions)
         assert moved == written_total == plan.nbytes == optimal  # no byte written twice, none extra
 

@@ -35,7 +35,8 @@ def test_a_missing_package_fails_under_ci() -> None:
 
 @pytest.mark.usefixtures("outside_ci")
 def test_an_installed_package_that_does_not_import_fails_everywhere(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """As a nixl wheel whose native libraries do not load: its distribution is there, the
     import raises ImportError."""
     monkeypatch.setitem(sys.modules, "grpc", None)  # `import grpc` now raises ImportError

@@ -59,23 +59,31 @@ def test_grouping_reproduces_every_vector_case(path: Path) -> None:
 def test_grouping_pads_the_last_groups_of_a_bucket() -> None:
     # Nemotron-3-Nano: 23 Mamba + 6 attention -> group size 6, 4 Mamba groups (6, 6, 6, 5).
     layers = [(f"m{i}", GroupKind.MAMBA) for i in range(23)] + [
-        (f"a{i}", GroupKind.ATTENTION) for i in range(6)]
+        (f"a{i}", GroupKind.ATTENTION) for i in range(6)
+    ]
     groups = vllm_kv_cache_groups(layers)
     assert [(k, len(names)) for k, names in groups] == [
-        (GroupKind.MAMBA, 6), (GroupKind.MAMBA, 6), (GroupKind.MAMBA, 6), (GroupKind.MAMBA, 5),
-        (GroupKind.ATTENTION, 6)]
+        (GroupKind.MAMBA, 6),
+        (GroupKind.MAMBA, 6),
+        (GroupKind.MAMBA, 6),
+        (GroupKind.MAMBA, 5),
+        (GroupKind.ATTENTION, 6),
+    ]
     assert groups[3][1] == ("m3", "m7", "m11", "m15", "m19")
 
 
 def test_grouping_uses_the_largest_bucket_when_under_one_and_a_half_times_the_smallest() -> None:
     layers = [(f"a{i}", GroupKind.ATTENTION) for i in range(5)] + [
-        (f"m{i}", GroupKind.MAMBA) for i in range(7)]
+        (f"m{i}", GroupKind.MAMBA) for i in range(7)
+    ]
     assert vllm_kv_cache_groups(layers) == (
         (GroupKind.ATTENTION, tuple(f"a{i}" for i in range(5))),
-        (GroupKind.MAMBA, tuple(f"m{i}" for i in range(7))))
+        (GroupKind.MAMBA, tuple(f"m{i}" for i in range(7))),
+    )
     # 6 is 1.5x 4: not under, so the group size falls back to the smallest bucket.
     layers = [(f"a{i}", GroupKind.ATTENTION) for i in range(4)] + [
-        (f"m{i}", GroupKind.MAMBA) for i in range(6)]
+        (f"m{i}", GroupKind.MAMBA) for i in range(6)
+    ]
     assert [len(names) for _, names in vllm_kv_cache_groups(layers)] == [4, 3, 3]
 
 
@@ -121,16 +129,32 @@ def test_every_preset_builds_at_common_tp_sizes(name: str, tp: int) -> None:
 
 def test_nemotron_h_8b_shapes_match_design() -> None:
     assert segment_shapes("nemotron-h-8b", 1) == {
-        "conv.x": (8192, 3), "conv.B": (1024, 3), "conv.C": (1024, 3), "ssm": (128, 64, 128)}
+        "conv.x": (8192, 3),
+        "conv.B": (1024, 3),
+        "conv.C": (1024, 3),
+        "ssm": (128, 64, 128),
+    }
     assert segment_shapes("nemotron-h-8b", 4) == {
-        "conv.x": (2048, 3), "conv.B": (256, 3), "conv.C": (256, 3), "ssm": (32, 64, 128)}
+        "conv.x": (2048, 3),
+        "conv.B": (256, 3),
+        "conv.C": (256, 3),
+        "ssm": (32, 64, 128),
+    }
 
 
 def test_qwen35_27b_shapes_match_design() -> None:
     assert segment_shapes("qwen3.5-27b", 1) == {
-        "conv.Q": (2048, 3), "conv.K": (2048, 3), "conv.V": (6144, 3), "ssm": (48, 128, 128)}
+        "conv.Q": (2048, 3),
+        "conv.K": (2048, 3),
+        "conv.V": (6144, 3),
+        "ssm": (48, 128, 128),
+    }
     assert segment_shapes("qwen3.5-27b", 8) == {
-        "conv.Q": (256, 3), "conv.K": (256, 3), "conv.V": (768, 3), "ssm": (6, 128, 128)}
+        "conv.Q": (256, 3),
+        "conv.K": (256, 3),
+        "conv.V": (768, 3),
+        "ssm": (6, 128, 128),
+    }
 
 
 def test_preset_dtypes_follow_vllm_defaults() -> None:
@@ -143,15 +167,29 @@ def test_preset_dtypes_follow_vllm_defaults() -> None:
 
 def test_preset_layer_names_are_vllms() -> None:
     nemotron = resolve_model("nemotron-h-8b")
-    assert nemotron.groups[0] == (GroupKind.MAMBA, (
-        "model.layers.0.mixer", "model.layers.13.mixer", "model.layers.26.mixer",
-        "model.layers.39.mixer"))
-    assert nemotron.groups[-1] == (GroupKind.ATTENTION, (
-        "model.layers.7.mixer.attn", "model.layers.18.mixer.attn", "model.layers.29.mixer.attn",
-        "model.layers.40.mixer.attn"))
+    assert nemotron.groups[0] == (
+        GroupKind.MAMBA,
+        (
+            "model.layers.0.mixer",
+            "model.layers.13.mixer",
+            "model.layers.26.mixer",
+            "model.layers.39.mixer",
+        ),
+    )
+    assert nemotron.groups[-1] == (
+        GroupKind.ATTENTION,
+        (
+            "model.layers.7.mixer.attn",
+            "model.layers.18.mixer.attn",
+            "model.layers.29.mixer.attn",
+            "model.layers.40.mixer.attn",
+        ),
+    )
     qwen = resolve_model("qwen3.5-0.8b")  # multimodal checkpoint: the text model is nested
-    assert qwen.groups[0][1][:2] == ("language_model.model.layers.0.linear_attn",
-                                     "language_model.model.layers.4.linear_attn")
+    assert qwen.groups[0][1][:2] == (
+        "language_model.model.layers.0.linear_attn",
+        "language_model.model.layers.4.linear_attn",
+    )
     assert qwen.groups[-1][1][0] == "language_model.model.layers.3.self_attn.attn"
 
 
@@ -165,27 +203,32 @@ def test_unknown_preset_names_the_field_and_lists_presets() -> None:
 # --- HMA block size --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case_name,tp,user,expected", [
-    ("01_nemotron_h_8b_mamba2_tp1_tp1", 1, 0, 1040),
-    ("02_nemotron_h_8b_mamba2_tp1_tp2", 2, 0, 1040),
-    ("04_nemotron_h_8b_mamba2_tp4_tp2", 4, 0, 1040),
-    ("10_jamba_like_mamba1_tp1_tp2", 1, 0, 144),
-    ("10_jamba_like_mamba1_tp1_tp2", 2, 0, 144),
-    ("11_mamba2_gqa2_tp2_tp4_replicated_heads", 2, 0, 4160),
-    ("11_mamba2_gqa2_tp2_tp4_replicated_heads", 4, 4160, 4160),  # decode ran --block-size 4160
-    ("09_tiny_mamba2_kernel_ratio4_tp1_tp2", 1, 64, 64),
-    ("09_tiny_mamba2_kernel_ratio4_tp1_tp2", 2, 64, 64),
-    ("06a_qwen35_0p8b_gdn_tp1_tp4", 1, 288, 288),
-    ("06a_qwen35_0p8b_gdn_tp1_tp4", 4, 288, 288),
-])
-def test_hma_block_size_matches_the_vectors(case_name: str, tp: int, user: int,
-                                            expected: int) -> None:
+@pytest.mark.parametrize(
+    "case_name,tp,user,expected",
+    [
+        ("01_nemotron_h_8b_mamba2_tp1_tp1", 1, 0, 1040),
+        ("02_nemotron_h_8b_mamba2_tp1_tp2", 2, 0, 1040),
+        ("04_nemotron_h_8b_mamba2_tp4_tp2", 4, 0, 1040),
+        ("10_jamba_like_mamba1_tp1_tp2", 1, 0, 144),
+        ("10_jamba_like_mamba1_tp1_tp2", 2, 0, 144),
+        ("11_mamba2_gqa2_tp2_tp4_replicated_heads", 2, 0, 4160),
+        ("11_mamba2_gqa2_tp2_tp4_replicated_heads", 4, 4160, 4160),  # decode ran --block-size 4160
+        ("09_tiny_mamba2_kernel_ratio4_tp1_tp2", 1, 64, 64),
+        ("09_tiny_mamba2_kernel_ratio4_tp1_tp2", 2, 64, 64),
+        ("06a_qwen35_0p8b_gdn_tp1_tp4", 1, 288, 288),
+        ("06a_qwen35_0p8b_gdn_tp1_tp4", 4, 288, 288),
+    ],
+)
+def test_hma_block_size_matches_the_vectors(
+    case_name: str, tp: int, user: int, expected: int
+) -> None:
     model = model_from_case(load(next(p for p in CASES if p.stem == case_name)))
     assert hma_block_size(model, tp, user) == expected
 
 
-@pytest.mark.parametrize("user,expected", [(0, 1040), (16, 1040), (64, 1088), (100, 1104),
-                                           (1040, 1040), (2048, 2048)])
+@pytest.mark.parametrize(
+    "user,expected", [(0, 1040), (16, 1040), (64, 1088), (100, 1104), (1040, 1040), (2048, 2048)]
+)
 def test_user_block_size_is_a_step_as_in_vllm(user: int, expected: int) -> None:
     # Platform._align_hybrid_block_size: step max(16, user), then round up to 16.
     assert hma_block_size(resolve_model("nemotron-h-8b"), 1, user) == expected
@@ -229,15 +272,28 @@ def test_qwen35_text_config_reproduces_a_vector_case() -> None:
 
 
 def test_qwen_layer_types_win_over_the_interval() -> None:
-    text = {**PRESET_CONFIGS["qwen3.5-0.8b"]["text_config"], "num_hidden_layers": 4,
-            "layer_types": ["full_attention", "linear_attention", "linear_attention",
-                            "full_attention"]}
+    text = {
+        **PRESET_CONFIGS["qwen3.5-0.8b"]["text_config"],
+        "num_hidden_layers": 4,
+        "layer_types": ["full_attention", "linear_attention", "linear_attention", "full_attention"],
+    }
     model = model_from_hf_config({"model_type": "qwen3_5", "text_config": text}, "q")
     assert model.groups == (
-        (GroupKind.ATTENTION, ("language_model.model.layers.0.self_attn.attn",
-                               "language_model.model.layers.3.self_attn.attn")),
-        (GroupKind.MAMBA, ("language_model.model.layers.1.linear_attn",
-                           "language_model.model.layers.2.linear_attn")))
+        (
+            GroupKind.ATTENTION,
+            (
+                "language_model.model.layers.0.self_attn.attn",
+                "language_model.model.layers.3.self_attn.attn",
+            ),
+        ),
+        (
+            GroupKind.MAMBA,
+            (
+                "language_model.model.layers.1.linear_attn",
+                "language_model.model.layers.2.linear_attn",
+            ),
+        ),
+    )
 
 
 def test_ssm_dtype_rules_per_family() -> None:
@@ -245,21 +301,37 @@ def test_ssm_dtype_rules_per_family() -> None:
     qwen_next = {**text, "model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"]}
     assert model_from_hf_config(qwen_next, "n").mamba.ssm_dtype == "bfloat16"  # not read
     no_hint = {k: v for k, v in text.items() if k != "mamba_ssm_dtype"}
-    assert model_from_hf_config({"model_type": "qwen3_5", "text_config": no_hint},
-                                "q").mamba.ssm_dtype == "bfloat16"
-    nemotron = {k: v for k, v in PRESET_CONFIGS["nemotron-3-nano-30b-a3b"].items()
-                if k != "mamba_ssm_cache_dtype"}
+    assert (
+        model_from_hf_config({"model_type": "qwen3_5", "text_config": no_hint}, "q").mamba.ssm_dtype
+        == "bfloat16"
+    )
+    nemotron = {
+        k: v
+        for k, v in PRESET_CONFIGS["nemotron-3-nano-30b-a3b"].items()
+        if k != "mamba_ssm_cache_dtype"
+    }
     assert model_from_hf_config(nemotron, "n").mamba.ssm_dtype == "float32"
     fp32_checkpoint = {**nemotron, "torch_dtype": "float32", "mamba_ssm_cache_dtype": "bfloat16"}
     model = model_from_hf_config(fp32_checkpoint, "n")
     assert (model.attention.dtype, model.mamba.conv_dtype, model.mamba.ssm_dtype) == (
-        "bfloat16", "bfloat16", "bfloat16")
+        "bfloat16",
+        "bfloat16",
+        "bfloat16",
+    )
 
 
 JAMBA = {
-    "architectures": ["JambaForCausalLM"], "model_type": "jamba", "torch_dtype": "bfloat16",
-    "hidden_size": 4096, "num_hidden_layers": 16, "attn_layer_period": 8, "attn_layer_offset": 4,
-    "num_attention_heads": 32, "num_key_value_heads": 8, "mamba_expand": 2, "mamba_d_state": 16,
+    "architectures": ["JambaForCausalLM"],
+    "model_type": "jamba",
+    "torch_dtype": "bfloat16",
+    "hidden_size": 4096,
+    "num_hidden_layers": 16,
+    "attn_layer_period": 8,
+    "attn_layer_offset": 4,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "mamba_expand": 2,
+    "mamba_d_state": 16,
     "mamba_d_conv": 4,
 }
 
@@ -270,8 +342,9 @@ def test_jamba_config_matches_the_jamba_like_vector() -> None:
     expected = model_from_case(case)
     # vLLM registers Jamba attention as model.layers.{i}.attn; compare the layer indices.
     as_indices = [(kind, [layer_index(n) for n in names]) for kind, names in model.groups]
-    assert as_indices == [(kind, [layer_index(n) for n in names])
-                          for kind, names in case_groups(case)]
+    assert as_indices == [
+        (kind, [layer_index(n) for n in names]) for kind, names in case_groups(case)
+    ]
     assert model.groups[-1][1] == ("model.layers.4.attn", "model.layers.12.attn")
     assert model.attention == expected.attention
     assert model.mamba.intermediate_size == 8192 and model.mamba.state_size == 16
@@ -287,7 +360,10 @@ def test_config_file_and_directory(tmp_path: Path) -> None:
         model = resolve_model(str(source))
         assert model.name == "Nemotron-H-8B-Base-8K"
         assert (model.groups, model.attention, model.mamba) == (
-            preset.groups, preset.attention, preset.mamba)
+            preset.groups,
+            preset.attention,
+            preset.mamba,
+        )
     assert model_from_hf_file(model_dir) == model
 
 
@@ -319,27 +395,31 @@ def mutated(base: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
 NEMOTRON, QWEN = PRESET_CONFIGS["nemotron-h-8b"], PRESET_CONFIGS["qwen3.5-27b"]
 
 
-@pytest.mark.parametrize("base,path,value,field", [
-    (NEMOTRON, "model_type", "llama", "model_type"),
-    (NEMOTRON, "model_type", None, "model_type"),
-    (NEMOTRON, "mamba_num_heads", None, "mamba_num_heads"),
-    (NEMOTRON, "n_groups", 0, "n_groups"),
-    (NEMOTRON, "ssm_state_size", "128", "ssm_state_size"),
-    (NEMOTRON, "hybrid_override_pattern", "MM*X", "hybrid_override_pattern[3]"),
-    (NEMOTRON, "hybrid_override_pattern", None, "hybrid_override_pattern"),
-    (NEMOTRON, "mamba_ssm_cache_dtype", "float64", "mamba_ssm_cache_dtype"),
-    (NEMOTRON, "torch_dtype", 16, "torch_dtype"),
-    (NEMOTRON, "num_key_value_heads", -2, "num_key_value_heads"),
-    (QWEN, "text_config.linear_num_key_heads", None, "text_config.linear_num_key_heads"),
-    (QWEN, "text_config.layer_types", ["sliding_attention"] * 64, "text_config.layer_types[0]"),
-    (QWEN, "text_config.layer_types", ["full_attention"], "text_config.layer_types"),
-    (QWEN, "text_config.full_attention_interval", 0, "text_config.full_attention_interval"),
-    (QWEN, "text_config.mamba_ssm_dtype", "fp64", "text_config.mamba_ssm_dtype"),
-    (JAMBA, "attn_layer_offset", 8, "attn_layer_offset"),
-    (JAMBA, "num_attention_heads", 30, "hidden_size"),
-])
-def test_bad_configs_name_the_field(base: dict[str, Any], path: str, value: Any,
-                                    field: str) -> None:
+@pytest.mark.parametrize(
+    "base,path,value,field",
+    [
+        (NEMOTRON, "model_type", "llama", "model_type"),
+        (NEMOTRON, "model_type", None, "model_type"),
+        (NEMOTRON, "mamba_num_heads", None, "mamba_num_heads"),
+        (NEMOTRON, "n_groups", 0, "n_groups"),
+        (NEMOTRON, "ssm_state_size", "128", "ssm_state_size"),
+        (NEMOTRON, "hybrid_override_pattern", "MM*X", "hybrid_override_pattern[3]"),
+        (NEMOTRON, "hybrid_override_pattern", None, "hybrid_override_pattern"),
+        (NEMOTRON, "mamba_ssm_cache_dtype", "float64", "mamba_ssm_cache_dtype"),
+        (NEMOTRON, "torch_dtype", 16, "torch_dtype"),
+        (NEMOTRON, "num_key_value_heads", -2, "num_key_value_heads"),
+        (QWEN, "text_config.linear_num_key_heads", None, "text_config.linear_num_key_heads"),
+        (QWEN, "text_config.layer_types", ["sliding_attention"] * 64, "text_config.layer_types[0]"),
+        (QWEN, "text_config.layer_types", ["full_attention"], "text_config.layer_types"),
+        (QWEN, "text_config.full_attention_interval", 0, "text_config.full_attention_interval"),
+        (QWEN, "text_config.mamba_ssm_dtype", "fp64", "text_config.mamba_ssm_dtype"),
+        (JAMBA, "attn_layer_offset", 8, "attn_layer_offset"),
+        (JAMBA, "num_attention_heads", 30, "hidden_size"),
+    ],
+)
+def test_bad_configs_name_the_field(
+    base: dict[str, Any], path: str, value: Any, field: str
+) -> None:
     with pytest.raises(LayoutError) as exc:
         model_from_hf_config(mutated(base, path, value), "bad")
     assert exc.value.field == field

@@ -36,7 +36,9 @@ UNBOUNDED = (1 << 40, 1 << 40)
 CONFIG = ServiceConfig(default_ttl_ms=5_000, lease_ttl_ms=60_000, retention_ms=10_000)
 
 
-def fleet(store: RedisStateStore, p_tp: int, d_tp: int, clock: FakeClock) -> tuple[BrokerService, Scenario]:
+def fleet(
+    store: RedisStateStore, p_tp: int, d_tp: int, clock: FakeClock
+) -> tuple[BrokerService, Scenario]:
     """A service on ``store`` with engines P (prefill) and D (decode) registered and transfer
     ``t1`` published."""
     service = BrokerService(store, clock, CONFIG)
@@ -58,23 +60,43 @@ def done(plan_id: str, d: int) -> Report:
 def plain(t: TransferRecord) -> tuple:
     """A transfer as comparable values (plans hold numpy columns)."""
     plans = {
-        d: (p.plan_id, p.block_ids, p.handed_out, p.status, p.intact, p.rank_plan.naive_bytes,
-            [(s.prefill_rank, np.stack([s.region, s.local_offset, s.remote_offset, s.length]).tolist())
-             for s in p.rank_plan.sources])
+        d: (
+            p.plan_id,
+            p.block_ids,
+            p.handed_out,
+            p.status,
+            p.intact,
+            p.rank_plan.naive_bytes,
+            [
+                (
+                    s.prefill_rank,
+                    np.stack([s.region, s.local_offset, s.remote_offset, s.length]).tolist(),
+                )
+                for s in p.rank_plan.sources
+            ],
+        )
         for d, p in t.plans.items()
     }
     fields = {k: v for k, v in vars(t).items() if k != "plans"}
     return fields, plans
 
 
-def events(store: RedisStateStore, key: tuple[str, int], after: int = 0) -> list[tuple[str, ReleaseReason]]:
+def events(
+    store: RedisStateStore, key: tuple[str, int], after: int = 0
+) -> list[tuple[str, ReleaseReason]]:
     return [(e.transfer_id, e.reason) for e in store.releases_after(key, after)]
 
 
 def twin(store: RedisStateStore) -> RedisStateStore:
     """A second store object on the same server and prefix: another broker replica."""
-    return RedisStateStore(type(store.client)(connection_pool=type(store.client.connection_pool)(
-        **store.client.connection_pool.connection_kwargs)), store.prefix)
+    return RedisStateStore(
+        type(store.client)(
+            connection_pool=type(store.client.connection_pool)(
+                **store.client.connection_pool.connection_kwargs
+            )
+        ),
+        store.prefix,
+    )
 
 
 def interleave(store: RedisStateStore, method: str, other: Callable[[], object]) -> list[object]:
@@ -134,13 +156,17 @@ def test_every_field_round_trips(redis_server: RedisServer) -> None:
     assert record.finished_at_ms is not None and record.released and record.timeline
     for obj in (record, *record.plans.values()):
         for f in dataclasses.fields(obj):
-            if getattr(obj, f.name) in ("", 0, False) and f.name not in ("decode_rank", "bytes_moved"):
+            if getattr(obj, f.name) in ("", 0, False) and f.name not in (
+                "decode_rank",
+                "bytes_moved",
+            ):
                 setattr(obj, f.name, "set" if f.type == "str" else 7)
     store.put_transfer(record)
     assert plain(twin(store).get_transfer("t1")) == plain(record)
     event = ReleaseEvent(0, "t", ((1, 2), (3,)), ReleaseReason.CONSUMER_FAILED, "why", 5)
-    event = dataclasses.replace(event, **{f.name: "set" for f in dataclasses.fields(event)
-                                          if getattr(event, f.name) == ""})
+    event = dataclasses.replace(
+        event, **{f.name: "set" for f in dataclasses.fields(event) if getattr(event, f.name) == ""}
+    )
     store.append_release(("P", 9), event, *UNBOUNDED)
     (back,) = twin(store).releases_after(("P", 9), 0)
     assert dataclasses.replace(back, sequence=0) == event
@@ -169,8 +195,9 @@ def test_release_cursor_resumes_from_another_store(redis_server: RedisServer) ->
     store = redis_server.store()
     key = ("P", 0)
     for i in range(5):
-        store.append_release(key, ReleaseEvent(0, f"t{i}", ((i,),), ReleaseReason.COMPLETED, "", i),
-                             *UNBOUNDED)
+        store.append_release(
+            key, ReleaseEvent(0, f"t{i}", ((i,),), ReleaseReason.COMPLETED, "", i), *UNBOUNDED
+        )
     sequences = [e.sequence for e in store.releases_after(key, 0)]
     assert sequences == sorted(set(sequences)) and len(sequences) == 5
     store.mark_delivered(key, sequences[2])
@@ -181,8 +208,9 @@ def test_release_cursor_resumes_from_another_store(redis_server: RedisServer) ->
     assert other.delivered(key) == sequences[2]
     assert [e.transfer_id for e in other.releases_after(key, 0)] == ["t2", "t3", "t4"]
     assert [e.transfer_id for e in other.releases_after(key, sequences[2])] == ["t3", "t4"]
-    other.append_release(key, ReleaseEvent(0, "t5", ((5,),), ReleaseReason.EXPIRED, "ttl", 9),
-                         *UNBOUNDED)
+    other.append_release(
+        key, ReleaseEvent(0, "t5", ((5,),), ReleaseReason.EXPIRED, "ttl", 9), *UNBOUNDED
+    )
     assert store.releases_after(key, sequences[4])[0].sequence > sequences[4]
     store.drop_releases(key)
     assert other.releases_after(key, 0) == [] and other.delivered(key) == 0
@@ -224,7 +252,9 @@ def test_two_replicas_claiming_at_once(redis_server: RedisServer) -> None:
     assert events(store_a, ("P", 0)) == [("t1", ReleaseReason.COMPLETED)]
 
 
-def test_two_replicas_counting_reports_at_once_release_each_rank_once(redis_server: RedisServer) -> None:
+def test_two_replicas_counting_reports_at_once_release_each_rank_once(
+    redis_server: RedisServer,
+) -> None:
     clock = FakeClock()
     store_a = redis_server.store()
     service_a, sc = fleet(store_a, 2, 2, clock)
@@ -232,7 +262,8 @@ def test_two_replicas_counting_reports_at_once_release_each_rank_once(redis_serv
     store_b = twin(store_a)
     service_b = BrokerService(store_b, clock, CONFIG)
     from_b = interleave(
-        store_a, "transfer_of_plan",
+        store_a,
+        "transfer_of_plan",
         lambda: service_b.report(done(plans[1].plan_id, 1)),
     )
     outcome_a = service_a.report(done(plans[0].plan_id, 0))
@@ -250,8 +281,9 @@ def test_releases_wake_watchers_on_other_replicas(redis_server: RedisServer) -> 
     stop = twin(store).subscribe_releases(woken.put)
     try:
         time.sleep(0.1)  # the subscription is in place
-        store.append_release(("P", 3), ReleaseEvent(0, "t", ((1,),), ReleaseReason.ABORTED, "", 0),
-                             *UNBOUNDED)
+        store.append_release(
+            ("P", 3), ReleaseEvent(0, "t", ((1,),), ReleaseReason.ABORTED, "", 0), *UNBOUNDED
+        )
         assert woken.get(timeout=5) == ("P", 3)
         store.drop_releases(("engine:with:colons", 0))
         assert woken.get(timeout=5) == ("engine:with:colons", 0)
@@ -264,8 +296,20 @@ def test_releases_wake_watchers_on_other_replicas(redis_server: RedisServer) -> 
 
 def serve(*flags: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "broker.cli", "serve", "--insecure", "--listen", "127.0.0.1:0", *flags],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ | {"PDBROKER_STORE": "memory"},
+        [
+            sys.executable,
+            "-m",
+            "broker.cli",
+            "serve",
+            "--insecure",
+            "--listen",
+            "127.0.0.1:0",
+            *flags,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=os.environ | {"PDBROKER_STORE": "memory"},
     )
 
 
@@ -275,14 +319,18 @@ def test_serve_replicas_on_one_redis_share_registrations(redis_server: RedisServ
         addresses = [p.stdout.readline().rsplit(" ", 1)[-1].strip() for p in replicas]
         layout = build_scenario(hybrid(), 1, 1, 100).prefill
         with grpc.insecure_channel(addresses[0]) as one, grpc.insecure_channel(addresses[1]) as two:
-            pb_grpc.BrokerStub(one).RegisterRank(register_request(layout, "P", pb.ROLE_PREFILL, 0), timeout=10)
+            pb_grpc.BrokerStub(one).RegisterRank(
+                register_request(layout, "P", pb.ROLE_PREFILL, 0), timeout=10
+            )
             engines = pb_grpc.BrokerStub(two).ListEngines(pb.ListEnginesRequest(), timeout=10)
         assert [e.engine_id for e in engines.engines] == ["P"]
     finally:
         for p in replicas:
             p.terminate()
             assert p.wait(10) == 0
-    assert [r.registration.key for r in RedisStateStore.from_url(redis_server.url).ranks()] == [("P", 0)]
+    assert [r.registration.key for r in RedisStateStore.from_url(redis_server.url).ranks()] == [
+        ("P", 0)
+    ]
 
 
 def test_serve_refuses_unknown_or_unreachable_stores(redis_server: RedisServer) -> None:

@@ -38,23 +38,35 @@ def _free_port() -> int:
 
 
 def test_a_client_behind_a_dropped_backlog_frees_every_transfer_once(
-        redis_server: RedisServer) -> None:
+    redis_server: RedisServer,
+) -> None:
     url = redis_server.url.rsplit("/", 1)[0] + "/6"
     redis.Redis.from_url(url).flushdb()
-    flags = ("--store", url, "--lease-ttl-ms", "60000", "--release-backlog-bytes",
-             str(BACKLOG_BYTES))
+    flags = (
+        "--store",
+        url,
+        "--lease-ttl-ms",
+        "60000",
+        "--release-backlog-bytes",
+        str(BACKLOG_BYTES),
+    )
     port = _free_port()
     a = BrokerProcess("--listen", f"127.0.0.1:{port}", *flags)
     b = BrokerProcess(*flags)
     layout = build_engine_layout(hybrid(mamba=None), 1, TRANSFERS + 4, 16)
-    memory = {0: [np.zeros(layout.ranks[0].region_bytes, np.uint8)
-                  for _ in range(layout.ranks[0].num_regions)]}
+    memory = {
+        0: [
+            np.zeros(layout.ranks[0].region_bytes, np.uint8)
+            for _ in range(layout.ranks[0].num_regions)
+        ]
+    }
     releases: list[Release] = []
 
     async def scenario() -> None:
         nonlocal a
-        async with AsyncPrefillClient(a.address, "P", layout, memory,
-                                      on_release=releases.append) as client:
+        async with AsyncPrefillClient(
+            a.address, "P", layout, memory, on_release=releases.append
+        ) as client:
             for i in range(TRANSFERS):
                 await client.publish(f"t{i:02}", [[i]], 16)
             a.process.kill()  # the client's replica dies: nobody watches P's rank now
@@ -62,8 +74,9 @@ def test_a_client_behind_a_dropped_backlog_frees_every_transfer_once(
             with grpc.insecure_channel(b.address) as channel:
                 stub = pb_grpc.BrokerStub(channel)
                 for i in range(TRANSFERS):
-                    stub.AbortTransfer(pb.AbortTransferRequest(transfer_id=f"t{i:02}"),
-                                       timeout=WAIT_S)
+                    stub.AbortTransfer(
+                        pb.AbortTransferRequest(transfer_id=f"t{i:02}"), timeout=WAIT_S
+                    )
             backlog = redis.Redis.from_url(url)
             kept = backlog.xlen("pdbroker:releases:0:P")
             assert 0 < kept < TRANSFERS  # the oldest events were dropped
@@ -104,10 +117,12 @@ def test_aborted_transfers_nobody_watches_leave_memory_flat() -> None:
     ids = 20_000
     budget_mib = 16
     layout = build_engine_layout(hybrid(mamba=None), 1, ids, 16)
-    broker = BrokerProcess("--lease-ttl-ms", "600000", "--release-backlog-bytes",
-                           str(budget_mib << 20))
-    publish = pb.PublishBlocksRequest(engine_id="P", num_tokens=16 * ids,
-                                      block_ids=[pb.BlockIds(ids=range(ids))])
+    broker = BrokerProcess(
+        "--lease-ttl-ms", "600000", "--release-backlog-bytes", str(budget_mib << 20)
+    )
+    publish = pb.PublishBlocksRequest(
+        engine_id="P", num_tokens=16 * ids, block_ids=[pb.BlockIds(ids=range(ids))]
+    )
     samples = {}
     try:
         with grpc.insecure_channel(broker.address) as channel:
@@ -119,12 +134,16 @@ def test_aborted_transfers_nobody_watches_leave_memory_flat() -> None:
                 stub.AbortTransfer(pb.AbortTransferRequest(transfer_id=f"t{i}"), timeout=WAIT_S)
                 if i + 1 in (100, 750, 1_500):
                     samples[i + 1] = _rss_mib(broker.process.pid)
-            finished = [stub.GetTransfer(pb.GetTransferRequest(transfer_id=t), timeout=WAIT_S)
-                        for t in ("t0", "t1499")]
+            finished = [
+                stub.GetTransfer(pb.GetTransferRequest(transfer_id=t), timeout=WAIT_S)
+                for t in ("t0", "t1499")
+            ]
     finally:
         broker.stop()
     assert [(t.state, len(t.block_ids)) for t in finished] == [(pb.TRANSFER_STATE_ABORTED, 0)] * 2
-    print(f"\nbroker RSS after 100 / 750 / 1,500 transfers: {samples[100]:.0f} / "
-          f"{samples[750]:.0f} / {samples[1_500]:.0f} MiB")
+    print(
+        f"\nbroker RSS after 100 / 750 / 1,500 transfers: {samples[100]:.0f} / "
+        f"{samples[750]:.0f} / {samples[1_500]:.0f} MiB"
+    )
     assert samples[1_500] - samples[100] < budget_mib + 32
     assert samples[1_500] - samples[750] < 16

@@ -272,8 +272,10 @@ def test_engines_act_only_as_themselves(pki: Pki, mtls_broker: str) -> None:
     # Only decode engines the publication allows may fetch its plan, and only as themselves.
     expect(d2.GetTransferPlan, plan("a1", "D"), DENIED, "engine_id")
     # Not D2's transfer: told what an unknown id is told.
-    for call, request in ((d2.GetTransferPlan, plan("a1", "D2")),
-                          (d2.GetTransfer, pb.GetTransferRequest(transfer_id="a1"))):
+    for call, request in (
+        (d2.GetTransferPlan, plan("a1", "D2")),
+        (d2.GetTransfer, pb.GetTransferRequest(transfer_id="a1")),
+    ):
         assert expect(call, request, NOT_FOUND, "transfer_id") == "transfer_id: no transfer 'a1'"
     plan_id = d.GetTransferPlan(plan("a1", "D"), timeout=WAIT_S).plan_id
     expect(d2.ReportTransfer, report(plan_id, "D2"), DENIED, "plan_id")
@@ -372,15 +374,20 @@ def test_bearer_tokens_identify_callers(pki: Pki) -> None:
 def test_ranks_per_identity_are_bounded(pki: Pki) -> None:
     """An identity registers at most --max-ranks-per-identity ranks over the engines it
     names; registering a held rank again takes no more, and other identities go on."""
-    broker = BrokerProcess(*tls_flags(pki, "--auth-tokens", pki.tokens_file,
-                                      "--max-ranks-per-identity", "1"))
+    broker = BrokerProcess(
+        *tls_flags(pki, "--auth-tokens", pki.tokens_file, "--max-ranks-per-identity", "1")
+    )
     try:
         p, d = stub(broker.address, pki.token("P")), stub(broker.address, pki.token("D"))
         register(p, "P", pb.ROLE_PREFILL, 0)
         register(p, "P", pb.ROLE_PREFILL, 0)  # the same rank again
         wider = build_scenario(hybrid(), 2, 1, 100).prefill
-        message = expect(p.RegisterRank, register_request(wider, "P", pb.ROLE_PREFILL, 1),
-                         grpc.StatusCode.RESOURCE_EXHAUSTED, "tp_rank")
+        message = expect(
+            p.RegisterRank,
+            register_request(wider, "P", pb.ROLE_PREFILL, 1),
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "tp_rank",
+        )
         assert "holds 1 registered ranks" in message and "--max-ranks-per-identity" in message
         register(d, "D", pb.ROLE_DECODE, 1)
     finally:

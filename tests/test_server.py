@@ -227,8 +227,10 @@ def test_plans_over_grpc_are_vllms_reference_byte_for_byte(broker: Broker, case:
             assert_inside_regions(remote, p_regions)
             d_region, d_off = _region_offsets(local, d_regions)
             p_region, p_off = _region_offsets(remote, p_regions)
-            runs += [[d, dr, do, p, pr, po, n] for dr, do, pr, po, n in zip(
-                d_region, d_off, p_region, p_off, local[:, 1].tolist())]
+            runs += [
+                [d, dr, do, p, pr, po, n]
+                for dr, do, pr, po, n in zip(d_region, d_off, p_region, p_off, local[:, 1].tolist())
+            ]
             assert source.total_bytes == int(local[:, 1].sum())
         total += plan.total_bytes
     assert merge_runs(runs) == merge_runs(expected["runs"])

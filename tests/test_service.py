@@ -711,8 +711,9 @@ def test_block_id_and_metadata_quotas_per_engine() -> None:
         publish(service, sc, "c")
     assert err.value.field == "block_ids"
     service, _ = make_service(max_metadata_bytes_per_engine=100)
-    big = dataclasses.replace(registration(sc.prefill, "P", Role.PREFILL, 0),
-                              agent_metadata=b"m" * 101)
+    big = dataclasses.replace(
+        registration(sc.prefill, "P", Role.PREFILL, 0), agent_metadata=b"m" * 101
+    )
     with pytest.raises(LimitExceededError, match="--max-metadata-bytes-per-engine") as err:
         service.register_rank(big)
     assert err.value.field == "agent_metadata"

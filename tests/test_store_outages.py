@@ -41,9 +41,11 @@ STALL_S = 4.0
 
 def _health(address: str, timeout_s: float = 1.0) -> int:
     with grpc.insecure_channel(address) as channel:
-        return health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(), timeout=timeout_s
-        ).status
+        return (
+            health_pb2_grpc.HealthStub(channel)
+            .Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+            .status
+        )
 
 
 def _wait_for(address: str, expected: int, within_s: float) -> float:
@@ -111,8 +113,10 @@ def test_redis_down_answers_unavailable_naming_the_store_and_health_follows(
         _protect(server)
         up = _wait_for(broker.address, SERVING, within_s=3.0)
         assert _list_engines(broker.address).engines == []
-        print(f"\nRedis stopped: UNAVAILABLE ({details!r}), NOT_SERVING after {down * 1e3:.0f} ms; "
-              f"SERVING {up * 1e3:.0f} ms after it returned")
+        print(
+            f"\nRedis stopped: UNAVAILABLE ({details!r}), NOT_SERVING after {down * 1e3:.0f} ms; "
+            f"SERVING {up * 1e3:.0f} ms after it returned"
+        )
     finally:
         broker.stop()
 
@@ -147,9 +151,11 @@ def test_a_stalled_redis_keeps_the_replica_answering_and_it_recovers(
         assert answers >= 5
         up = _wait_for(broker.address, SERVING, within_s=3.0)
         assert _list_engines(broker.address).engines == []
-        print(f"\nRedis stalled: NOT_SERVING after {detected * 1e3:.0f} ms, then {answers} health "
-              f"+ UNAVAILABLE pairs within the stall (slowest {slowest * 1e3:.0f} ms); SERVING "
-              f"{up * 1e3:.0f} ms after SIGCONT")
+        print(
+            f"\nRedis stalled: NOT_SERVING after {detected * 1e3:.0f} ms, then {answers} health "
+            f"+ UNAVAILABLE pairs within the stall (slowest {slowest * 1e3:.0f} ms); SERVING "
+            f"{up * 1e3:.0f} ms after SIGCONT"
+        )
     finally:
         broker.stop()
 
@@ -173,8 +179,9 @@ def test_a_stopped_replica_is_left_for_the_other_on_deadline(redis_server: Redis
             os.kill(a.process.pid, signal.SIGSTOP)
             try:
                 started = time.monotonic()
-                renewed = await stub.KeepAlive(pb.KeepAliveRequest(lease_id=lease.lease_id),
-                                               timeout=4)
+                renewed = await stub.KeepAlive(
+                    pb.KeepAliveRequest(lease_id=lease.lease_id), timeout=4
+                )
                 moved = time.monotonic() - started
                 assert renewed.ttl_ms == 30000
                 assert stub.address == b.address and stub.failovers == 1
@@ -196,8 +203,10 @@ def test_a_stopped_replica_is_left_for_the_other_on_deadline(redis_server: Redis
         b.stop()
     assert 1.5 < moved < 3.5  # A's share of the 4 s, then B
     assert direct < 1.0  # later calls go straight to B
-    print(f"\nKeepAlive answered by B {moved * 1e3:.0f} ms after A was stopped; "
-          f"the next call {direct * 1e3:.0f} ms")
+    print(
+        f"\nKeepAlive answered by B {moved * 1e3:.0f} ms after A was stopped; "
+        f"the next call {direct * 1e3:.0f} ms"
+    )
 
 
 def test_a_publish_racing_reregistration_after_a_restart_succeeds() -> None:
@@ -211,8 +220,10 @@ def test_a_publish_racing_reregistration_after_a_restart_succeeds() -> None:
 
     sc = build_scenario(hybrid(), 2, 1, 100)
     prefill = sc.prefill
-    p_mem = {r.tp_rank: [np.zeros(r.region_bytes, np.uint8) for _ in range(r.num_regions)]
-             for r in prefill.ranks}
+    p_mem = {
+        r.tp_rank: [np.zeros(r.region_bytes, np.uint8) for _ in range(r.num_regions)]
+        for r in prefill.ranks
+    }
     blocks = [list(ids) for ids in sc.request.prefill_block_ids]
     releases: list[Release] = []
     port = free_port()
@@ -221,8 +232,9 @@ def test_a_publish_racing_reregistration_after_a_restart_succeeds() -> None:
 
     async def scenario() -> tuple[tuple[str, ...], tuple[str, ...]]:
         nonlocal broker
-        async with AsyncPrefillClient(broker.address, "p", prefill, p_mem,
-                                      on_release=releases.append) as p:
+        async with AsyncPrefillClient(
+            broker.address, "p", prefill, p_mem, on_release=releases.append
+        ) as p:
             before = tuple(s.lease_id for s in p.sessions.values())
             broker.process.kill()
             broker.process.wait()
@@ -231,11 +243,13 @@ def test_a_publish_racing_reregistration_after_a_restart_succeeds() -> None:
             after = tuple(s.lease_id for s in p.sessions.values())
             with grpc.insecure_channel(broker.address) as channel:
                 stub = pb_grpc.BrokerStub(channel)
-                info = stub.GetTransfer(pb.GetTransferRequest(transfer_id="after-restart"),
-                                        timeout=5)
+                info = stub.GetTransfer(
+                    pb.GetTransferRequest(transfer_id="after-restart"), timeout=5
+                )
                 assert info.prefill_engine_id == "p"
-                stub.AbortTransfer(pb.AbortTransferRequest(transfer_id="after-restart",
-                                                           reason="test"), timeout=5)
+                stub.AbortTransfer(
+                    pb.AbortTransferRequest(transfer_id="after-restart", reason="test"), timeout=5
+                )
             deadline = time.monotonic() + 10
             while len(releases) < 2:
                 assert time.monotonic() < deadline, releases
@@ -249,5 +263,7 @@ def test_a_publish_racing_reregistration_after_a_restart_succeeds() -> None:
         broker.stop()
     assert all(b != a for b, a in zip(before, after))  # every rank registered again
     assert sorted((r.transfer_id, r.tp_rank, r.reason.value) for r in releases) == [
-        ("after-restart", 0, "aborted"), ("after-restart", 1, "aborted")]
+        ("after-restart", 0, "aborted"),
+        ("after-restart", 1, "aborted"),
+    ]
     assert all(r.sequence > 0 for r in releases), releases  # from the broker, not local

@@ -25,7 +25,8 @@ def merge_runs(runs: list[list[int]]) -> list[tuple[int, ...]]:
         if merged:
             prev = merged[-1]
             if (prev[0], prev[1], prev[3], prev[4]) == (run[0], run[1], run[3], run[4]) and (
-                    prev[2] + prev[6] == run[2] and prev[5] + prev[6] == run[5]):
+                prev[2] + prev[6] == run[2] and prev[5] + prev[6] == run[5]
+            ):
                 merged[-1] = (*prev[:6], prev[6] + run[6])
                 continue
         merged.append(run)
@@ -53,11 +54,14 @@ def test_plan_matches_vllm_reference(case: Path, capsys: pytest.CaptureFixture[s
 
 
 def test_console_script_plans_a_case() -> None:
-    exe = shutil.which("pdbroker") or shutil.which("pdbroker", path=str(Path(sys.executable).parent))
+    exe = shutil.which("pdbroker") or shutil.which(
+        "pdbroker", path=str(Path(sys.executable).parent)
+    )
     cmd = [exe] if exe else [sys.executable, "-m", "broker.cli"]
     case = CASES[0]
-    out = subprocess.run([*cmd, "plan", "--case", str(case), "--json"], capture_output=True,
-                         text=True, check=True)
+    out = subprocess.run(
+        [*cmd, "plan", "--case", str(case), "--json"], capture_output=True, text=True, check=True
+    )
     expected = json.loads((VECTORS / "expected" / case.name).read_text())
     assert json.loads(out.stdout)["total_bytes"] == expected["total_bytes"]
 
@@ -67,8 +71,12 @@ def test_unplannable_case_names_the_field(tmp_path: Path) -> None:
     raw["decode"]["tp"] = 3
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps(raw))
-    out = subprocess.run([sys.executable, "-m", "broker.cli", "plan", "--case", str(bad), "--json"],
-                         capture_output=True, text=True, check=False)
+    out = subprocess.run(
+        [sys.executable, "-m", "broker.cli", "plan", "--case", str(bad), "--json"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert out.returncode != 0
     assert "total_num_kv_heads" in out.stderr and "tp=3" in out.stderr
 

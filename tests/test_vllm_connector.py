@@ -69,10 +69,16 @@ def broker() -> Iterator[BrokerProcess]:
     process.stop()
 
 
-def make_engine(model_dir: Path, tp: int, role: str, engine_id: str, broker: str,
-                **extra: Any) -> Engine:
-    config = engine_config(model_dir, tp, role=role, engine_id=engine_id,
-                           extra={"broker": broker, "model_name": "test-model", **extra})
+def make_engine(
+    model_dir: Path, tp: int, role: str, engine_id: str, broker: str, **extra: Any
+) -> Engine:
+    config = engine_config(
+        model_dir,
+        tp,
+        role=role,
+        engine_id=engine_id,
+        extra={"broker": broker, "model_name": "test-model", **extra},
+    )
     return Engine(config, NUM_BLOCKS, poison=role == "kv_consumer")
 
 
@@ -95,8 +101,14 @@ def prefill(engine: Engine, request_id: str, prompt: list[int]) -> dict[str, Any
     raise AssertionError("the prefill request did not finish")
 
 
-def decode(engine: Engine, request_id: str, prompt: list[int], params: dict[str, Any] | None,
-           prefill_engine: Engine, max_tokens: int = 3) -> dict[str, Any]:
+def decode(
+    engine: Engine,
+    request_id: str,
+    prompt: list[int],
+    params: dict[str, Any] | None,
+    prefill_engine: Engine,
+    max_tokens: int = 3,
+) -> dict[str, Any]:
     """Run the decode leg to its end while the prefill engine keeps stepping (it collects
     releases). Returns what happened: the blocks the load wrote into, the tokens each
     compute step scheduled for the request, and whether the prefill engine freed its blocks."""
@@ -121,8 +133,11 @@ def decode(engine: Engine, request_id: str, prompt: list[int], params: dict[str,
 # ------------------------------------------------------------------ state through vLLM's views
 
 
-def transfer_blocks(engine: Engine, request_id: str, block_ids: tuple[list[int], ...] | None = None,
-                    ) -> list[list[int]]:
+def transfer_blocks(
+    engine: Engine,
+    request_id: str,
+    block_ids: tuple[list[int], ...] | None = None,
+) -> list[list[int]]:
     """The request's blocks per KV-cache group (a Mamba group's state block alone)."""
     groups = block_ids if block_ids is not None else engine.block_ids(request_id)
     specs = [g.kv_cache_spec for g in engine.kv_config.kv_cache_groups]
@@ -133,18 +148,25 @@ def fill_pages(engine: Engine, request_id: str) -> None:
     """Random bytes in every layer's pages of the request, on every rank."""
     generator = torch.Generator().manual_seed(hash(request_id) % 2**31)
     for cache in engine.caches:
-        for group, ids in zip(engine.kv_config.kv_cache_groups, transfer_blocks(engine, request_id)):
+        for group, ids in zip(
+            engine.kv_config.kv_cache_groups, transfer_blocks(engine, request_id)
+        ):
             for name in group.layer_names:
                 view = cache[name]
                 ratio = view.shape[0] // engine.kv_config.num_blocks
                 for block in ids:
-                    pages = view[block * ratio:(block + 1) * ratio].view(torch.uint8)
-                    pages.copy_(torch.randint(0, 256, pages.shape, dtype=torch.uint8,
-                                              generator=generator))
+                    pages = view[block * ratio : (block + 1) * ratio].view(torch.uint8)
+                    pages.copy_(
+                        torch.randint(0, 256, pages.shape, dtype=torch.uint8, generator=generator)
+                    )
 
 
-def rank_state(engine: Engine, rank: int, blocks: list[list[int]], tokens: int,
-               ) -> dict[str, list[torch.Tensor]]:
+def rank_state(
+    engine: Engine,
+    rank: int,
+    blocks: list[list[int]],
+    tokens: int,
+) -> dict[str, list[torch.Tensor]]:
     """Per layer, the request's state on one rank as vLLM's views hold it, in bytes:
     attention ``[heads, tokens, K|V bytes]``; Mamba ``[conv (dim, rows bytes), ssm
     (first axis, rest bytes)]`` from the page as vLLM packs it (conv state, then SSM)."""
@@ -158,11 +180,15 @@ def rank_state(engine: Engine, rank: int, blocks: list[list[int]], tokens: int,
                 (conv_shape, ssm_shape), (conv_dtype, ssm_dtype) = spec.shapes, spec.dtypes
                 conv_bytes = conv_shape[0] * conv_shape[1] * conv_dtype.itemsize
                 ssm_bytes = torch.Size(ssm_shape).numel() * ssm_dtype.itemsize
-                state[name] = [page[:conv_bytes].reshape(conv_shape[0], -1),
-                               page[conv_bytes:conv_bytes + ssm_bytes].reshape(ssm_shape[0], -1)]
+                state[name] = [
+                    page[:conv_bytes].reshape(conv_shape[0], -1),
+                    page[conv_bytes : conv_bytes + ssm_bytes].reshape(ssm_shape[0], -1),
+                ]
             else:
                 ratio = view.shape[0] // engine.kv_config.num_blocks
-                pages = [view[b * ratio:(b + 1) * ratio].transpose(0, 1).flatten(1, 2) for b in ids]
+                pages = [
+                    view[b * ratio : (b + 1) * ratio].transpose(0, 1).flatten(1, 2) for b in ids
+                ]
                 state[name] = [torch.cat(pages, 1)[:, :tokens].contiguous().view(torch.uint8)]
     return state
 
@@ -177,7 +203,9 @@ def conv_pieces(engine: Engine) -> list[int]:
     return [keys, keys, config.linear_num_value_heads * config.linear_value_head_dim]
 
 
-def global_state(engine: Engine, blocks: list[list[int]], tokens: int) -> dict[str, list[torch.Tensor]]:
+def global_state(
+    engine: Engine, blocks: list[list[int]], tokens: int
+) -> dict[str, list[torch.Tensor]]:
     """The request's global state: every rank's slices put back together (heads, each conv
     sub-projection and SSM heads split evenly over the TP ranks, in rank order)."""
     tp = len(engine.caches)
@@ -189,13 +217,18 @@ def global_state(engine: Engine, blocks: list[list[int]], tokens: int) -> dict[s
             merged[name] = [torch.cat([r[name][0] for r in ranks])]
             continue
         convs = [r[name][0].split(local) for r in ranks]
-        merged[name] = [torch.cat([torch.cat([c[i] for c in convs]) for i in range(len(local))]),
-                        torch.cat([r[name][1] for r in ranks])]
+        merged[name] = [
+            torch.cat([torch.cat([c[i] for c in convs]) for i in range(len(local))]),
+            torch.cat([r[name][1] for r in ranks]),
+        ]
     return merged
 
 
-def expected_rank_state(state: dict[str, list[torch.Tensor]], engine: Engine, rank: int,
-                        ) -> dict[str, list[torch.Tensor]]:
+def expected_rank_state(
+    state: dict[str, list[torch.Tensor]],
+    engine: Engine,
+    rank: int,
+) -> dict[str, list[torch.Tensor]]:
     """One rank's slice of the global state under ``engine``'s TP."""
     tp = len(engine.caches)
 
@@ -203,13 +236,24 @@ def expected_rank_state(state: dict[str, list[torch.Tensor]], engine: Engine, ra
         return t.split(n // tp)[rank]
 
     pieces = conv_pieces(engine)
-    return {name: [part(parts[0], parts[0].shape[0])] if len(parts) == 1 else
-            [torch.cat([part(p, n) for p, n in zip(parts[0].split(pieces), pieces)]),
-             part(parts[1], parts[1].shape[0])] for name, parts in state.items()}
+    return {
+        name: [part(parts[0], parts[0].shape[0])]
+        if len(parts) == 1
+        else [
+            torch.cat([part(p, n) for p, n in zip(parts[0].split(pieces), pieces)]),
+            part(parts[1], parts[1].shape[0]),
+        ]
+        for name, parts in state.items()
+    }
 
 
-def assert_transferred(prefill_engine: Engine, prefill_blocks: list[list[int]], decode_engine: Engine,
-                       decode_blocks: list[list[int]], tokens: int) -> None:
+def assert_transferred(
+    prefill_engine: Engine,
+    prefill_blocks: list[list[int]],
+    decode_engine: Engine,
+    decode_blocks: list[list[int]],
+    tokens: int,
+) -> None:
     """Decode holds prefill's state of the request on every rank, and poison everywhere the
     request does not own."""
     state = global_state(prefill_engine, prefill_blocks, tokens)
@@ -227,27 +271,37 @@ def assert_transferred(prefill_engine: Engine, prefill_blocks: list[list[int]], 
         for region in range(memory.numel() // tensor.layer_stride):
             for block in owned:
                 start = region * tensor.layer_stride + block * tensor.block_stride
-                untouched[start:start + tensor.block_stride] = False
+                untouched[start : start + tensor.block_stride] = False
         assert bool((memory[untouched] == POISON).all())
 
 
 def transfer_state(broker: BrokerProcess, transfer_id: str) -> str:
     with grpc.insecure_channel(broker.address) as channel:
         response = pb_grpc.BrokerStub(channel).GetTransfer(
-            pb.GetTransferRequest(transfer_id=transfer_id), timeout=10)
+            pb.GetTransferRequest(transfer_id=transfer_id), timeout=10
+        )
     return pb.TransferState.Name(response.state)
 
 
 # ------------------------------------------------------------------ tests
 
 
-@pytest.mark.parametrize(("preset", "prefill_tp", "decode_tp", "prompt_len"), [
-    ("qwen3.5-0.8b", 1, 1, 1200),           # GDN; both sides through vLLM's connector factory
-    ("qwen3.5-0.8b", 1, 2, 1500),           # GDN heads, Q|K|V and KV heads split on decode
-    ("nemotron-3-nano-30b-a3b", 2, 1, 2500),  # Mamba2 x|B|C gathered from two prefill ranks
-])
-def test_prompt_state_moves_between_vllm_engines(broker: BrokerProcess, tmp_path: Path, preset: str,
-                                                 prefill_tp: int, decode_tp: int, prompt_len: int) -> None:
+@pytest.mark.parametrize(
+    ("preset", "prefill_tp", "decode_tp", "prompt_len"),
+    [
+        ("qwen3.5-0.8b", 1, 1, 1200),  # GDN; both sides through vLLM's connector factory
+        ("qwen3.5-0.8b", 1, 2, 1500),  # GDN heads, Q|K|V and KV heads split on decode
+        ("nemotron-3-nano-30b-a3b", 2, 1, 2500),  # Mamba2 x|B|C gathered from two prefill ranks
+    ],
+)
+def test_prompt_state_moves_between_vllm_engines(
+    broker: BrokerProcess,
+    tmp_path: Path,
+    preset: str,
+    prefill_tp: int,
+    decode_tp: int,
+    prompt_len: int,
+) -> None:
     model = write_model(preset, tmp_path / preset)
     producer = make_engine(model, prefill_tp, "kv_producer", "prefill-0", broker.address)
     consumer = make_engine(model, decode_tp, "kv_consumer", "decode-0", broker.address)
@@ -257,14 +311,24 @@ def test_prompt_state_moves_between_vllm_engines(broker: BrokerProcess, tmp_path
         params = prefill(producer, "r1", prompt)
         assert params is not None and params[DO_REMOTE_PREFILL] is True
         assert (params[BROKER], params[PREFILL_ENGINE]) == (broker.address, "prefill-0")
-        assert set(params) <= {DO_REMOTE_PREFILL, TRANSFER_ID, BROKER, PREFILL_ENGINE,
-                               "remote_prefill_cached_tokens"}
+        assert set(params) <= {
+            DO_REMOTE_PREFILL,
+            TRANSFER_ID,
+            BROKER,
+            PREFILL_ENGINE,
+            "remote_prefill_cached_tokens",
+        }
         prefill_blocks = transfer_blocks(producer, "r1")
         seen = decode(consumer, "r1", prompt, params, producer)
         # The load covered N-1 tokens: decode computes the last prompt token, then decodes.
         assert seen["scheduled"] == [1, 1, 1]
-        assert_transferred(producer, prefill_blocks, consumer, transfer_blocks(consumer, "r1", seen["blocks"]),
-                           prompt_len - 1)
+        assert_transferred(
+            producer,
+            prefill_blocks,
+            consumer,
+            transfer_blocks(consumer, "r1", seen["blocks"]),
+            prompt_len - 1,
+        )
         assert transfer_state(broker, params[TRANSFER_ID]) == "TRANSFER_STATE_COMPLETED"
         assert producer.free_blocks == free  # the release freed the prefill blocks
     finally:
@@ -277,9 +341,14 @@ def test_a_layout_mismatch_is_recomputed(broker: BrokerProcess, tmp_path: Path) 
     plan, decode aborts the transfer (prefill frees at once) and vLLM recomputes."""
     model = write_model("nemotron-3-nano-30b-a3b", tmp_path / "m")
     producer = make_engine(model, 1, "kv_producer", "prefill-0", broker.address)
-    config = engine_config(model, 1, role="kv_consumer", engine_id="decode-0",
-                           extra={"broker": broker.address, "model_name": "test-model"},
-                           mamba_cache_dtype="float32")
+    config = engine_config(
+        model,
+        1,
+        role="kv_consumer",
+        engine_id="decode-0",
+        extra={"broker": broker.address, "model_name": "test-model"},
+        mamba_cache_dtype="float32",
+    )
     consumer = Engine(config, NUM_BLOCKS)
     try:
         prompt = list(range(1, 1001))
@@ -341,7 +410,9 @@ def test_an_unreachable_broker_is_recomputed(broker: BrokerProcess, tmp_path: Pa
         deadline = time.monotonic() + DEADLINE_S
         while time.monotonic() < deadline:
             out, _ = consumer.step()
-            scheduled += [out.num_scheduled_tokens["r1"]] if "r1" in out.num_scheduled_tokens else []
+            scheduled += (
+                [out.num_scheduled_tokens["r1"]] if "r1" in out.num_scheduled_tokens else []
+            )
             if request.is_finished():
                 break
             time.sleep(0.005)

@@ -29,10 +29,12 @@ from broker.presets import PRESET_CONFIGS, resolve_model
 from clients.vllm.layout import ModelFacts, derive_rank_memory, model_fingerprint
 
 CASES = [(preset, tp, FlashAttentionBackend) for preset in PRESET_CONFIGS for tp in (1, 2, 4, 8)]
-CASES += [("nemotron-h-8b", 16, FlashAttentionBackend),       # replicated KV heads and B/C groups
-          ("qwen3.5-4b", 16, FlashAttentionBackend),          # replicated KV heads
-          ("nemotron-h-8b", 2, FlashInferBackend),            # kernel blocks of 16 in 1040-token pages
-          ("qwen3.5-27b", 4, FlashInferBackend)]
+CASES += [
+    ("nemotron-h-8b", 16, FlashAttentionBackend),  # replicated KV heads and B/C groups
+    ("qwen3.5-4b", 16, FlashAttentionBackend),  # replicated KV heads
+    ("nemotron-h-8b", 2, FlashInferBackend),  # kernel blocks of 16 in 1040-token pages
+    ("qwen3.5-27b", 4, FlashInferBackend),
+]
 NUM_BLOCKS = 3
 
 
@@ -42,18 +44,30 @@ def derive(preset: str, tp: int, backend: type, tmp_path: Path):
     caches = allocate(config, kv_config, backend)
     model = config.model_config
     facts = ModelFacts(model.get_total_num_kv_heads(), getattr(model.hf_text_config, "n_groups", 0))
-    memories = [derive_rank_memory(kv_config, caches, tp, r, facts, get_conv_state_layout())
-                for r in range(tp)]
+    memories = [
+        derive_rank_memory(kv_config, caches, tp, r, facts, get_conv_state_layout())
+        for r in range(tp)
+    ]
     return config, kv_config, caches, memories
 
 
-@pytest.mark.parametrize(("preset", "tp", "backend"), CASES,
-                         ids=[f"{p}-tp{t}-{b.get_name().lower()}" for p, t, b in CASES])
-def test_derived_layout_equals_the_preset(preset: str, tp: int, backend: type, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("preset", "tp", "backend"),
+    CASES,
+    ids=[f"{p}-tp{t}-{b.get_name().lower()}" for p, t, b in CASES],
+)
+def test_derived_layout_equals_the_preset(
+    preset: str, tp: int, backend: type, tmp_path: Path
+) -> None:
     config, kv_config, caches, memories = derive(preset, tp, backend, tmp_path)
     attention = next(g for g in memories[0].layout.groups if g.is_attention)
-    expected = build_engine_layout(resolve_model(preset), tp, kv_config.num_blocks,
-                                   config.cache_config.block_size, attention.kernel_block_size)
+    expected = build_engine_layout(
+        resolve_model(preset),
+        tp,
+        kv_config.num_blocks,
+        config.cache_config.block_size,
+        attention.kernel_block_size,
+    )
     assert [m.layout for m in memories] == list(expected.ranks)
     if backend is FlashInferBackend:
         assert attention.kernel_block_size == 16 < attention.block_size
@@ -66,9 +80,13 @@ def test_derived_layout_equals_the_preset(preset: str, tp: int, backend: type, t
 
 
 def test_the_fingerprint_names_the_model_not_its_tp(tmp_path: Path) -> None:
-    prints = {tp: model_fingerprint("qwen", derive("qwen3.5-0.8b", tp, FlashAttentionBackend,
-                                                   tmp_path / str(tp))[3][0].layout)
-              for tp in (1, 2)}
+    prints = {
+        tp: model_fingerprint(
+            "qwen",
+            derive("qwen3.5-0.8b", tp, FlashAttentionBackend, tmp_path / str(tp))[3][0].layout,
+        )
+        for tp in (1, 2)
+    }
     other = derive("qwen3.5-4b", 1, FlashAttentionBackend, tmp_path / "4b")[3][0].layout
     assert prints[1] == prints[2] != model_fingerprint("qwen", other)
 
@@ -83,8 +101,9 @@ def test_conv_state_must_be_dim_first(tmp_path: Path) -> None:
 def test_a_layer_outside_the_shared_regions_is_refused(tmp_path: Path) -> None:
     """HMA aliasing is what makes region *i* hold layer *i* of every group."""
     _, kv_config, caches, _ = derive("qwen3.5-0.8b", 1, FlashAttentionBackend, tmp_path)
-    first_attention = next(g for g in kv_config.kv_cache_groups
-                           if not hasattr(g.kv_cache_spec, "shapes")).layer_names[0]
+    first_attention = next(
+        g for g in kv_config.kv_cache_groups if not hasattr(g.kv_cache_spec, "shapes")
+    ).layer_names[0]
     caches[first_attention] = caches[first_attention].clone()
     with pytest.raises(LayoutError, match="does not share region 0"):
         derive_rank_memory(kv_config, caches, 1, 0, ModelFacts(2), "DS")
@@ -92,9 +111,11 @@ def test_a_layer_outside_the_shared_regions_is_refused(tmp_path: Path) -> None:
 
 def test_the_broker_never_imports_vllm() -> None:
     """Every module of the broker package loads without vLLM (nor torch, nor NIXL)."""
-    code = ("import importlib, pkgutil, sys, broker\n"
-            "for m in pkgutil.walk_packages(broker.__path__, 'broker.'):\n"
-            "    importlib.import_module(m.name)\n"
-            "print(sorted({m.split('.')[0] for m in sys.modules} & {'vllm', 'torch', 'nixl'}))")
+    code = (
+        "import importlib, pkgutil, sys, broker\n"
+        "for m in pkgutil.walk_packages(broker.__path__, 'broker.'):\n"
+        "    importlib.import_module(m.name)\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'vllm', 'torch', 'nixl'}))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -31,19 +31,35 @@ _MB = 1e6
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="run requests through a real broker, engines and NIXL; verify every byte",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--requests", type=int, default=8, help="transfers to run (round-robin over the pairs)")
-    p.add_argument("--inflight", type=int, default=2,
-                   help="requests per engine pair between publish and release (sizes the KV caches)")
+    p = sub.add_parser(
+        "demo",
+        help="run requests through a real broker, engines and NIXL; verify every byte",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--requests", type=int, default=8, help="transfers to run (round-robin over the pairs)"
+    )
+    p.add_argument(
+        "--inflight",
+        type=int,
+        default=2,
+        help="requests per engine pair between publish and release (sizes the KV caches)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seeds token counts, salts and block order")
-    p.add_argument("--broker", metavar="ADDR[,ADDR...]",
-                   help="run the engines against these running brokers (plaintext replicas sharing "
-                        "a store, e.g. `pdbroker serve --store redis://... --insecure`) instead of "
-                        "starting one; engines fail over between them")
-    p.add_argument("--trace", action="store_true",
-                   help="trace every process into a receiver in the demo and print the span tree "
-                        "of the first transfer (overrides OTEL_* trace exporter settings)")
+    p.add_argument(
+        "--broker",
+        metavar="ADDR[,ADDR...]",
+        help="run the engines against these running brokers (plaintext replicas sharing "
+        "a store, e.g. `pdbroker serve --store redis://... --insecure`) instead of "
+        "starting one; engines fail over between them",
+    )
+    p.add_argument(
+        "--trace",
+        action="store_true",
+        help="trace every process into a receiver in the demo and print the span tree "
+        "of the first transfer (overrides OTEL_* trace exporter settings)",
+    )
     p.set_defaults(run=run)
 
 
@@ -53,8 +69,10 @@ def run(args: argparse.Namespace) -> int:
     from broker.presets import resolve_model
     from clients.loopback import PairSpec, RunningBrokers, run_fleet
 
-    pairs = [PairSpec(label, resolve_model(name), p_tp, d_tp, lo, hi)
-             for label, name, p_tp, d_tp, lo, hi in PAIRS]
+    pairs = [
+        PairSpec(label, resolve_model(name), p_tp, d_tp, lo, hi)
+        for label, name, p_tp, d_tp, lo, hi in PAIRS
+    ]
     brokers = RunningBrokers(args.broker) if args.broker else None
     spans: list[ReceivedSpan] = []
     if args.trace:
@@ -62,12 +80,24 @@ def run(args: argparse.Namespace) -> int:
 
         with TraceReceiver() as receiver:
             os.environ.update(receiver.environment())  # inherited by every process of the fleet
-            report = run_fleet(pairs, args.requests, inflight=args.inflight, seed=args.seed,
-                               on_progress=_progress_bar, broker=brokers)
+            report = run_fleet(
+                pairs,
+                args.requests,
+                inflight=args.inflight,
+                seed=args.seed,
+                on_progress=_progress_bar,
+                broker=brokers,
+            )
             spans = receiver.spans()  # complete: every process flushed its spans on exit
     else:
-        report = run_fleet(pairs, args.requests, inflight=args.inflight, seed=args.seed,
-                           on_progress=_progress_bar, broker=brokers)
+        report = run_fleet(
+            pairs,
+            args.requests,
+            inflight=args.inflight,
+            seed=args.seed,
+            on_progress=_progress_bar,
+            broker=brokers,
+        )
     print(file=sys.stderr)
     print(format_report(report))
     if args.trace:
@@ -76,8 +106,10 @@ def run(args: argparse.Namespace) -> int:
     for problem in report.problems():
         print(f"pdbroker demo: {problem}", file=sys.stderr)
     fetched = [r for r in report.requests if r.fetched]
-    print(f"demo: {len(fetched)} transfers, {sum(r.nbytes for r in fetched)} bytes verified, "
-          f"{report.mismatches} mismatches")
+    print(
+        f"demo: {len(fetched)} transfers, {sum(r.nbytes for r in fetched)} bytes verified, "
+        f"{report.mismatches} mismatches"
+    )
     return 0 if report.ok else 1
 
 
@@ -85,15 +117,20 @@ def format_trace(spans: list[ReceivedSpan], transfer_id: str) -> str:
     """A heading and the span tree of ``transfer_id``'s trace (found by its publish span)."""
     from clients.trace_receiver import span_tree
 
-    roots = [s for s in spans if s.name == "prefill.publish"
-             and s.attributes.get("pdbroker.transfer_id") == transfer_id]
+    roots = [
+        s
+        for s in spans
+        if s.name == "prefill.publish" and s.attributes.get("pdbroker.transfer_id") == transfer_id
+    ]
     if not roots:
         return f"trace of {transfer_id}: no spans received"
     trace_id = roots[0].trace_id
     lines = span_tree(spans, trace_id)
     services = {s.service for s in spans if s.trace_id == trace_id}
-    heading = (f"trace {trace_id} of {transfer_id}: {len(lines)} spans from {len(services)} "
-               f"processes (durations in ms)")
+    heading = (
+        f"trace {trace_id} of {transfer_id}: {len(lines)} spans from {len(services)} "
+        f"processes (durations in ms)"
+    )
     return "\n".join([heading, *lines])
 
 
@@ -101,52 +138,107 @@ def _progress_bar(report: FleetReport, width: int = 30) -> None:
     total = len(report.requests)
     filled = width * report.completed // total
     moved = sum(r.nbytes for r in report.requests if r.fetched)
-    print(f"\r[{'#' * filled}{'.' * (width - filled)}] {report.completed}/{total} transfers, "
-          f"{moved / _MB:,.0f} MB", end="", file=sys.stderr, flush=True)
+    print(
+        f"\r[{'#' * filled}{'.' * (width - filled)}] {report.completed}/{total} transfers, "
+        f"{moved / _MB:,.0f} MB",
+        end="",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _row(cells: list[str], widths: list[int]) -> str:
-    return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+    return "  ".join(
+        c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
+    )
 
 
 def format_report(report: FleetReport) -> str:
     """Pairs, volumes and savings, per-stage latency percentiles, and the checks made."""
     engines = 2 * len(report.pairs)
     agents = sum(p.prefill_tp + p.decode_tp for p in report.pairs)
-    memory = sum(rank.region_bytes * rank.num_regions for pair in report.layouts
-                 for layout in pair for rank in layout.ranks)
-    lines = [(f"pdbroker demo: {len(report.requests)} requests, {len(report.pairs)} P/D pairs, broker + "
-              f"{engines} engine processes, {agents} NIXL agents (UCX, DRAM), {report.wall_s:.1f} s"), ""]
+    memory = sum(
+        rank.region_bytes * rank.num_regions
+        for pair in report.layouts
+        for layout in pair
+        for rank in layout.ranks
+    )
+    lines = [
+        (
+            f"pdbroker demo: {len(report.requests)} requests, {len(report.pairs)} P/D pairs, broker + "
+            f"{engines} engine processes, {agents} NIXL agents (UCX, DRAM), {report.wall_s:.1f} s"
+        ),
+        "",
+    ]
     widths = [44, 8, 10, 10, 16, 12, 20]
-    lines.append(_row(["pair", "requests", "tokens", "moved MB", "naive MB", "descriptors",
-                       "vLLM descriptors"], widths))
+    lines.append(
+        _row(
+            [
+                "pair",
+                "requests",
+                "tokens",
+                "moved MB",
+                "naive MB",
+                "descriptors",
+                "vLLM descriptors",
+            ],
+            widths,
+        )
+    )
     totals = np.zeros(4, dtype=np.int64)
     for i, pair in enumerate(report.pairs):
         done = [r for r in report.requests if r.pair == i and r.fetched]
-        sums = np.array([sum(rank[k] for r in done for rank in r.ranks)
-                         for k in ("nbytes", "naive_bytes", "num_descriptors", "vllm_descriptors")],
-                        dtype=np.int64)
+        sums = np.array(
+            [
+                sum(rank[k] for r in done for rank in r.ranks)
+                for k in ("nbytes", "naive_bytes", "num_descriptors", "vllm_descriptors")
+            ],
+            dtype=np.int64,
+        )
         totals += sums
-        lines.append(_row([pair.label, str(len(done)), f"{pair.min_tokens}-{pair.max_tokens}",
-                           *_volumes(sums)], widths))
-    lines.append(_row(["total", str(sum(r.fetched for r in report.requests)), "", *_volumes(totals)], widths))
-    lines += ["", _row(["stage latency (ms)", "n", "p50", "p90", "p99", "max"], [44, 6, 9, 9, 9, 9])]
+        lines.append(
+            _row(
+                [
+                    pair.label,
+                    str(len(done)),
+                    f"{pair.min_tokens}-{pair.max_tokens}",
+                    *_volumes(sums),
+                ],
+                widths,
+            )
+        )
+    lines.append(
+        _row(["total", str(sum(r.fetched for r in report.requests)), "", *_volumes(totals)], widths)
+    )
+    lines += [
+        "",
+        _row(["stage latency (ms)", "n", "p50", "p90", "p99", "max"], [44, 6, 9, 9, 9, 9]),
+    ]
     for name, values in _stages(report):
-        cells = [f"{v:.2f}" for v in np.percentile(values, [50, 90, 99, 100])] if values else ["-"] * 4
+        cells = (
+            [f"{v:.2f}" for v in np.percentile(values, [50, 90, 99, 100])] if values else ["-"] * 4
+        )
         lines.append(_row([name, str(len(values)), *cells], [44, 6, 9, 9, 9, 9]))
     releases = sum(len(r.releases) for r in report.requests)
     completed = sum(why == "completed" for r in report.requests for why, _ in r.releases.values())
     read_s = sum(rank["read_s"] for r in report.requests for rank in r.ranks)
-    lines += ["",
-              f"NIXL read throughput: {report.nbytes / read_s / 1e9:.2f} GB/s summed over reads" if read_s
-              else "NIXL read throughput: -",
-              (f"KV memory registered: {memory / _MB:,.0f} MB; decode memory compared byte by byte: "
-               f"{sum(r.checked_bytes for r in report.requests) / _MB:,.0f} MB "
-               f"({sum(r.expected_bytes for r in report.requests):,} state bytes expected, "
-               f"{report.mismatches} mismatches)"),
-              (f"releases: {completed}/{releases} completed; NIXL completion notifications at prefill: "
-               f"{report.notifications}/{report.expected_notifications}; engines registered after "
-               f"close: {len(report.leftover_engines)}")]
+    lines += [
+        "",
+        f"NIXL read throughput: {report.nbytes / read_s / 1e9:.2f} GB/s summed over reads"
+        if read_s
+        else "NIXL read throughput: -",
+        (
+            f"KV memory registered: {memory / _MB:,.0f} MB; decode memory compared byte by byte: "
+            f"{sum(r.checked_bytes for r in report.requests) / _MB:,.0f} MB "
+            f"({sum(r.expected_bytes for r in report.requests):,} state bytes expected, "
+            f"{report.mismatches} mismatches)"
+        ),
+        (
+            f"releases: {completed}/{releases} completed; NIXL completion notifications at prefill: "
+            f"{report.notifications}/{report.expected_notifications}; engines registered after "
+            f"close: {len(report.leftover_engines)}"
+        ),
+    ]
     return "\n".join(lines)
 
 
@@ -154,7 +246,12 @@ def _volumes(sums: np.ndarray) -> list[str]:
     moved, naive, descriptors, vllm = (int(x) for x in sums)
     saved = f" (-{100 * (1 - moved / naive):.1f}%)" if naive else ""
     fewer = f" ({vllm / descriptors:.1f}x)" if descriptors else ""
-    return [f"{moved / _MB:,.1f}", f"{naive / _MB:,.1f}{saved}", f"{descriptors:,}", f"{vllm:,}{fewer}"]
+    return [
+        f"{moved / _MB:,.1f}",
+        f"{naive / _MB:,.1f}{saved}",
+        f"{descriptors:,}",
+        f"{vllm:,}{fewer}",
+    ]
 
 
 def _stages(report: FleetReport) -> list[tuple[str, list[float]]]:

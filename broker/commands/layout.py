@@ -15,12 +15,17 @@ from broker.scenarios import with_kv_dtype
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("layout", help="print rank 0's page layout: groups, segments, padding")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model",
-                     help=f"a preset ({', '.join(preset_names())}) or a config.json path")
+    src.add_argument(
+        "--model", help=f"a preset ({', '.join(preset_names())}) or a config.json path"
+    )
     src.add_argument("--hf-config", type=Path, help="a Hugging Face config.json or its directory")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    p.add_argument("--block-size", type=int, default=0,
-                   help="tokens per logical block (default: vLLM's HMA choice, alignment 16)")
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=0,
+        help="tokens per logical block (default: vLLM's HMA choice, alignment 16)",
+    )
     p.add_argument("--kernel-block-size", type=int, default=0, help="default: = block size")
     p.add_argument("--kv-dtype", default=None, help="KV-cache dtype, e.g. bfloat16 or fp8")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -68,30 +73,44 @@ def format_layout(engine: EngineLayout, summary: dict) -> str:
     rank = engine.ranks[0]
     lines = [
         f"model         {engine.model} (tp={engine.tp_size}, rank 0 of {engine.tp_size})",
-        (f"block size    {summary['block_size']} tokens, kernel block "
-        f"{summary['kernel_block_size']} tokens"),
+        (
+            f"block size    {summary['block_size']} tokens, kernel block "
+            f"{summary['kernel_block_size']} tokens"
+        ),
         f"page bytes    {rank.page_bytes:,} (regions: {rank.num_regions})",
         "",
         "groups",
     ]
     for g, group in enumerate(rank.groups):
-        lines.append(f"  {g:>3} {group.kind.value:<9} {len(group.layers):>3} layers: "
-                     f"{', '.join(group.layers)}")
+        lines.append(
+            f"  {g:>3} {group.kind.value:<9} {len(group.layers):>3} layers: "
+            f"{', '.join(group.layers)}"
+        )
     attention = next((g for g in rank.groups if g.is_attention), None)
     if attention is not None:
         kv = attention.segment("kv")
-        lines += ["", (f"attention page: {attention.kernel_blocks_per_page} kernel block(s) of "
-                      f"{attention.kernel_block_bytes:,} bytes, each {kv.tensor} {kv.shape} "
-                      f"{kv.dtype} (heads {kv.shard_interval[0]}..{kv.shard_interval[1] - 1} "
-                      f"of {kv.global_extent})")]
+        lines += [
+            "",
+            (
+                f"attention page: {attention.kernel_blocks_per_page} kernel block(s) of "
+                f"{attention.kernel_block_bytes:,} bytes, each {kv.tensor} {kv.shape} "
+                f"{kv.dtype} (heads {kv.shard_interval[0]}..{kv.shard_interval[1] - 1} "
+                f"of {kv.global_extent})"
+            ),
+        ]
     mamba = _mamba_group(rank)
     if mamba is not None:
-        lines += ["", "mamba page",
-                  f"  {'offset':>12} {'bytes':>12}  {'tensor':<8} {'shape':<16} dtype"]
+        lines += [
+            "",
+            "mamba page",
+            f"  {'offset':>12} {'bytes':>12}  {'tensor':<8} {'shape':<16} dtype",
+        ]
         for s in mamba.segments:
-            lines.append(f"  {s.offset:>12,} {s.nbytes:>12,}  {s.tensor:<8} {s.shape!s:<16} "
-                         f"{s.dtype}")
+            lines.append(
+                f"  {s.offset:>12,} {s.nbytes:>12,}  {s.tensor:<8} {s.shape!s:<16} {s.dtype}"
+            )
         padding = summary["mamba"]["padding_bytes"]
-        lines.append(f"  {rank.page_bytes - padding:>12,} {padding:>12,}  padding "
-                     "(never transferred)")
+        lines.append(
+            f"  {rank.page_bytes - padding:>12,} {padding:>12,}  padding (never transferred)"
+        )
     return "\n".join(lines)

@@ -39,8 +39,14 @@ def run(args: argparse.Namespace) -> int:
         from broker.presets import resolve_model
 
         model = with_kv_dtype(resolve_model(args.model), args.kv_dtype)
-        sc = build_scenario(model, args.prefill_tp, args.decode_tp, args.tokens,
-                            args.block_size, args.kernel_block_size)
+        sc = build_scenario(
+            model,
+            args.prefill_tp,
+            args.decode_tp,
+            args.tokens,
+            args.block_size,
+            args.kernel_block_size,
+        )
         prefill, decode, request = sc.prefill, sc.decode, sc.request
     plan = PairPlanner(prefill, decode).plan(request)
     if args.json:
@@ -58,10 +64,21 @@ def plan_summary(plan: TransferPlan, with_runs: bool = False) -> dict:
         "naive_bytes": plan.naive_bytes,
         "vllm_descriptors": plan.vllm_descriptors,
         "ranks": [
-            {"decode_rank": r.decode_rank, "bytes": r.nbytes, "descriptors": r.num_descriptors,
-             "naive_bytes": r.naive_bytes, "vllm_descriptors": r.vllm_descriptors,
-             "sources": [{"prefill_rank": s.prefill_rank, "bytes": s.nbytes,
-                          "descriptors": s.num_descriptors} for s in r.sources]}
+            {
+                "decode_rank": r.decode_rank,
+                "bytes": r.nbytes,
+                "descriptors": r.num_descriptors,
+                "naive_bytes": r.naive_bytes,
+                "vllm_descriptors": r.vllm_descriptors,
+                "sources": [
+                    {
+                        "prefill_rank": s.prefill_rank,
+                        "bytes": s.nbytes,
+                        "descriptors": s.num_descriptors,
+                    }
+                    for s in r.sources
+                ],
+            }
             for r in plan.ranks
         ],
     }
@@ -74,13 +91,19 @@ def format_plan(plan: TransferPlan) -> str:
     lines = [f"{'decode rank':>11} {'prefill rank':>12} {'descriptors':>11} {'bytes':>14}"]
     for r in plan.ranks:
         for s in r.sources:
-            lines.append(f"{r.decode_rank:>11} {s.prefill_rank:>12} {s.num_descriptors:>11} {s.nbytes:>14,}")
+            lines.append(
+                f"{r.decode_rank:>11} {s.prefill_rank:>12} {s.num_descriptors:>11} {s.nbytes:>14,}"
+            )
     saved = plan.naive_bytes - plan.nbytes
     lines += [
         "",
-        (f"bytes:       {plan.nbytes:,} (naive padded pages {plan.naive_bytes:,}; "
-        f"saves {saved:,} = {100 * saved / max(plan.naive_bytes, 1):.1f}%)"),
-        (f"descriptors: {plan.num_descriptors:,} (vLLM per-block scheme {plan.vllm_descriptors:,}; "
-        f"ratio {plan.num_descriptors / max(plan.vllm_descriptors, 1):.3f})"),
+        (
+            f"bytes:       {plan.nbytes:,} (naive padded pages {plan.naive_bytes:,}; "
+            f"saves {saved:,} = {100 * saved / max(plan.naive_bytes, 1):.1f}%)"
+        ),
+        (
+            f"descriptors: {plan.num_descriptors:,} (vLLM per-block scheme {plan.vllm_descriptors:,}; "
+            f"ratio {plan.num_descriptors / max(plan.vllm_descriptors, 1):.3f})"
+        ),
     ]
     return "\n".join(lines)

@@ -338,9 +338,11 @@ def run(args: argparse.Namespace) -> int:
     service = BrokerService(store, config=config, observer=metrics)
     try:
         server = _server(service, args, security)
-        log.info("open files: up to %s; up to %d connections a port",
-                 "unlimited" if file_limit == resource.RLIM_INFINITY else file_limit,
-                 args.max_connections)
+        log.info(
+            "open files: up to %s; up to %d connections a port",
+            "unlimited" if file_limit == resource.RLIM_INFINITY else file_limit,
+            args.max_connections,
+        )
         asyncio.run(_serve(server))
     finally:
         if tracer_provider is not None:
@@ -357,7 +359,11 @@ def _server(
 
     try:
         server = BrokerServer(
-            service, args.listen, args.reap_interval_ms, security, args.health_port,
+            service,
+            args.listen,
+            args.reap_interval_ms,
+            security,
+            args.health_port,
             max_connections=args.max_connections,
             handshake_timeout_ms=args.handshake_timeout_ms,
             idle_timeout_ms=args.idle_timeout_ms,
@@ -407,7 +413,11 @@ def _fit_connections(args: argparse.Namespace, file_limit: int) -> None:
         log.warning(
             "--max-connections %d does not fit the open-file limit %d (%d files beside "
             "connections, %d port(s)): lowered to %d; raise the limit (ulimit -n) for more",
-            args.max_connections, file_limit, FILES_BESIDES_CONNECTIONS, ports, fits,
+            args.max_connections,
+            file_limit,
+            FILES_BESIDES_CONNECTIONS,
+            ports,
+            fits,
         )
         args.max_connections = fits
 

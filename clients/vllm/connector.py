@@ -49,24 +49,38 @@ class PdBrokerConnector(KVConnectorBase_V1, SupportsHMA):
 
     _cache_hit_source = CacheHitSource.P2P
 
-    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
-                 kv_cache_config: KVCacheConfig) -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         parallel = vllm_config.parallel_config
-        if max(parallel.pipeline_parallel_size, parallel.decode_context_parallel_size,
-               parallel.prefill_context_parallel_size) > 1:
-            raise ValueError("PdBrokerConnector supports tensor parallelism only (no pipeline "
-                             "or context parallelism)")
+        if (
+            max(
+                parallel.pipeline_parallel_size,
+                parallel.decode_context_parallel_size,
+                parallel.prefill_context_parallel_size,
+            )
+            > 1
+        ):
+            raise ValueError(
+                "PdBrokerConnector supports tensor parallelism only (no pipeline "
+                "or context parallelism)"
+            )
         settings = ConnectorSettings.from_extra_config(
-            self._kv_transfer_config.kv_connector_extra_config)
+            self._kv_transfer_config.kv_connector_extra_config
+        )
         self.scheduler: SchedulerHalf | None = None
         self.worker: WorkerHalf | None = None
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = SchedulerHalf(vllm_config, kv_cache_config, settings)
         else:
-            self.worker = WorkerHalf(vllm_config, kv_cache_config, settings,
-                                     get_tensor_model_parallel_world_size(),
-                                     get_tensor_model_parallel_rank())
+            self.worker = WorkerHalf(
+                vllm_config,
+                kv_cache_config,
+                settings,
+                get_tensor_model_parallel_world_size(),
+                get_tensor_model_parallel_rank(),
+            )
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
@@ -83,12 +97,14 @@ class PdBrokerConnector(KVConnectorBase_V1, SupportsHMA):
         assert self.scheduler is not None, "a scheduler-side call on a worker connector"
         return self.scheduler
 
-    def get_num_new_matched_tokens(self, request: Request,
-                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         return self._scheduler().get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
-                                 num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         self._scheduler().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
@@ -101,12 +117,16 @@ class PdBrokerConnector(KVConnectorBase_V1, SupportsHMA):
     def on_new_request(self, request: Request) -> None:
         self._scheduler().on_new_request(request)
 
-    def request_finished(self, request: Request,
-                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler().request_finished(request, (block_ids,))
 
-    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...],
-                                    ) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished_all_groups(
+        self,
+        request: Request,
+        block_ids: tuple[list[int], ...],
+    ) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler().request_finished(request, block_ids)
 
     # ---------------------------------------------------------------- worker side
@@ -126,8 +146,13 @@ class PdBrokerConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads complete before their requests are scheduled: nothing to wait for."""
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
-                      attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
         """Decode engines read prefill memory in place: nothing to save."""
 
     def wait_for_save(self) -> None:

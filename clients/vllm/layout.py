@@ -59,9 +59,14 @@ class RankMemory:
     regions: tuple[Region, ...]
 
 
-def derive_rank_memory(kv_cache_config: KVCacheConfig, kv_caches: Mapping[str, torch.Tensor],
-                       tp_size: int, tp_rank: int, facts: ModelFacts,
-                       conv_layout: str = "DS") -> RankMemory:
+def derive_rank_memory(
+    kv_cache_config: KVCacheConfig,
+    kv_caches: Mapping[str, torch.Tensor],
+    tp_size: int,
+    tp_rank: int,
+    facts: ModelFacts,
+    conv_layout: str = "DS",
+) -> RankMemory:
     """The layout of rank ``tp_rank`` of ``tp_size`` and its regions, from the transfer
     groups of ``kv_cache_config`` and the cache views ``kv_caches`` (layer name -> view).
     ``conv_layout`` is vLLM's conv state layout (``get_conv_state_layout()``). Raises
@@ -81,37 +86,54 @@ def derive_rank_memory(kv_cache_config: KVCacheConfig, kv_caches: Mapping[str, t
                 raise LayoutError(f"{where}.layer_names[{i}]", f"no KV cache tensor for {name!r}")
             base = region_bases.setdefault(i, view.data_ptr())
             if view.data_ptr() != base:
-                raise LayoutError(f"{where}.layer_names[{i}]",
-                                  f"{name!r} does not share region {i} with the other groups' "
-                                  f"layer {i} (the hybrid allocator's aliasing is required)")
+                raise LayoutError(
+                    f"{where}.layer_names[{i}]",
+                    f"{name!r} does not share region {i} with the other groups' "
+                    f"layer {i} (the hybrid allocator's aliasing is required)",
+                )
             devices.add((view.device.type, view.get_device()))
             views.append(view)
         if isinstance(spec, MambaSpec):
             if conv_layout != "DS":
-                raise LayoutError("conv_layout", f"Mamba conv state in {conv_layout!r} layout; "
-                                                 "set VLLM_SSM_CONV_STATE_LAYOUT=DS")
+                raise LayoutError(
+                    "conv_layout",
+                    f"Mamba conv state in {conv_layout!r} layout; "
+                    "set VLLM_SSM_CONV_STATE_LAYOUT=DS",
+                )
             groups.append(_mamba_group(spec, group.layer_names, tp_size, tp_rank, facts, where))
             pages.add(_block_stride(views, num_blocks, where))
         else:
             kernel_blocks = views[0].shape[0] // num_blocks
-            group_layout = _attention_group(spec, views[0], group.layer_names, tp_size, tp_rank,
-                                            facts, kernel_blocks, where)
+            group_layout = _attention_group(
+                spec, views[0], group.layer_names, tp_size, tp_rank, facts, kernel_blocks, where
+            )
             groups.append(group_layout)
             pages.add(_block_stride(views, num_blocks * kernel_blocks, where) * kernel_blocks)
     if len(pages) != 1:
-        raise LayoutError("kv_cache_groups", f"groups disagree on the page stride: {sorted(pages)} "
-                                             "bytes (the hybrid allocator makes them equal)")
+        raise LayoutError(
+            "kv_cache_groups",
+            f"groups disagree on the page stride: {sorted(pages)} "
+            "bytes (the hybrid allocator makes them equal)",
+        )
     if len(devices) != 1:
         raise LayoutError("kv_caches", f"KV caches on several devices: {sorted(devices)}")
     (page_bytes,), ((device_type, device_index),) = pages, devices
     kind = DRAM if device_type == "cpu" else VRAM
-    regions = tuple(Region(region_bases[i], num_blocks * page_bytes, max(device_index, 0), kind)
-                    for i in range(len(region_bases)))
+    regions = tuple(
+        Region(region_bases[i], num_blocks * page_bytes, max(device_index, 0), kind)
+        for i in range(len(region_bases))
+    )
     storage = next(iter(kv_caches.values())).untyped_storage()
-    if any(r.base_addr < storage.data_ptr() or
-           r.base_addr + r.length_bytes > storage.data_ptr() + storage.nbytes() for r in regions):
-        raise LayoutError("kv_caches", f"{len(regions)} regions of {num_blocks} pages of "
-                                       f"{page_bytes} bytes do not fit the KV cache allocation")
+    if any(
+        r.base_addr < storage.data_ptr()
+        or r.base_addr + r.length_bytes > storage.data_ptr() + storage.nbytes()
+        for r in regions
+    ):
+        raise LayoutError(
+            "kv_caches",
+            f"{len(regions)} regions of {num_blocks} pages of "
+            f"{page_bytes} bytes do not fit the KV cache allocation",
+        )
     layout = RankLayout(tp_rank, len(regions), num_blocks, page_bytes, tuple(groups))
     return RankMemory(layout, regions)
 
@@ -119,9 +141,21 @@ def derive_rank_memory(kv_cache_config: KVCacheConfig, kv_caches: Mapping[str, t
 def model_fingerprint(name: str, layout: RankLayout) -> str:
     """``name`` plus a digest of the TP-independent state shapes (global tensor shapes, dtypes,
     groups): engines of one model agree on it at any TP size, kernel block size or padding."""
-    summary = [(g.kind.value, g.layers, tuple(
-        (s.tensor, s.dtype, tuple(0 if a == s.token_axis else n for a, n in enumerate(s.global_shape)))
-        for s in g.segments)) for g in layout.groups]
+    summary = [
+        (
+            g.kind.value,
+            g.layers,
+            tuple(
+                (
+                    s.tensor,
+                    s.dtype,
+                    tuple(0 if a == s.token_axis else n for a, n in enumerate(s.global_shape)),
+                )
+                for s in g.segments
+            ),
+        )
+        for g in layout.groups
+    ]
     return f"{name}:{hashlib.sha256(repr(summary).encode()).hexdigest()[:12]}"
 
 
@@ -141,81 +175,145 @@ def _layer_spec(spec: KVCacheSpec, where: str) -> KVCacheSpec:
         return spec
     if isinstance(spec, FullAttentionSpec) and not isinstance(spec, MLAAttentionSpec):
         return spec
-    raise LayoutError(f"{where}.kv_cache_spec", f"{type(spec).__name__} is not supported; "
-                                                "full attention and Mamba groups are")
+    raise LayoutError(
+        f"{where}.kv_cache_spec",
+        f"{type(spec).__name__} is not supported; full attention and Mamba groups are",
+    )
 
 
 def _block_stride(views: list[torch.Tensor], blocks: int, where: str) -> int:
     """Bytes between consecutive blocks (kernel blocks for attention), equal for all layers."""
     strides = {v.stride(0) * v.element_size() for v in views}
     if len(strides) != 1 or any(v.shape[0] != blocks for v in views):
-        raise LayoutError(f"{where}.layer_names", f"layers disagree on {blocks} blocks of one "
-                                                  f"stride: strides {sorted(strides)}")
+        raise LayoutError(
+            f"{where}.layer_names",
+            f"layers disagree on {blocks} blocks of one stride: strides {sorted(strides)}",
+        )
     return strides.pop()
 
 
-def _attention_group(spec: FullAttentionSpec, view: torch.Tensor, layers: list[str], tp_size: int,
-                     tp_rank: int, facts: ModelFacts, kernel_blocks: int, where: str) -> GroupLayout:
+def _attention_group(
+    spec: FullAttentionSpec,
+    view: torch.Tensor,
+    layers: list[str],
+    tp_size: int,
+    tp_rank: int,
+    facts: ModelFacts,
+    kernel_blocks: int,
+    where: str,
+) -> GroupLayout:
     """One kernel block ``[heads, kbs, K|V]`` as the view strides it, heads sharded by vLLM's
     rule (rank *r* of ``tp > heads`` holds head ``r * heads // tp``)."""
     if spec.kv_quant_mode not in _DENSE_QUANT or spec.num_head_slots or spec.state_content_bytes:
-        raise LayoutError(f"{where}.kv_cache_spec", f"packed or scaled KV cache "
-                                                    f"({spec.kv_quant_mode.name}) is not supported")
+        raise LayoutError(
+            f"{where}.kv_cache_spec",
+            f"packed or scaled KV cache ({spec.kv_quant_mode.name}) is not supported",
+        )
     if view.dim() != 4 or spec.block_size % kernel_blocks:
-        raise LayoutError(f"{where}.layer_names", f"unexpected attention cache shape {tuple(view.shape)}")
+        raise LayoutError(
+            f"{where}.layer_names", f"unexpected attention cache shape {tuple(view.shape)}"
+        )
     heads, kbs, content = view.shape[1:]
-    if heads != spec.num_kv_heads or kbs * kernel_blocks != spec.block_size or (
-            content != spec.head_size + spec.head_size_v):
-        raise LayoutError(f"{where}.layer_names", f"cache view {tuple(view.shape)} does not match "
-                                                  f"the spec ({spec.num_kv_heads} heads, "
-                                                  f"{spec.block_size} tokens per block)")
-    start, local = split_or_replicate(facts.total_kv_heads, 1, tp_size, tp_rank,
-                                      "attention.total_num_kv_heads")
+    if (
+        heads != spec.num_kv_heads
+        or kbs * kernel_blocks != spec.block_size
+        or (content != spec.head_size + spec.head_size_v)
+    ):
+        raise LayoutError(
+            f"{where}.layer_names",
+            f"cache view {tuple(view.shape)} does not match "
+            f"the spec ({spec.num_kv_heads} heads, "
+            f"{spec.block_size} tokens per block)",
+        )
+    start, local = split_or_replicate(
+        facts.total_kv_heads, 1, tp_size, tp_rank, "attention.total_num_kv_heads"
+    )
     if local != heads:
-        raise LayoutError(f"{where}.kv_cache_spec.num_kv_heads",
-                          f"{heads} heads on rank {tp_rank} of {tp_size}, but "
-                          f"{facts.total_kv_heads} heads shard into {local}")
+        raise LayoutError(
+            f"{where}.kv_cache_spec.num_kv_heads",
+            f"{heads} heads on rank {tp_rank} of {tp_size}, but "
+            f"{facts.total_kv_heads} heads shard into {local}",
+        )
     item = view.element_size()
-    kv = Segment("kv", 0, (heads, kbs, content), tuple(s * item for s in view.stride()[1:]),
-                 _dtype_name(view.dtype), shard_axis=0, shard_start=start,
-                 global_extent=facts.total_kv_heads, token_axis=1)
-    return GroupLayout(GroupKind.ATTENTION, tuple(layers), (kv,), spec.block_size, kbs,
-                       view.stride(0) * item)
+    kv = Segment(
+        "kv",
+        0,
+        (heads, kbs, content),
+        tuple(s * item for s in view.stride()[1:]),
+        _dtype_name(view.dtype),
+        shard_axis=0,
+        shard_start=start,
+        global_extent=facts.total_kv_heads,
+        token_axis=1,
+    )
+    return GroupLayout(
+        GroupKind.ATTENTION, tuple(layers), (kv,), spec.block_size, kbs, view.stride(0) * item
+    )
 
 
-def _mamba_group(spec: MambaSpec, layers: list[str], tp_size: int, tp_rank: int,
-                 facts: ModelFacts, where: str) -> GroupLayout:
+def _mamba_group(
+    spec: MambaSpec, layers: list[str], tp_size: int, tp_rank: int, facts: ModelFacts, where: str
+) -> GroupLayout:
     """``| conv state (dim, rows) | SSM state |`` from the page start, as vLLM packs
     ``spec.shapes``; each conv sub-projection is a contiguous block of rows."""
     if len(spec.shapes) != 2 or spec.tp_replicated:
-        raise LayoutError(f"{where}.kv_cache_spec.shapes", "only (conv, ssm) state that is "
-                                                           "sharded over TP is supported")
+        raise LayoutError(
+            f"{where}.kv_cache_spec.shapes",
+            "only (conv, ssm) state that is sharded over TP is supported",
+        )
     conv_shape, ssm_shape = spec.shapes
     conv_dtype, ssm_dtype = spec.dtypes
     dim, rows = conv_shape
     conv_item = torch.empty((), dtype=conv_dtype).element_size()
     segments: list[Segment] = []
     column = 0
-    for tensor, start, local, extent in _conv_pieces(spec, dim, ssm_shape, tp_size, tp_rank,
-                                                     facts, where):
-        segments.append(Segment(tensor, column * rows * conv_item, (local, rows),
-                                (rows * conv_item, conv_item), _dtype_name(conv_dtype),
-                                shard_axis=0, shard_start=start, global_extent=extent))
+    for tensor, start, local, extent in _conv_pieces(
+        spec, dim, ssm_shape, tp_size, tp_rank, facts, where
+    ):
+        segments.append(
+            Segment(
+                tensor,
+                column * rows * conv_item,
+                (local, rows),
+                (rows * conv_item, conv_item),
+                _dtype_name(conv_dtype),
+                shard_axis=0,
+                shard_start=start,
+                global_extent=extent,
+            )
+        )
         column += local
     if column != dim:
-        raise LayoutError(f"{where}.kv_cache_spec.shapes[0]",
-                          f"sub-projections cover {column} of {dim} conv channels")
+        raise LayoutError(
+            f"{where}.kv_cache_spec.shapes[0]",
+            f"sub-projections cover {column} of {dim} conv channels",
+        )
     ssm_item = torch.empty((), dtype=ssm_dtype).element_size()
     ssm_start, _ = split_evenly(ssm_shape[0] * tp_size, tp_size, tp_rank, "mamba.ssm")
-    segments.append(Segment("ssm", dim * rows * conv_item, tuple(ssm_shape),
-                            contiguous_strides(tuple(ssm_shape), ssm_item), _dtype_name(ssm_dtype),
-                            shard_axis=0, shard_start=ssm_start,
-                            global_extent=ssm_shape[0] * tp_size))
+    segments.append(
+        Segment(
+            "ssm",
+            dim * rows * conv_item,
+            tuple(ssm_shape),
+            contiguous_strides(tuple(ssm_shape), ssm_item),
+            _dtype_name(ssm_dtype),
+            shard_axis=0,
+            shard_start=ssm_start,
+            global_extent=ssm_shape[0] * tp_size,
+        )
+    )
     return GroupLayout(GroupKind.MAMBA, tuple(layers), tuple(segments))
 
 
-def _conv_pieces(spec: MambaSpec, dim: int, ssm_shape: tuple[int, ...], tp_size: int,
-                 tp_rank: int, facts: ModelFacts, where: str) -> list[tuple[str, int, int, int]]:
+def _conv_pieces(
+    spec: MambaSpec,
+    dim: int,
+    ssm_shape: tuple[int, ...],
+    tp_size: int,
+    tp_rank: int,
+    facts: ModelFacts,
+    where: str,
+) -> list[tuple[str, int, int, int]]:
     """``(tensor, global start, local rows, global rows)`` of each conv sub-projection, in
     page order, from the local conv width and the SSM state shape."""
     kind = spec.mamba_type
@@ -226,19 +324,28 @@ def _conv_pieces(spec: MambaSpec, dim: int, ssm_shape: tuple[int, ...], tp_size:
         x = heads * head_dim
         groups_rows = (dim - x) // 2
         total_groups = facts.mamba2_groups or groups_rows * tp_size // d_state
-        bc_start, bc_local = split_or_replicate(total_groups, d_state, tp_size, tp_rank,
-                                                "mamba.n_groups")
+        bc_start, bc_local = split_or_replicate(
+            total_groups, d_state, tp_size, tp_rank, "mamba.n_groups"
+        )
         if bc_local != groups_rows:
-            raise LayoutError(f"{where}.kv_cache_spec.shapes[0]",
-                              f"{groups_rows} B/C rows on rank {tp_rank}, but {total_groups} "
-                              f"groups of {d_state} shard into {bc_local}")
+            raise LayoutError(
+                f"{where}.kv_cache_spec.shapes[0]",
+                f"{groups_rows} B/C rows on rank {tp_rank}, but {total_groups} "
+                f"groups of {d_state} shard into {bc_local}",
+            )
         pieces = [("conv.x", tp_rank * x, x, x * tp_size)]
-        return pieces + [(t, bc_start, bc_local, total_groups * d_state) for t in ("conv.B", "conv.C")]
+        return pieces + [
+            (t, bc_start, bc_local, total_groups * d_state) for t in ("conv.B", "conv.C")
+        ]
     if kind == MambaAttentionBackendEnum.GDN_ATTN:
         v_heads, v_dim, _ = ssm_shape
         v = v_heads * v_dim
         qk = (dim - v) // 2
-        return [(t, tp_rank * n, n, n * tp_size)
-                for t, n in (("conv.Q", qk), ("conv.K", qk), ("conv.V", v))]
-    raise LayoutError(f"{where}.kv_cache_spec.mamba_type", f"{kind.name} is not supported; "
-                                                           "Mamba1, Mamba2 and GDN are")
+        return [
+            (t, tp_rank * n, n, n * tp_size)
+            for t, n in (("conv.Q", qk), ("conv.K", qk), ("conv.V", v))
+        ]
+    raise LayoutError(
+        f"{where}.kv_cache_spec.mamba_type",
+        f"{kind.name} is not supported; Mamba1, Mamba2 and GDN are",
+    )

@@ -29,8 +29,12 @@ PREFILL_ENGINE = "pdbroker_prefill_engine"
 
 def decode_params(transfer_id: str, broker: str, prefill_engine: str) -> dict[str, Any]:
     """The ``kv_transfer_params`` a finished prefill request hands the decode leg."""
-    return {DO_REMOTE_PREFILL: True, TRANSFER_ID: transfer_id, BROKER: broker,
-            PREFILL_ENGINE: prefill_engine}
+    return {
+        DO_REMOTE_PREFILL: True,
+        TRANSFER_ID: transfer_id,
+        BROKER: broker,
+        PREFILL_ENGINE: prefill_engine,
+    }
 
 
 @dataclass(frozen=True)
@@ -51,8 +55,9 @@ def pending_transfer(params: Mapping[str, Any] | None) -> PendingTransfer | None
     if not isinstance(transfer_id, str) or not isinstance(broker, str) or not transfer_id:
         return None
     prefill_engine = params.get(PREFILL_ENGINE)
-    return PendingTransfer(transfer_id, broker,
-                           prefill_engine if isinstance(prefill_engine, str) else "")
+    return PendingTransfer(
+        transfer_id, broker, prefill_engine if isinstance(prefill_engine, str) else ""
+    )
 
 
 @dataclass(frozen=True)
@@ -86,21 +91,29 @@ class ConnectorSettings:
         known = {f.name: f for f in fields(cls)}
         unknown = set(extra) - set(known)
         if unknown:
-            raise ValueError(f"kv_connector_extra_config: unknown keys {sorted(unknown)}; "
-                             f"known: {sorted(known)}")
+            raise ValueError(
+                f"kv_connector_extra_config: unknown keys {sorted(unknown)}; known: {sorted(known)}"
+            )
         if not isinstance(extra.get("broker"), str) or ":" not in extra["broker"]:
-            raise ValueError('kv_connector_extra_config.broker: required, "HOST:PORT" of the broker')
+            raise ValueError(
+                'kv_connector_extra_config.broker: required, "HOST:PORT" of the broker'
+            )
         # Every other field has a default whose type the value is converted to.
-        settings = cls(**{name: value if known[name].default is MISSING
-                          else type(known[name].default)(value) for name, value in extra.items()})
+        settings = cls(
+            **{
+                name: value if known[name].default is MISSING else type(known[name].default)(value)
+                for name, value in extra.items()
+            }
+        )
         settings.channel_security()  # a bad combination or unreadable token fails at start-up
         return settings
 
     def channel_security(self) -> ChannelSecurity:
         """How this engine connects to the broker; ``ValueError`` names the bad key."""
         try:
-            return ChannelSecurity.from_files(self.tls_ca, self.tls_cert, self.tls_key,
-                                              self.token_file)
+            return ChannelSecurity.from_files(
+                self.tls_ca, self.tls_cert, self.tls_key, self.token_file
+            )
         except ValueError as exc:
             raise ValueError(f"kv_connector_extra_config: {exc}") from None
 

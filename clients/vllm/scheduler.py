@@ -57,15 +57,18 @@ _PUBLISHABLE = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STO
 class SchedulerHalf:
     """Scheduler-side state of one engine; called from vLLM's scheduler thread only."""
 
-    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
-                 settings: ConnectorSettings) -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, settings: ConnectorSettings
+    ) -> None:
         kv_config = vllm_config.kv_transfer_config
         assert kv_config is not None and kv_config.engine_id is not None
         self.engine_id = kv_config.engine_id
         self.settings = settings
         self.kv_cache_config = kv_cache_config
-        self.backoff = max(1 if kv_cache_config.has_mamba_layers else 0,
-                           vllm_config.num_prefill_lookahead_tokens - 1)
+        self.backoff = max(
+            1 if kv_cache_config.has_mamba_layers else 0,
+            vllm_config.num_prefill_lookahead_tokens - 1,
+        )
         #: Per transfer group: speculative scratch blocks trailing a Mamba group's state block
         #: (None for attention groups).
         self._scratch = [_scratch_blocks(g.kv_cache_spec) for g in kv_cache_config.transfer_groups]
@@ -80,23 +83,29 @@ class SchedulerHalf:
     def on_new_request(self, request: Request) -> None:
         """Cut a prefill-leg prompt short by :attr:`backoff` tokens and let it emit one token."""
         params = request.kv_transfer_params
-        if (not params or not params.get(DO_REMOTE_DECODE) or params.get(_TRUNCATED)
-                or not self.backoff or request.num_prompt_tokens <= self.backoff
-                or request.get_skip_reading_prefix_cache()):
+        if (
+            not params
+            or not params.get(DO_REMOTE_DECODE)
+            or params.get(_TRUNCATED)
+            or not self.backoff
+            or request.num_prompt_tokens <= self.backoff
+            or request.get_skip_reading_prefix_cache()
+        ):
             return
         if request.prompt_token_ids is not None:
-            del request.prompt_token_ids[-self.backoff:]
+            del request.prompt_token_ids[-self.backoff :]
         elif request.prompt_embeds is not None:
-            request.prompt_embeds = request.prompt_embeds[:-self.backoff]
+            request.prompt_embeds = request.prompt_embeds[: -self.backoff]
         else:
             return
-        del request._all_token_ids[-self.backoff:]
+        del request._all_token_ids[-self.backoff :]
         request.num_prompt_tokens -= self.backoff
         request.max_tokens = 1
         params[_TRUNCATED] = True
 
-    def request_finished(self, request: Request,
-                         block_ids: Sequence[Sequence[int]]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Request, block_ids: Sequence[Sequence[int]]
+    ) -> tuple[bool, dict[str, Any] | None]:
         """Prefill leg finished normally: publish and keep the blocks until released. Decode
         leg that never loaded: abort its transfer. Returns vLLM's ``(delay_free, params)``."""
         params = request.kv_transfer_params
@@ -104,8 +113,9 @@ class SchedulerHalf:
         if pending is not None:
             assert params is not None
             params[DO_REMOTE_PREFILL] = False
-            self._abort(pending.transfer_id,
-                        f"decode request {request.request_id} finished before loading")
+            self._abort(
+                pending.transfer_id, f"decode request {request.request_id} finished before loading"
+            )
             return False, None
         if not params or not params.get(DO_REMOTE_DECODE) or request.status not in _PUBLISHABLE:
             return False, None
@@ -116,9 +126,14 @@ class SchedulerHalf:
         try:
             self._publish(transfer_id, groups, request.num_computed_tokens)
         except grpc.RpcError as exc:
-            log.warning("cannot publish %s to the broker at %s (%s: %s); the decode engine will "
-                        "compute the prompt itself", request.request_id, self.settings.broker,
-                        exc.code().name, exc.details())
+            log.warning(
+                "cannot publish %s to the broker at %s (%s: %s); the decode engine will "
+                "compute the prompt itself",
+                request.request_id,
+                self.settings.broker,
+                exc.code().name,
+                exc.details(),
+            )
             return False, None
         self._sends[transfer_id] = request.request_id
         return True, decode_params(transfer_id, self.settings.broker, self.engine_id)
@@ -126,25 +141,31 @@ class SchedulerHalf:
     def transfer_blocks(self, block_ids: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
         """The transfer groups' block ids as the broker takes them: attention groups whole,
         Mamba groups only the running-state block (no speculative scratch, no null padding)."""
-        return self._clip(self.kv_cache_config.select_transfer_block_ids([list(g) for g in block_ids]))
+        return self._clip(
+            self.kv_cache_config.select_transfer_block_ids([list(g) for g in block_ids])
+        )
 
     def _clip(self, groups: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
         """Keep a Mamba group's running-state block: its last one before the scratch blocks."""
-        return tuple(tuple(g) if s is None or not g else (g[-1 - min(s, len(g) - 1)],)
-                     for g, s in zip(groups, self._scratch))
+        return tuple(
+            tuple(g) if s is None or not g else (g[-1 - min(s, len(g) - 1)],)
+            for g, s in zip(groups, self._scratch)
+        )
 
     # ---------------------------------------------------------------- decode leg
 
-    def get_num_new_matched_tokens(self, request: Request,
-                                   num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
         """The published tokens beyond what decode computed locally, loaded asynchronously."""
         if pending_transfer(request.kv_transfer_params) is None:
             return 0, False
         count = self._published_tokens(request) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
-                                 num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         """Record the load into the blocks vLLM allocated (at most once per request)."""
         params = request.kv_transfer_params
         pending = pending_transfer(params)
@@ -153,13 +174,17 @@ class SchedulerHalf:
         assert params is not None
         params[DO_REMOTE_PREFILL] = False
         if num_external_tokens <= 0:
-            self._abort(pending.transfer_id,
-                        f"decode request {request.request_id} needs no remote tokens")
+            self._abort(
+                pending.transfer_id, f"decode request {request.request_id} needs no remote tokens"
+            )
             return
         self._loads[request.request_id] = LoadSpec(
-            pending.transfer_id, pending.broker,
+            pending.transfer_id,
+            pending.broker,
             self.transfer_blocks(blocks.get_unhashed_block_ids_all_groups()),
-            self._published_tokens(request), pending.prefill_engine)
+            self._published_tokens(request),
+            pending.prefill_engine,
+        )
 
     def _published_tokens(self, request: Request) -> int:
         """Tokens the prefill engine computed for this prompt (it held back :attr:`backoff`)."""
@@ -188,16 +213,28 @@ class SchedulerHalf:
             self._stub = pb_grpc.BrokerStub(self._channel)
         return self._stub
 
-    def _publish(self, transfer_id: str, block_ids: tuple[tuple[int, ...], ...],
-                 num_tokens: int) -> None:
-        with tracing.root_span("prefill.publish", {
-                "pdbroker.transfer_id": transfer_id, "pdbroker.prefill_engine": self.engine_id,
-                "pdbroker.num_tokens": num_tokens}):
-            self._broker().PublishBlocks(pb.PublishBlocksRequest(
-                transfer_id=transfer_id, engine_id=self.engine_id,
-                block_ids=[pb.BlockIds(ids=list(g)) for g in block_ids], num_tokens=num_tokens,
-                ttl_ms=self.settings.publish_ttl_ms), timeout=self.settings.call_timeout_s,
-                metadata=tracing.grpc_metadata() or None)
+    def _publish(
+        self, transfer_id: str, block_ids: tuple[tuple[int, ...], ...], num_tokens: int
+    ) -> None:
+        with tracing.root_span(
+            "prefill.publish",
+            {
+                "pdbroker.transfer_id": transfer_id,
+                "pdbroker.prefill_engine": self.engine_id,
+                "pdbroker.num_tokens": num_tokens,
+            },
+        ):
+            self._broker().PublishBlocks(
+                pb.PublishBlocksRequest(
+                    transfer_id=transfer_id,
+                    engine_id=self.engine_id,
+                    block_ids=[pb.BlockIds(ids=list(g)) for g in block_ids],
+                    num_tokens=num_tokens,
+                    ttl_ms=self.settings.publish_ttl_ms,
+                ),
+                timeout=self.settings.call_timeout_s,
+                metadata=tracing.grpc_metadata() or None,
+            )
 
     def _abort(self, transfer_id: str, reason: str) -> None:
         """Tell the broker (in the background) that nobody will read ``transfer_id``."""
@@ -205,11 +242,16 @@ class SchedulerHalf:
 
         def abort() -> None:
             try:
-                stub.AbortTransfer(pb.AbortTransferRequest(transfer_id=transfer_id, reason=reason),
-                                   timeout=timeout)
+                stub.AbortTransfer(
+                    pb.AbortTransferRequest(transfer_id=transfer_id, reason=reason), timeout=timeout
+                )
             except grpc.RpcError as exc:
-                log.warning("cannot abort transfer %s (%s: %s); it expires at the broker",
-                            transfer_id, exc.code().name, exc.details())
+                log.warning(
+                    "cannot abort transfer %s (%s: %s); it expires at the broker",
+                    transfer_id,
+                    exc.code().name,
+                    exc.details(),
+                )
 
         self._aborter.submit(abort)
 

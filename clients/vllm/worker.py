@@ -52,13 +52,21 @@ class LoadError(RuntimeError):
 class WorkerHalf:
     """Worker-side state of one TP rank; vLLM calls it from the model runner's thread."""
 
-    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
-                 settings: ConnectorSettings, tp_size: int, tp_rank: int) -> None:
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        kv_cache_config: KVCacheConfig,
+        settings: ConnectorSettings,
+        tp_size: int,
+        tp_rank: int,
+    ) -> None:
         kv_config = vllm_config.kv_transfer_config
         assert kv_config is not None and kv_config.engine_id is not None
         if kv_config.is_kv_producer == kv_config.is_kv_consumer:
-            raise ValueError("PdBrokerConnector: kv_role must be kv_producer (prefill engines) "
-                             "or kv_consumer (decode engines)")
+            raise ValueError(
+                "PdBrokerConnector: kv_role must be kv_producer (prefill engines) "
+                "or kv_consumer (decode engines)"
+            )
         self.engine_id = kv_config.engine_id
         self.producer = kv_config.is_kv_producer
         self.settings = settings
@@ -66,9 +74,12 @@ class WorkerHalf:
         self.tp_size, self.tp_rank = tp_size, tp_rank
         model_config = vllm_config.model_config
         text_config = model_config.hf_text_config
-        self.facts = ModelFacts(model_config.get_total_num_kv_heads(),
-                                getattr(text_config, "n_groups", None)
-                                or getattr(text_config, "mamba_n_groups", None) or 0)
+        self.facts = ModelFacts(
+            model_config.get_total_num_kv_heads(),
+            getattr(text_config, "n_groups", None)
+            or getattr(text_config, "mamba_n_groups", None)
+            or 0,
+        )
         name = settings.model_name or model_config.served_model_name or model_config.model
         self.model_name = name if isinstance(name, str) else name[0]
         self.client: AsyncEngineClient | None = None
@@ -80,22 +91,40 @@ class WorkerHalf:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Declare this rank's pages, register them with NIXL and the rank with the broker."""
-        layout = engine_layout(self.kv_cache_config, kv_caches, self.tp_size, self.facts,
-                               self.model_name)
-        memory = derive_rank_memory(self.kv_cache_config, kv_caches, self.tp_size, self.tp_rank,
-                                    self.facts, get_conv_state_layout())
+        layout = engine_layout(
+            self.kv_cache_config, kv_caches, self.tp_size, self.facts, self.model_name
+        )
+        memory = derive_rank_memory(
+            self.kv_cache_config,
+            kv_caches,
+            self.tp_size,
+            self.tp_rank,
+            self.facts,
+            get_conv_state_layout(),
+        )
         timeout, security = self.settings.call_timeout_s, self.settings.channel_security()
         if self.producer:
             client: AsyncEngineClient = AsyncPrefillClient(
-                self.settings.broker, self.engine_id, layout, {self.tp_rank: memory.regions},
-                on_release=self._on_release, progress_interval_s=self.settings.progress_interval_s,
-                idle_interval_s=self.settings.progress_interval_s, call_timeout_s=timeout,
-                security=security)
+                self.settings.broker,
+                self.engine_id,
+                layout,
+                {self.tp_rank: memory.regions},
+                on_release=self._on_release,
+                progress_interval_s=self.settings.progress_interval_s,
+                idle_interval_s=self.settings.progress_interval_s,
+                call_timeout_s=timeout,
+                security=security,
+            )
         else:
-            client = AsyncDecodeClient(self.settings.broker, self.engine_id, layout,
-                                       {self.tp_rank: memory.regions},
-                                       read_timeout_s=self.settings.read_timeout_s,
-                                       call_timeout_s=timeout, security=security)
+            client = AsyncDecodeClient(
+                self.settings.broker,
+                self.engine_id,
+                layout,
+                {self.tp_rank: memory.regions},
+                read_timeout_s=self.settings.read_timeout_s,
+                call_timeout_s=timeout,
+                security=security,
+            )
         self._loop = LoopThread(f"pdbroker-{self.engine_id}-rank{self.tp_rank}")
         try:
             self._loop.run(client.start())
@@ -104,10 +133,17 @@ class WorkerHalf:
             self._loop = None
             raise
         self.client = client
-        log.info("rank %d of %s registered with the broker at %s: %d regions of %d blocks of "
-                 "%d bytes, %d groups", self.tp_rank, self.engine_id, self.settings.broker,
-                 memory.layout.num_regions, memory.layout.num_blocks, memory.layout.page_bytes,
-                 len(memory.layout.groups))
+        log.info(
+            "rank %d of %s registered with the broker at %s: %d regions of %d blocks of "
+            "%d bytes, %d groups",
+            self.tp_rank,
+            self.engine_id,
+            self.settings.broker,
+            memory.layout.num_regions,
+            memory.layout.num_blocks,
+            memory.layout.page_bytes,
+            len(memory.layout.groups),
+        )
 
     def start_load_kv(self, metadata: PdBrokerMetadata) -> None:
         """Start this step's loads; note this step's published transfers."""
@@ -161,45 +197,74 @@ class WorkerHalf:
         client = self.client
         assert isinstance(client, AsyncDecodeClient)
         if spec.broker != self.settings.broker:
-            raise LoadError(f"transfer {spec.transfer_id} waits at broker {spec.broker}, this "
-                            f"engine is registered with {self.settings.broker}")
+            raise LoadError(
+                f"transfer {spec.transfer_id} waits at broker {spec.broker}, this "
+                f"engine is registered with {self.settings.broker}"
+            )
         try:
-            info = await call(client.stub, "GetTransfer",
-                              pb.GetTransferRequest(transfer_id=spec.transfer_id),
-                              self.settings.call_timeout_s)
+            info = await call(
+                client.stub,
+                "GetTransfer",
+                pb.GetTransferRequest(transfer_id=spec.transfer_id),
+                self.settings.call_timeout_s,
+            )
         except BrokerCallError as exc:
             raise LoadError(str(exc)) from None
         if spec.prefill_engine and info.prefill_engine_id != spec.prefill_engine:
-            raise LoadError(f"transfer {spec.transfer_id} was not published by prefill engine "
-                            f"{spec.prefill_engine}")  # not ours to abort
+            raise LoadError(
+                f"transfer {spec.transfer_id} was not published by prefill engine "
+                f"{spec.prefill_engine}"
+            )  # not ours to abort
         if info.num_tokens != spec.num_tokens:
-            await self._abort(client, spec.transfer_id, f"decode engine {self.engine_id} expects "
-                              f"{spec.num_tokens} tokens, {info.num_tokens} were published")
-            raise LoadError(f"transfer {spec.transfer_id} holds {info.num_tokens} tokens, "
-                            f"this engine expects {spec.num_tokens}")
+            await self._abort(
+                client,
+                spec.transfer_id,
+                f"decode engine {self.engine_id} expects "
+                f"{spec.num_tokens} tokens, {info.num_tokens} were published",
+            )
+            raise LoadError(
+                f"transfer {spec.transfer_id} holds {info.num_tokens} tokens, "
+                f"this engine expects {spec.num_tokens}"
+            )
         try:
-            await client.fetch(spec.transfer_id, spec.block_ids,
-                               prefill_engine_id=spec.prefill_engine)
+            await client.fetch(
+                spec.transfer_id, spec.block_ids, prefill_engine_id=spec.prefill_engine
+            )
         except FetchError as exc:
-            refused = [e for e in exc.errors.values()
-                       if isinstance(e, BrokerCallError) and e.method == "GetTransferPlan"]
+            refused = [
+                e
+                for e in exc.errors.values()
+                if isinstance(e, BrokerCallError) and e.method == "GetTransferPlan"
+            ]
             if refused:
                 await self._abort(client, spec.transfer_id, f"plan refused: {refused[0]}")
             raise LoadError(str(exc)) from None
 
     async def _abort(self, client: AsyncDecodeClient, transfer_id: str, reason: str) -> None:
         try:
-            await call(client.stub, "AbortTransfer",
-                       pb.AbortTransferRequest(transfer_id=transfer_id, reason=reason),
-                       self.settings.call_timeout_s)
+            await call(
+                client.stub,
+                "AbortTransfer",
+                pb.AbortTransferRequest(transfer_id=transfer_id, reason=reason),
+                self.settings.call_timeout_s,
+            )
         except BrokerCallError as exc:
             log.warning("cannot abort transfer %s: %s", transfer_id, exc)
 
 
-def engine_layout(kv_cache_config: KVCacheConfig, kv_caches: dict[str, torch.Tensor],
-                  tp_size: int, facts: ModelFacts, model_name: str) -> EngineLayout:
+def engine_layout(
+    kv_cache_config: KVCacheConfig,
+    kv_caches: dict[str, torch.Tensor],
+    tp_size: int,
+    facts: ModelFacts,
+    model_name: str,
+) -> EngineLayout:
     """Every rank's layout, from this rank's tensors: TP ranks of a vLLM engine allocate the
     same shapes and differ only in which slices of the global tensors they hold."""
-    ranks = tuple(derive_rank_memory(kv_cache_config, kv_caches, tp_size, r, facts,
-                                     get_conv_state_layout()).layout for r in range(tp_size))
+    ranks = tuple(
+        derive_rank_memory(
+            kv_cache_config, kv_caches, tp_size, r, facts, get_conv_state_layout()
+        ).layout
+        for r in range(tp_size)
+    )
     return EngineLayout(model_fingerprint(model_name, ranks[0]), tp_size, ranks)
