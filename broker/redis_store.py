@@ -163,7 +163,8 @@ end
 return rows
 """
 # A transfer's hold on its prefill engine's quota: field `q` of its hash (block ids held) is
-# counted in the engine's usage hash (`t` transfers, `i` block ids). recount() replaces it.
+# counted in the usage hash named by its field `u` (`t` transfers, `i` block ids). recount()
+# replaces it.
 _USAGE = """
 local function recount(transfer, usage, held)
   local before = tonumber(redis.call('HGET', transfer, 'q') or '0')
@@ -176,7 +177,7 @@ local function recount(transfer, usage, held)
     redis.call('HINCRBY', usage, 't', 1)
     redis.call('HINCRBY', usage, 'i', held)
   end
-  redis.call('HSET', transfer, 'q', held)
+  redis.call('HSET', transfer, 'q', held, 'u', usage)
 end
 """
 # KEYS: transfer, deadlines, transfers, usage
@@ -195,11 +196,12 @@ redis.call('PEXPIRE', KEYS[4], ARGV[6])
 redis.call('SADD', KEYS[3], ARGV[1])
 """
 )
-# KEYS: transfer, deadlines, transfers, usage; ARGV: id, plan key prefix
+# KEYS: transfer, deadlines, transfers; ARGV: id, plan key prefix
 _DELETE_TRANSFER = (
     _USAGE
     + """
-recount(KEYS[1], KEYS[4], 0)
+local usage = redis.call('HGET', KEYS[1], 'u')
+if usage then recount(KEYS[1], usage, 0) end
 local ids = redis.call('HGET', KEYS[1], 'ids')
 if ids then
   for plan in string.gmatch(ids, '%S+') do redis.call('DEL', ARGV[2] .. plan) end
@@ -662,14 +664,7 @@ class RedisStateStore(StateStore):
         return self._transfers([transfer_id])[0]
 
     def delete_transfer(self, transfer_id: str) -> None:
-        record = self.get_transfer(transfer_id)
-        engine = "" if record is None else record.prefill_engine_id
-        keys = [
-            self._key("transfer", transfer_id),
-            self._key("deadlines"),
-            self._key("transfers"),
-            self._key("usage", engine),
-        ]
+        keys = [self._key("transfer", transfer_id), self._key("deadlines"), self._key("transfers")]
         args = [transfer_id, self._key("plan", "").decode()]
         if self._tx is not None:
             self._tx.transfers[transfer_id] = None
