@@ -83,8 +83,12 @@ def _compacted_through(exc: grpc.aio.AioRpcError) -> int | None:
     return None
 
 
+def _reason_from_proto(reason: int) -> ReleaseReason:
+    return ReleaseReason[pb.ReleaseReason.Name(reason).removeprefix("RELEASE_REASON_")]
+
+
 def _release_from_proto(tp_rank: int, event: pb.ReleaseEvent) -> Release:
-    reason = ReleaseReason[pb.ReleaseReason.Name(event.reason).removeprefix("RELEASE_REASON_")]
+    reason = _reason_from_proto(event.reason)
     return Release(
         tp_rank,
         event.transfer_id,
@@ -373,9 +377,7 @@ class AsyncPrefillClient(AsyncEngineClient):
                 rank = next((r for r in info.releases if r.tp_rank == session.tp_rank), None)
                 if rank is None or rank.reason == pb.RELEASE_REASON_UNSPECIFIED:
                     continue  # not released yet: its event is still to come
-                reason = ReleaseReason[
-                    pb.ReleaseReason.Name(rank.reason).removeprefix("RELEASE_REASON_")
-                ]
+                reason = _reason_from_proto(rank.reason)
                 detail = "reconciled: the broker no longer kept the release event"
             await self._deliver(
                 Release(
