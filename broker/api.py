@@ -10,15 +10,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from broker.records import (
-    BlockIds,
-    MemoryKind,
-    RankRecord,
-    ReportStatus,
-    Role,
-    TransferRecord,
-    TransferState,
-)
+from broker.records import RankRecord, TransferRecord
+from broker.wire import BlockIds, MemoryKind, ReportStatus, Role, TransferState
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import numpy as np
 
-#: Bytes of one packed descriptor: three little-endian int64 (addr, len, dev_id).
-DESCRIPTOR_BYTES = 24
-
 
 class OutOfRegionError(AssertionError):
     """A run reaches outside its region: a planner or registration bug, never user input."""
@@ -85,17 +82,3 @@ def _absolute(
     out[:, 1] = length
     out[:, 2] = region_table[2][region]
     return out
-
-
-def pack(descriptors: np.ndarray) -> bytes:
-    """``(n, 3)`` int64 rows as ``n * 24`` bytes of little-endian int64 triples."""
-    return np.ascontiguousarray(descriptors, dtype="<i8").tobytes()
-
-
-def unpack(data: bytes) -> np.ndarray:
-    """Inverse of :func:`pack`; raises ``ValueError`` unless ``len(data)`` is a multiple of 24."""
-    if len(data) % DESCRIPTOR_BYTES:
-        raise ValueError(
-            f"{len(data)} bytes is not a whole number of {DESCRIPTOR_BYTES}-byte descriptors"
-        )
-    return np.frombuffer(data, dtype="<i8").reshape(-1, 3).astype(np.int64)

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 from broker.api import PlanResult
 from broker.observer import ServiceObserver
-from broker.records import ReleaseReason, Role, TransferState
+from broker.wire import ReleaseReason, Role, TransferState
 
 _LATENCY_BUCKETS = (
     25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25,

@@ -8,7 +8,7 @@ call the service back.
 from __future__ import annotations
 
 from broker.api import PlanResult
-from broker.records import ReleaseReason, Role, TransferState
+from broker.wire import ReleaseReason, Role, TransferState
 
 
 class ServiceObserver:

@@ -8,65 +8,16 @@ milliseconds since the Unix epoch on the broker's clock (``*_at_ms``), sizes byt
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
 from functools import cached_property
 
 import numpy as np
 
 from broker.layout import RankLayout
 from broker.planner import RankPlan
+from broker.wire import BlockIds, MemoryKind, ReleaseReason, ReportStatus, Role, TransferState
 
 #: ``(engine_id, tp_rank)`` of one registered rank.
 RankKey = tuple[str, int]
-#: Block ids per KV-cache group.
-BlockIds = tuple[tuple[int, ...], ...]
-
-
-class Role(Enum):
-    PREFILL = "prefill"
-    DECODE = "decode"
-    BOTH = "both"
-
-    @property
-    def publishes(self) -> bool:
-        return self is not Role.DECODE
-
-    @property
-    def reads(self) -> bool:
-        return self is not Role.PREFILL
-
-
-class MemoryKind(Enum):
-    DRAM = "dram"
-    VRAM = "vram"
-
-
-class ReportStatus(Enum):
-    DONE = "done"
-    FAILED = "failed"
-
-
-class ReleaseReason(Enum):
-    COMPLETED = "completed"
-    EXPIRED = "expired"
-    ABORTED = "aborted"
-    CONSUMER_FAILED = "consumer_failed"
-
-
-class TransferState(Enum):
-    """``PUBLISHED -> IN_PROGRESS -> COMPLETED``; any non-terminal state may end in
-    ``FAILED``, ``EXPIRED`` or ``ABORTED``."""
-
-    PUBLISHED = "published"
-    IN_PROGRESS = "in_progress"
-    COMPLETED = "completed"
-    FAILED = "failed"
-    EXPIRED = "expired"
-    ABORTED = "aborted"
-
-    @property
-    def terminal(self) -> bool:
-        return self not in (TransferState.PUBLISHED, TransferState.IN_PROGRESS)
 
 
 @dataclass(frozen=True)

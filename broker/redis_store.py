@@ -81,14 +81,12 @@ from broker.records import (
     RankRecord,
     RankRegistration,
     ReleaseEvent,
-    ReleaseReason,
-    ReportStatus,
     TimelineEntry,
     TransferRecord,
-    TransferState,
 )
 from broker.state import StateStore, held_block_ids
 from broker.v1 import broker_pb2 as pb
+from broker.wire import ReleaseReason, ReportStatus, TransferState
 
 T = TypeVar("T")
 

@@ -62,6 +62,7 @@ from broker.security import ServerSecurity
 from broker.service import BrokerService
 from broker.v1 import broker_pb2 as pb
 from broker.v1 import broker_pb2_grpc as pb_grpc
+from broker.wire import ident, optional_ident, text
 
 log = logging.getLogger(__name__)
 
@@ -227,12 +228,12 @@ class BrokerServicer(pb_grpc.BrokerServicer):
 
     @_unary(_lease_holder)
     def KeepAlive(self, request: pb.KeepAliveRequest) -> pb.KeepAliveResponse:
-        lease_id = convert.ident(request.lease_id, "lease_id")
+        lease_id = ident(request.lease_id, "lease_id")
         return pb.KeepAliveResponse(ttl_ms=self.service.keep_alive(lease_id))
 
     @_unary(_lease_holder)
     def Deregister(self, request: pb.DeregisterRequest) -> pb.DeregisterResponse:
-        self.service.deregister(convert.ident(request.lease_id, "lease_id"))
+        self.service.deregister(ident(request.lease_id, "lease_id"))
         return pb.DeregisterResponse()
 
     async def PublishBlocks(
@@ -293,8 +294,8 @@ class BrokerServicer(pb_grpc.BrokerServicer):
 
     @_unary(_transfer_party)
     def AbortTransfer(self, request: pb.AbortTransferRequest) -> pb.AbortTransferResponse:
-        transfer_id = convert.ident(request.transfer_id, "transfer_id")
-        state = self.service.abort(transfer_id, convert.text(request.reason))
+        transfer_id = ident(request.transfer_id, "transfer_id")
+        state = self.service.abort(transfer_id, text(request.reason))
         return pb.AbortTransferResponse(state=convert.state_to_proto(state))
 
     @_unary(_operator)
@@ -303,7 +304,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
 
     @_unary(_transfer_party)
     def GetTransfer(self, request: pb.GetTransferRequest) -> pb.GetTransferResponse:
-        transfer = self.service.get_transfer(convert.ident(request.transfer_id, "transfer_id"))
+        transfer = self.service.get_transfer(ident(request.transfer_id, "transfer_id"))
         return convert.transfer_to_proto(transfer, self.service.clock.now_ms())
 
     @_unary(_operator)
@@ -319,8 +320,8 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         (deregistered, lease expired, re-registered): then the stream ends with OK."""
         try:
             self.authorize(context, _as_engine, request)
-            key = (convert.ident(request.engine_id, "engine_id"), request.tp_rank)
-            lease_id = request.lease_id and convert.ident(request.lease_id, "lease_id")
+            key = (ident(request.engine_id, "engine_id"), request.tp_rank)
+            lease_id = optional_ident(request.lease_id, "lease_id")
             generation, cursor = self.service.release_stream(*key, request.after_sequence, lease_id)
         except Exception as exc:  # noqa: BLE001
             await _abort(context, exc)

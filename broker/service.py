@@ -80,20 +80,16 @@ from broker.logs import transfer_fields
 from broker.observer import ServiceObserver
 from broker.planner import PairPlanner, RankPlan, TransferRequest
 from broker.records import (
-    BlockIds,
     PlanRecord,
     RankKey,
     RankRecord,
     RankRegistration,
     ReleaseEvent,
-    ReleaseReason,
-    ReportStatus,
-    Role,
     TimelineEntry,
     TransferRecord,
-    TransferState,
 )
 from broker.state import InMemoryStateStore, StateStore
+from broker.wire import BlockIds, ReleaseReason, ReportStatus, Role, TransferState
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -25,14 +25,14 @@ import numpy as np
 from opentelemetry.trace import Span
 
 from broker import tracing
+from broker.errors import InvalidFieldError
 from broker.layout import EngineLayout
 from broker.limits import LIMITS
 from broker.logs import transfer_fields
 from broker.security import PLAINTEXT, ChannelSecurity
 from broker.v1 import broker_pb2 as pb
+from broker.wire import MEMORY_KIND
 from clients.nixl_transport import (
-    DRAM,
-    VRAM,
     Region,
     Transfer,
     TransferError,
@@ -48,7 +48,6 @@ from clients.session import (
 )
 
 log = logging.getLogger(__name__)
-_KINDS = {pb.MEMORY_KIND_DRAM: DRAM, pb.MEMORY_KIND_VRAM: VRAM}
 
 
 @dataclass(frozen=True)
@@ -114,11 +113,14 @@ def check_plan(
         try:
             local = descriptor_array(source.local_descriptors)
             remote = descriptor_array(source.remote_descriptors)
-            kinds = _KINDS[source.local_memory_kind], _KINDS[source.remote_memory_kind]
+            kinds = (
+                MEMORY_KIND.from_proto(source.local_memory_kind, "local_memory_kind").name,
+                MEMORY_KIND.from_proto(source.remote_memory_kind, "remote_memory_kind").name,
+            )
+        except InvalidFieldError as exc:
+            raise PlanRejected(f"{where}: unknown memory kind: {exc}") from None
         except ValueError as exc:
             raise PlanRejected(f"{where}: {exc}") from None
-        except KeyError as exc:
-            raise PlanRejected(f"{where}: unknown memory kind {exc}") from None
         if not len(local):
             raise PlanRejected(f"{where}: no descriptors")
         if local.shape != remote.shape:

@@ -29,9 +29,9 @@ from broker import tracing
 from broker.errors import COMPACTED_THROUGH_KEY
 from broker.layout import EngineLayout
 from broker.logs import transfer_fields
-from broker.records import BlockIds, ReleaseReason
 from broker.security import PLAINTEXT, ChannelSecurity
 from broker.v1 import broker_pb2 as pb
+from broker.wire import RELEASE_REASON, BlockIds, ReleaseReason
 from clients.session import (
     RETRY_DELAY_S,
     AsyncEngineClient,
@@ -83,12 +83,8 @@ def _compacted_through(exc: grpc.aio.AioRpcError) -> int | None:
     return None
 
 
-def _reason_from_proto(reason: int) -> ReleaseReason:
-    return ReleaseReason[pb.ReleaseReason.Name(reason).removeprefix("RELEASE_REASON_")]
-
-
 def _release_from_proto(tp_rank: int, event: pb.ReleaseEvent) -> Release:
-    reason = _reason_from_proto(event.reason)
+    reason = RELEASE_REASON.from_proto(event.reason, "reason")
     return Release(
         tp_rank,
         event.transfer_id,
@@ -377,7 +373,7 @@ class AsyncPrefillClient(AsyncEngineClient):
                 rank = next((r for r in info.releases if r.tp_rank == session.tp_rank), None)
                 if rank is None or rank.reason == pb.RELEASE_REASON_UNSPECIFIED:
                     continue  # not released yet: its event is still to come
-                reason = _reason_from_proto(rank.reason)
+                reason = RELEASE_REASON.from_proto(rank.reason, "reason")
                 detail = "reconciled: the broker no longer kept the release event"
             await self._deliver(
                 Release(

@@ -4,7 +4,7 @@ blocking clients.
 
 An engine client hosts some ranks of one engine (all of them, or the one of a worker process);
 each hosted rank gets its own NIXL agent, registration and lease. Protobuf layouts come from
-:func:`broker.convert.rank_layout_to_proto`, the broker's own translation.
+:func:`broker.wire.rank_layout_to_proto`, the codec the broker shares.
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ import grpc
 from opentelemetry import context as otel_context
 
 from broker import tracing
-from broker.convert import rank_layout_to_proto
 from broker.layout import EngineLayout, RankLayout
 from broker.security import PLAINTEXT, ChannelSecurity
 from broker.v1 import broker_pb2 as pb
 from broker.v1 import broker_pb2_grpc as pb_grpc
-from clients.nixl_transport import DRAM, NixlAgent, Region, describe_region
+from broker.wire import MEMORY_KIND, MemoryKind, rank_layout_to_proto
+from clients.nixl_transport import NixlAgent, Region, describe_region
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -34,7 +34,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-_MEMORY_KINDS = {DRAM: pb.MEMORY_KIND_DRAM, "VRAM": pb.MEMORY_KIND_VRAM}
 #: Pause before retrying a broken release stream or a failed lease renewal (seconds); it
 #: doubles while the broker stays unreachable, up to MAX_RETRY_DELAY_S.
 RETRY_DELAY_S = 0.2
@@ -247,7 +246,7 @@ class RankSession:
                     base_addr=r.base_addr,
                     length_bytes=r.length_bytes,
                     device_id=r.device_id,
-                    memory_kind=_MEMORY_KINDS[r.kind],
+                    memory_kind=MEMORY_KIND.to_proto(MemoryKind[r.kind]),
                 )
                 for r in self.regions
             ],

@@ -6,12 +6,12 @@ from __future__ import annotations
 import numpy as np
 
 from broker.api import Lease, PlanResult
-from broker.convert import rank_layout_to_proto
 from broker.layout import EngineLayout, GroupKind
 from broker.models import AttentionParams, MambaParams, ModelSpec
-from broker.records import MemoryKind, MemoryRegion, RankRegistration, Role
+from broker.records import MemoryRegion, RankRegistration
 from broker.service import BrokerService
 from broker.v1 import broker_pb2 as pb
+from broker.wire import MemoryKind, Role, rank_layout_to_proto
 
 MAMBA2 = MambaParams(
     "mamba2",

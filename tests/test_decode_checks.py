@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from prerequisites import require_module
 
-from broker.descriptors import pack
 from broker.limits import LIMITS
 from broker.v1 import broker_pb2 as pb
+from broker.wire import pack
 from clients.decode import PlanRejected, check_plan
 from clients.nixl_transport import DRAM, VRAM, Region
 

@@ -5,13 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from broker.descriptors import (
-    OutOfRegionError,
-    absolute_descriptors,
-    descriptor_pair,
-    pack,
-    unpack,
-)
+from broker.descriptors import OutOfRegionError, absolute_descriptors, descriptor_pair
+from broker.wire import pack, unpack
 
 #: Two regions: 4 KiB at 0x1000 on device 0, 8 KiB at 0x10000 on device 3.
 TABLE = np.array([[0x1000, 0x10000], [4096, 8192], [0, 3]], dtype=np.int64)

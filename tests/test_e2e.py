@@ -22,7 +22,7 @@ require_module("nixl", "engine")
 
 from broker.layout import GroupKind
 from broker.models import AttentionParams, MambaParams, ModelSpec
-from broker.records import ReleaseReason
+from broker.wire import ReleaseReason
 from clients.loopback import BrokerProcess, FleetReport, PairSpec, block_counts, run_fleet
 from clients.pattern import POISON, Contents, check_decode, decode_limits, fill_prefill
 

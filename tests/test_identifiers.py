@@ -10,7 +10,7 @@ import pytest
 from broker_helpers import hybrid, register_request
 from fuzz_support import LiveBroker
 
-from broker import convert
+from broker import convert, wire
 from broker.auth import Authenticator
 from broker.errors import InvalidFieldError, UnauthenticatedError
 from broker.scenarios import build_scenario
@@ -48,14 +48,14 @@ ACCEPTED = ("prefill-0", "decode.rank1", "llama-3.1:8b/tp2@v1", "décodeur-1", "
 @pytest.mark.parametrize("char", REFUSED.values(), ids=REFUSED.keys())
 def test_ids_refuse_invisible_and_control_characters(char: str) -> None:
     with pytest.raises(InvalidFieldError) as err:
-        convert.ident(f"engine{char}0", "engine_id")
+        wire.ident(f"engine{char}0", "engine_id")
     assert err.value.field == "engine_id"
     assert f"U+{ord(char):04X}" in err.value.detail and "at 6" in err.value.detail
 
 
 @pytest.mark.parametrize("value", ACCEPTED)
 def test_ids_of_any_script_pass(value: str) -> None:
-    assert convert.ident(value, "engine_id") == value
+    assert wire.ident(value, "engine_id") == value
 
 
 @pytest.fixture(scope="module")

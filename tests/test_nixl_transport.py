@@ -17,7 +17,7 @@ from prerequisites import require_module
 require_module("nixl", "engine")
 import torch
 
-from broker.descriptors import pack
+from broker.wire import pack
 from clients.nixl_transport import (
     NixlAgent,
     Region,

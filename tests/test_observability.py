@@ -29,13 +29,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from broker.api import PlanQuery, Publication, Report
 from broker.metrics import BrokerMetrics
-from broker.records import ReportStatus, Role
 from broker.scenarios import build_scenario
 from broker.service import BrokerService, ServiceConfig
 from broker.trace_export import OffloadTracerProvider
 from broker.tracing import context_from_traceparent, trace_id_of
 from broker.v1 import broker_pb2 as pb
 from broker.v1 import broker_pb2_grpc as pb_grpc
+from broker.wire import ReportStatus, Role
 from clients.loopback import BrokerProcess, FleetReport, PairSpec, run_fleet
 from clients.trace_receiver import ReceivedSpan, TraceReceiver, span_tree
 

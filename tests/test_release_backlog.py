@@ -20,9 +20,9 @@ require_module("nixl", "engine")
 redis = require_module("redis", "dev")
 
 from broker.models import build_engine_layout
-from broker.records import ReleaseReason
 from broker.v1 import broker_pb2 as pb
 from broker.v1 import broker_pb2_grpc as pb_grpc
+from broker.wire import ReleaseReason
 from clients.loopback import BrokerProcess
 from clients.prefill import AsyncPrefillClient, Release
 

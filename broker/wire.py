@@ -1,0 +1,293 @@
+"""The wire codec every side shares: ``pdbroker.v1`` protobuf ⇄ value types.
+
+Engines (:mod:`clients`), the broker's gRPC edge (:mod:`broker.convert`) and its stores meet
+here and nowhere else: the value enums, one mapping table each to and from protobuf, the
+identifier and text rules, page layouts, block ids and packed descriptor arrays. Inbound
+conversions raise typed errors whose ``field`` is the protobuf field path (for example
+``layout.groups[1].segments[0].strides``); layout rules themselves are the dataclasses' own
+(:mod:`broker.layout`).
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+from collections.abc import Sequence
+from enum import Enum
+from typing import Generic, TypeVar
+
+import numpy as np
+from google.protobuf.internal.enum_type_wrapper import EnumTypeWrapper
+
+from broker.errors import InvalidFieldError, LayoutError, LimitExceededError
+from broker.layout import GroupKind, GroupLayout, RankLayout, Segment
+from broker.limits import LIMITS
+from broker.v1 import broker_pb2 as pb
+
+#: Block ids per KV-cache group, in request order.
+BlockIds = tuple[tuple[int, ...], ...]
+E = TypeVar("E", bound=Enum)
+
+
+class Role(Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    BOTH = "both"
+
+    @property
+    def publishes(self) -> bool:
+        return self is not Role.DECODE
+
+    @property
+    def reads(self) -> bool:
+        return self is not Role.PREFILL
+
+
+class MemoryKind(Enum):
+    """Where a region lives; the member names are NIXL's segment kinds."""
+
+    DRAM = "dram"
+    VRAM = "vram"
+
+
+class ReportStatus(Enum):
+    DONE = "done"
+    FAILED = "failed"
+
+
+class ReleaseReason(Enum):
+    COMPLETED = "completed"
+    EXPIRED = "expired"
+    ABORTED = "aborted"
+    CONSUMER_FAILED = "consumer_failed"
+
+
+class TransferState(Enum):
+    """``PUBLISHED -> IN_PROGRESS -> COMPLETED``; any non-terminal state may end in
+    ``FAILED``, ``EXPIRED`` or ``ABORTED``."""
+
+    PUBLISHED = "published"
+    IN_PROGRESS = "in_progress"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    EXPIRED = "expired"
+    ABORTED = "aborted"
+
+    @property
+    def terminal(self) -> bool:
+        return self not in (TransferState.PUBLISHED, TransferState.IN_PROGRESS)
+
+
+class EnumCodec(Generic[E]):
+    """One value enum ⇄ its protobuf enum, whose member ``PREFIX_NAME`` is ``E.NAME``; the
+    protobuf ``*_UNSPECIFIED`` value (0) stands for no member."""
+
+    def __init__(self, enum: type[E], proto: EnumTypeWrapper, prefix: str) -> None:
+        self.enum_name = enum.__name__
+        self._to = {member: proto.Value(prefix + member.name) for member in enum}
+        self._from = {number: member for member, number in self._to.items()}
+
+    def to_proto(self, member: E | None) -> int:
+        """The protobuf value of ``member`` (UNSPECIFIED for None)."""
+        return 0 if member is None else self._to[member]
+
+    def from_proto(self, number: int, field: str) -> E:
+        """The member of protobuf value ``number``; INVALID_ARGUMENT naming ``field`` for
+        UNSPECIFIED or an unknown value."""
+        try:
+            return self._from[number]
+        except KeyError:
+            raise InvalidFieldError(
+                field, f"{self.enum_name} {number} is not one of {sorted(self._from)}"
+            ) from None
+
+
+ROLE = EnumCodec(Role, pb.Role, "ROLE_")
+MEMORY_KIND = EnumCodec(MemoryKind, pb.MemoryKind, "MEMORY_KIND_")
+GROUP_KIND = EnumCodec(GroupKind, pb.GroupKind, "GROUP_KIND_")
+REPORT_STATUS = EnumCodec(ReportStatus, pb.ReportStatus, "REPORT_STATUS_")
+RELEASE_REASON = EnumCodec(ReleaseReason, pb.ReleaseReason, "RELEASE_REASON_")
+TRANSFER_STATE = EnumCodec(TransferState, pb.TransferState, "TRANSFER_STATE_")
+
+
+# --------------------------------------------------------------------------- field rules
+
+
+def ident(value: str, field: str) -> str:
+    """``value`` if it is a usable id: not empty, at most ``max_id_chars`` characters, each
+    printable (``str.isprintable``: no character of the Unicode categories Cc, Cf, Cs, Co, Cn,
+    Zl, Zp or Zs but the ASCII space). Ids end up in log lines, Redis keys and NIXL
+    notifications, where a control, invisible or bidi character would forge or hide text."""
+    if not value:
+        raise InvalidFieldError(field, "must not be empty")
+    if len(value) > LIMITS.max_id_chars:
+        raise InvalidFieldError(field, f"{len(value)} characters, at most {LIMITS.max_id_chars}")
+    if not value.isprintable():
+        at, bad = next((i, c) for i, c in enumerate(value) if not c.isprintable())
+        raise InvalidFieldError(
+            field,
+            f"character U+{ord(bad):04X} ({unicodedata.category(bad)}) at {at} is not printable",
+        )
+    return value
+
+
+def optional_ident(value: str, field: str) -> str:
+    """``''`` or a usable id (:func:`ident`)."""
+    return ident(value, field) if value else ""
+
+
+def text(value: str) -> str:
+    """A free text (report error, abort reason), cut to ``max_text_chars`` characters."""
+    return value[: LIMITS.max_text_chars]
+
+
+def check_count(items: Sequence[object], limit: int, field: str) -> None:
+    """RESOURCE_EXHAUSTED naming ``field`` when ``items`` has more than ``limit`` entries."""
+    if len(items) > limit:
+        raise LimitExceededError(field, f"{len(items)} entries, at most {limit}")
+
+
+# --------------------------------------------------------------------------- block ids
+
+
+def block_ids_from_proto(groups: Sequence[pb.BlockIds], field: str = "block_ids") -> BlockIds:
+    """Per-group block ids; at most ``max_groups`` groups and ``max_block_ids`` ids in all."""
+    check_count(groups, LIMITS.max_groups, field)
+    total = sum(len(g.ids) for g in groups)
+    if total > LIMITS.max_block_ids:
+        raise LimitExceededError(field, f"{total} block ids, at most {LIMITS.max_block_ids}")
+    return tuple(tuple(g.ids) for g in groups)
+
+
+def block_ids_to_proto(ids: Sequence[Sequence[int]]) -> list[pb.BlockIds]:
+    return [pb.BlockIds(ids=g) for g in ids]
+
+
+def count_block_ids(groups: Sequence[pb.BlockIds]) -> int:
+    """Block ids of a request, all groups together (cheap: no id is read)."""
+    return sum(len(g.ids) for g in groups)
+
+
+# --------------------------------------------------------------------------- layouts
+
+_RANK_PREFIX = re.compile(r"^ranks\[\d+\]\.?")
+
+
+def _segment_from_proto(msg: pb.Segment, where: str) -> Segment:
+    ident(msg.tensor, f"{where}.tensor")
+    if len(msg.shape) > LIMITS.max_dims:
+        raise LimitExceededError(
+            f"{where}.shape", f"{len(msg.shape)} dimensions, at most {LIMITS.max_dims}"
+        )
+    if len(msg.shape) != len(msg.strides):
+        raise InvalidFieldError(
+            f"{where}.strides", f"{len(msg.strides)} strides for {len(msg.shape)} dimensions"
+        )
+    try:
+        return Segment(
+            msg.tensor,
+            msg.offset,
+            tuple(msg.shape),
+            tuple(msg.strides),
+            msg.dtype,
+            msg.shard_axis if msg.HasField("shard_axis") else None,
+            msg.shard_start,
+            msg.global_extent,
+            msg.token_axis if msg.HasField("token_axis") else None,
+        )
+    except LayoutError as exc:  # fields named "segment 'kv'.strides"
+        raise LayoutError(f"{where}.{exc.field.rsplit('.', 1)[-1]}", exc.detail) from None
+
+
+def _group_from_proto(msg: pb.GroupLayout, where: str) -> GroupLayout:
+    kind = GROUP_KIND.from_proto(msg.kind, f"{where}.kind")
+    check_count(msg.layers, LIMITS.max_regions, f"{where}.layers")
+    for i, layer in enumerate(msg.layers):
+        ident(layer, f"{where}.layers[{i}]")
+    check_count(msg.segments, LIMITS.max_segments_per_group, f"{where}.segments")
+    if kind is GroupKind.ATTENTION and msg.kernel_block_size:
+        per_page = msg.block_size // msg.kernel_block_size
+        if per_page > LIMITS.max_kernel_blocks_per_page:
+            raise LimitExceededError(
+                f"{where}.kernel_block_size",
+                f"{per_page} kernel blocks per page, at most {LIMITS.max_kernel_blocks_per_page}",
+            )
+    segments = tuple(
+        _segment_from_proto(s, f"{where}.segments[{i}]") for i, s in enumerate(msg.segments)
+    )
+    return GroupLayout(
+        kind,
+        tuple(msg.layers),
+        segments,
+        msg.block_size,
+        msg.kernel_block_size,
+        msg.kernel_block_bytes,
+    )
+
+
+def rank_layout_from_proto(msg: pb.RankLayout, tp_rank: int, where: str = "layout") -> RankLayout:
+    """A rank's declared layout, validated; errors name ``where``'s protobuf path."""
+    check_count(msg.groups, LIMITS.max_groups, f"{where}.groups")
+    if msg.num_regions > LIMITS.max_regions:
+        raise LimitExceededError(
+            f"{where}.num_regions", f"{msg.num_regions}, at most {LIMITS.max_regions}"
+        )
+    groups = tuple(_group_from_proto(g, f"{where}.groups[{i}]") for i, g in enumerate(msg.groups))
+    try:
+        return RankLayout(tp_rank, msg.num_regions, msg.num_blocks, msg.page_bytes, groups)
+    except (LayoutError, LimitExceededError) as exc:  # fields named "ranks[0].groups[1].layers"
+        suffix = _RANK_PREFIX.sub("", exc.field)
+        raise type(exc)(f"{where}.{suffix}" if suffix else where, exc.detail) from None
+
+
+def rank_layout_to_proto(layout: RankLayout) -> pb.RankLayout:
+    """The inverse of :func:`rank_layout_from_proto`."""
+    return pb.RankLayout(
+        num_regions=layout.num_regions,
+        num_blocks=layout.num_blocks,
+        page_bytes=layout.page_bytes,
+        groups=[
+            pb.GroupLayout(
+                kind=GROUP_KIND.to_proto(g.kind),
+                layers=g.layers,
+                block_size=g.block_size,
+                kernel_block_size=g.kernel_block_size,
+                kernel_block_bytes=g.kernel_block_bytes,
+                segments=[
+                    pb.Segment(
+                        tensor=s.tensor,
+                        offset=s.offset,
+                        shape=s.shape,
+                        strides=s.strides,
+                        dtype=s.dtype,
+                        shard_axis=s.shard_axis,
+                        shard_start=s.shard_start,
+                        global_extent=s.global_extent,
+                        token_axis=s.token_axis,
+                    )
+                    for s in g.segments
+                ],
+            )
+            for g in layout.groups
+        ],
+    )
+
+
+# --------------------------------------------------------------------------- descriptors
+
+#: Bytes of one packed descriptor: three little-endian int64 (addr, len, dev_id).
+DESCRIPTOR_BYTES = 24
+
+
+def pack(descriptors: np.ndarray) -> bytes:
+    """``(n, 3)`` int64 rows as ``n * 24`` bytes of little-endian int64 triples."""
+    return np.ascontiguousarray(descriptors, dtype="<i8").tobytes()
+
+
+def unpack(data: bytes) -> np.ndarray:
+    """Inverse of :func:`pack`; raises ``ValueError`` unless ``len(data)`` is a multiple of 24."""
+    if len(data) % DESCRIPTOR_BYTES:
+        raise ValueError(
+            f"{len(data)} bytes is not a whole number of {DESCRIPTOR_BYTES}-byte descriptors"
+        )
+    return np.frombuffer(data, dtype="<i8").reshape(-1, 3).astype(np.int64)
