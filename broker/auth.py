@@ -37,7 +37,8 @@ from broker.errors import (
     PermissionDeniedError,
     UnauthenticatedError,
 )
-from broker.state import StateStore
+from broker.records import TransferRecord
+from broker.store.contract import StateStore
 
 log = logging.getLogger(__name__)
 
@@ -219,28 +220,39 @@ class AccessGuard:
             self.act_as(who, record.registration.engine_id, "lease_id")
 
     def report_plan(self, who: Identity, plan_id: str) -> None:
-        transfer_id = self.store.transfer_of_plan(plan_id)
-        transfer = None if transfer_id is None else self.store.get_transfer(transfer_id)
+        key = self.store.transfer_of_plan(plan_id)
+        transfer = None if key is None else self.store.get_transfer(key)
         if transfer is not None and transfer.decode_engine_id not in who.names:
             _deny("plan_id", f"plan {plan_id} is not a plan of caller {who}")
 
-    def see_transfer(self, who: Identity, transfer_id: str) -> None:
-        """Parties of the transfer and operators only (GetTransfer, AbortTransfer)."""
+    def see_transfer(self, who: Identity, transfer_id: str, prefill_engine_id: str = "") -> None:
+        """Parties of the transfer and operators only (GetTransfer, AbortTransfer): the
+        transfer of ``prefill_engine_id`` or, unnamed, any published under ``transfer_id``."""
         if who.names & self.admins:
             return
-        transfer = self.store.get_transfer(transfer_id)
-        if transfer is None or transfer.prefill_engine_id in who.names:
+        keys = (
+            [(prefill_engine_id, transfer_id)]
+            if prefill_engine_id
+            else self.store.transfers_named(transfer_id)
+        )
+        found = [t for key in keys if (t := self.store.get_transfer(key)) is not None]
+        if not found or any(self._party(who, t) for t in found):
             return
+        # Told only what an unknown id is told: the transfer's existence is not theirs.
+        log.warning("transfer %r hidden from caller %s: not a party", transfer_id, who)
+        raise NotFoundError("transfer_id", f"no transfer {transfer_id!r}")
+
+    def _party(self, who: Identity, transfer: TransferRecord) -> bool:
+        """Whether the caller published ``transfer``, claimed it, or may read it."""
+        if transfer.prefill_engine_id in who.names:
+            return True
         if transfer.decode_engine_id:
             readers = who.names & {transfer.decode_engine_id}
         elif transfer.allowed_decode_engines:
             readers = who.names & transfer.allowed_decode_engines
         else:
             readers = who.names
-        if not any(self._reads(name) for name in readers):
-            # Told only what an unknown id is told: the transfer's existence is not theirs.
-            log.warning("transfer %r hidden from caller %s: not a party", transfer_id, who)
-            raise NotFoundError("transfer_id", f"no transfer {transfer_id!r}")
+        return any(self._reads(name) for name in readers)
 
     def administer(self, who: Identity) -> None:
         """Operators only (ListEngines, ListTransfers)."""

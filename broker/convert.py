@@ -10,7 +10,7 @@ ids, packed descriptors) are translated by :mod:`broker.wire`.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from broker.api import (
     EngineView,
@@ -26,6 +26,7 @@ from broker.limits import LIMITS
 from broker.records import MemoryRegion, RankRegistration, ReleaseEvent, TransferRecord
 from broker.v1 import broker_pb2 as pb
 from broker.wire import (
+    DESCRIPTOR_BYTES,
     MEMORY_KIND,
     RELEASE_REASON,
     REPORT_STATUS,
@@ -212,7 +213,8 @@ def plan_query_from_proto(msg: pb.GetTransferPlanRequest) -> PlanQuery:
     )
 
 
-def plan_to_proto(plan: PlanResult) -> pb.GetTransferPlanResponse:
+def plan_to_proto(plan: PlanResult, descriptors: int | None = None) -> pb.GetTransferPlanResponse:
+    """The plan as one message; with ``descriptors``, only each source's first ones."""
     return pb.GetTransferPlanResponse(
         plan_id=plan.plan_id,
         sources=[
@@ -220,8 +222,8 @@ def plan_to_proto(plan: PlanResult) -> pb.GetTransferPlanResponse:
                 prefill_rank=s.prefill_rank,
                 remote_agent_name=s.agent_name,
                 remote_agent_metadata=s.agent_metadata,
-                local_descriptors=pack(s.local),
-                remote_descriptors=pack(s.remote),
+                local_descriptors=pack(s.local[:descriptors]),
+                remote_descriptors=pack(s.remote[:descriptors]),
                 num_descriptors=s.num_descriptors,
                 total_bytes=s.total_bytes,
                 notification=s.notification,
@@ -236,6 +238,33 @@ def plan_to_proto(plan: PlanResult) -> pb.GetTransferPlanResponse:
         vllm_descriptors=plan.vllm_descriptors,
         expires_at_ms=plan.expires_at_ms,
         traceparent=plan.traceparent,
+    )
+
+
+def plan_chunks(plan: PlanResult, chunk_bytes: int) -> Iterator[pb.GetTransferPlanResponse]:
+    """``plan`` as StreamTransferPlan sends it: a first message with every field and the first
+    descriptors of each source, then messages carrying the next descriptors of one source,
+    at most ``chunk_bytes`` of descriptors per message (both sides count)."""
+    per_chunk = max(1, chunk_bytes // (2 * DESCRIPTOR_BYTES))
+    first = plan_to_proto(plan, per_chunk)
+    yield first
+    for s in plan.sources:
+        for start in range(per_chunk, s.num_descriptors, per_chunk):
+            yield pb.GetTransferPlanResponse(
+                sources=[
+                    pb.SourcePlan(
+                        prefill_rank=s.prefill_rank,
+                        local_descriptors=pack(s.local[start : start + per_chunk]),
+                        remote_descriptors=pack(s.remote[start : start + per_chunk]),
+                    )
+                ]
+            )
+
+
+def plan_answer_bytes(plan: PlanResult) -> int:
+    """About how large ``plan`` is as one GetTransferPlanResponse."""
+    return sum(
+        2 * DESCRIPTOR_BYTES * s.num_descriptors + len(s.agent_metadata) for s in plan.sources
     )
 
 
@@ -269,6 +298,7 @@ def release_to_proto(event: ReleaseEvent) -> pb.ReleaseEvent:
 
 def transfer_to_proto(t: TransferRecord, now_ms: int) -> pb.GetTransferResponse:
     """``now_ms``: the broker's clock when answering."""
+    consumers = t.consumers
     return pb.GetTransferResponse(
         transfer_id=t.transfer_id,
         state=TRANSFER_STATE.to_proto(t.state),
@@ -292,15 +322,13 @@ def transfer_to_proto(t: TransferRecord, now_ms: int) -> pb.GetTransferResponse:
                 duration_us=p.duration_us,
                 error=p.error,
             )
-            for _, p in sorted(t.plans.items())
+            for p in t.plans
         ],
         releases=[
             pb.PrefillRankRelease(
-                tp_rank=p,
-                reason=RELEASE_REASON.to_proto(t.released.get(p)),
-                consumers=sorted(t.consumers.get(p, ())),
+                tp_rank=p, reason=RELEASE_REASON.to_proto(reason), consumers=sorted(consumers[p])
             )
-            for p in range(t.prefill_tp_size)
+            for p, reason in enumerate(t.released)
         ],
         timeline=[
             pb.TimelineEvent(at_ms=e.at_ms, event=e.event, detail=e.detail) for e in t.timeline
@@ -329,7 +357,7 @@ def listing_to_proto(listing: TransferListing) -> pb.ListTransfersResponse:
                 expires_at_ms=t.expires_at_ms,
                 finished_at_ms=t.finished_at_ms or 0,
                 plans=len(t.plans),
-                plans_reported=sum(p.status is not None for p in t.plans.values()),
+                plans_reported=sum(p.status is not None for p in t.plans),
                 traceparent=t.traceparent,
             )
             for t in listing.transfers

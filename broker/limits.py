@@ -54,6 +54,12 @@ class Limits:
     max_template_runs: int = 1 << 20
     #: Runs (descriptors before coalescing) of one decode rank's plan.
     max_plan_runs: int = 1 << 24
+    #: Bytes of a plan answered by the unary GetTransferPlan; a larger one is refused before
+    #: it is handed out, to be asked for with StreamTransferPlan (whose messages carry at
+    #: most ``max_plan_chunk_bytes`` of descriptors each). Either bound keeps one answer from
+    #: holding the broker's event loop for long.
+    max_unary_plan_bytes: int = 16 << 20
+    max_plan_chunk_bytes: int = 4 << 20
 
     def __post_init__(self) -> None:
         fixed = self.max_agent_metadata_bytes + 64 * self.max_regions + (1 << 20)
@@ -75,6 +81,6 @@ def max_request_bytes_of(method: str, limits: Limits = LIMITS) -> int:
     can need, so a small method never parses megabytes."""
     if method == "RegisterRank":  # metadata, regions (< 64 bytes each), layout
         return limits.max_agent_metadata_bytes + 64 * limits.max_regions + (1 << 20)
-    if method in ("PublishBlocks", "GetTransferPlan"):  # block ids, <= 10 bytes each
+    if method in ("PublishBlocks", "GetTransferPlan", "StreamTransferPlan"):  # <= 10 B an id
         return 10 * limits.max_block_ids + (1 << 20)
     return MAX_SMALL_REQUEST_BYTES

@@ -11,8 +11,8 @@ from http.server import ThreadingHTTPServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from broker.api import PlanResult
 from broker.observer import ServiceObserver
+from broker.planner import RankPlan
 from broker.wire import ReleaseReason, Role, TransferState
 
 _LATENCY_BUCKETS = (
@@ -111,8 +111,8 @@ class BrokerMetrics(ServiceObserver):
     def transfer_published(self) -> None:
         self.transfers_in_flight.inc()
 
-    def plan_handed_out(self, seconds: float, plan: PlanResult, cache_hit: bool) -> None:
-        nbytes = plan.total_bytes
+    def plan_handed_out(self, seconds: float, plan: RankPlan, cache_hit: bool) -> None:
+        nbytes = plan.nbytes
         self.plan_latency.observe(seconds)
         self.plans.labels(cache="hit" if cache_hit else "miss").inc()
         self.planned_bytes.inc(nbytes)

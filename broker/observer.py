@@ -7,7 +7,7 @@ call the service back.
 
 from __future__ import annotations
 
-from broker.api import PlanResult
+from broker.planner import RankPlan
 from broker.wire import ReleaseReason, Role, TransferState
 
 
@@ -23,9 +23,10 @@ class ServiceObserver:
     def transfer_published(self) -> None:
         """A transfer was accepted; it is in flight until :meth:`transfer_finished`."""
 
-    def plan_handed_out(self, seconds: float, plan: PlanResult, cache_hit: bool) -> None:
-        """A decode rank received its plan for the first time; ``seconds`` the call took,
-        ``cache_hit`` when the engine pair's planner (its templates) was already cached."""
+    def plan_handed_out(self, seconds: float, plan: RankPlan, cache_hit: bool) -> None:
+        """A decode rank received ``plan`` for the first time; ``seconds`` since its request
+        came, ``cache_hit`` when the engine pair's planner (its templates) was already
+        cached."""
 
     def transfer_finished(self, state: TransferState) -> None:
         """A transfer reached terminal ``state``."""

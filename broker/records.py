@@ -1,13 +1,14 @@
 """What the broker keeps: rank registrations, transfers, their plans and release events.
 
-Plain data with no behaviour beyond derived properties; the rules that change them live in
-:mod:`broker.service`, their storage behind :class:`broker.state.StateStore`. Instants are
+Immutable values with no behaviour beyond derived properties: the rules that make new ones
+live in :mod:`broker.transfers` and :mod:`broker.service`, their storage behind
+:class:`broker.store.StateStore`. Instants are
 milliseconds since the Unix epoch on the broker's clock (``*_at_ms``), sizes bytes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
@@ -18,6 +19,8 @@ from broker.wire import BlockIds, MemoryKind, ReleaseReason, ReportStatus, Role,
 
 #: ``(engine_id, tp_rank)`` of one registered rank.
 RankKey = tuple[str, int]
+#: ``(prefill_engine_id, transfer_id)`` of one transfer: ids are scoped by their publisher.
+TransferKey = tuple[str, str]
 
 
 @dataclass(frozen=True)
@@ -62,7 +65,7 @@ class RankRegistration:
         )
 
 
-@dataclass
+@dataclass(frozen=True)
 class RankRecord:
     """A live registration and its lease. ``generation`` is unique broker-wide and grows
     with every registration; an engine's generation is the largest of its ranks'."""
@@ -73,6 +76,10 @@ class RankRecord:
     registered_at_ms: int
     generation: int
 
+    @property
+    def key(self) -> RankKey:
+        return self.registration.key
+
 
 @dataclass(frozen=True)
 class TimelineEntry:
@@ -81,26 +88,29 @@ class TimelineEntry:
     detail: str = ""
 
 
-@dataclass
+@dataclass(frozen=True)
 class PlanRecord:
     """One decode rank's plan for one transfer. ``rank_plan`` holds the region-relative runs
-    (:class:`broker.planner.RankPlan`); ``handed_out`` once that rank asked for it."""
+    (:class:`broker.planner.RankPlan`) for the decode ``block_ids`` it was made with."""
 
     plan_id: str
-    transfer_id: str
     decode_rank: int
     block_ids: BlockIds
     rank_plan: RankPlan
-    handed_out: bool = False
-    #: When it was handed out (ms since epoch); a plan handed out and not yet reported is
-    #: *live*: the prefill ranks it reads are not released until it reports or dies.
-    handed_out_at_ms: int = 0
+    #: When that rank was first given it (ms since epoch; None: not yet). A plan handed out
+    #: and not yet reported is *live*: the prefill ranks it reads are not released until it
+    #: reports or dies.
+    handed_out_at_ms: int | None = None
     status: ReportStatus | None = None
     bytes_moved: int = 0
     duration_us: int = 0
     error: str = ""
     #: Reported DONE while the transfer was still live: only then is what it read usable.
     intact: bool = False
+
+    @property
+    def handed_out(self) -> bool:
+        return self.handed_out_at_ms is not None
 
     @property
     def live(self) -> bool:
@@ -112,15 +122,18 @@ class PlanRecord:
         return self.rank_plan.prefill_ranks
 
 
-@dataclass
+@dataclass(frozen=True)
 class TransferRecord:
-    """A published request and everything that happened to it.
+    """A published request and everything that happened to it; a value (changes make a new
+    record, see :mod:`broker.transfers`).
 
-    ``consumers[p]`` are the decode ranks whose plans read from prefill rank ``p`` (known
-    once a decode engine claims the transfer); ``released[p]`` is set once ``p`` may free its
+    A transfer is named by its prefill engine and its id (:attr:`key`): an id belongs to the
+    engine that published it. ``plans[d]`` is decode rank ``d``'s plan (empty until a decode
+    engine claims the transfer); ``released[p]`` is set once prefill rank ``p`` may free its
     blocks. ``prefill_generation`` is the prefill engine's generation at publish time.
-    ``deadline_ms`` is when the reaper must next look at it: its expiry while unfinished,
-    the end of its retention once finished.
+    ``deadline_ms`` is when the reaper must next look at it: its expiry while unfinished, the
+    first live plan's read deadline while one holds a prefill rank after the end, then the end
+    of its retention.
     """
 
     transfer_id: str
@@ -136,11 +149,11 @@ class TransferRecord:
     state: TransferState = TransferState.PUBLISHED
     decode_engine_id: str = ""
     decode_generation: int = 0
-    plans: dict[int, PlanRecord] = field(default_factory=dict)
-    consumers: dict[int, frozenset[int]] = field(default_factory=dict)
-    released: dict[int, ReleaseReason] = field(default_factory=dict)
+    plans: tuple[PlanRecord, ...] = ()
+    #: Per prefill rank, why it was released (None: not yet); set on publication.
+    released: tuple[ReleaseReason | None, ...] = ()
     finished_at_ms: int | None = None
-    timeline: list[TimelineEntry] = field(default_factory=list)
+    timeline: tuple[TimelineEntry, ...] = ()
     #: W3C traceparent of the transfer's trace: the publisher's, else the broker's publish
     #: span; '' when nobody traces. Spans about the transfer anywhere descend from it.
     traceparent: str = ""
@@ -148,6 +161,28 @@ class TransferRecord:
     #: with this reason once those plans report or die); None while unfinished.
     end_reason: ReleaseReason | None = None
     end_detail: str = ""
+
+    @property
+    def key(self) -> TransferKey:
+        return (self.prefill_engine_id, self.transfer_id)
+
+    @property
+    def consumers(self) -> dict[int, frozenset[int]]:
+        """Per prefill rank, the decode ranks whose plans read from it."""
+        readers: list[set[int]] = [set() for _ in range(self.prefill_tp_size)]
+        for plan in self.plans:
+            for p in plan.prefill_ranks:
+                readers[p].add(plan.decode_rank)
+        return {p: frozenset(r) for p, r in enumerate(readers)}
+
+    @property
+    def parties(self) -> frozenset[str]:
+        """Engines the transfer concerns: its prefill engine and, once claimed, its decode
+        engine (what the store indexes it under)."""
+        return frozenset(e for e in (self.prefill_engine_id, self.decode_engine_id) if e)
+
+    def plan_by_id(self, plan_id: str) -> PlanRecord | None:
+        return next((p for p in self.plans if p.plan_id == plan_id), None)
 
 
 @dataclass(frozen=True)

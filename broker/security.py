@@ -22,7 +22,7 @@ from pathlib import Path
 import grpc
 
 from broker.auth import AccessGuard, Authenticator, TokenTable
-from broker.state import StateStore
+from broker.store.contract import StateStore
 
 log = logging.getLogger(__name__)
 

@@ -30,8 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial, wraps
 from typing import Any, NoReturn, TypeVar
@@ -41,7 +40,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from broker import convert, tracing
+from broker.api import PlanResult
 from broker.auth import AccessGuard, Authenticator, Identity
+from broker.engines import check_published_blocks
 from broker.errors import (
     COMPACTED_THROUGH_KEY,
     AbortedError,
@@ -57,23 +58,30 @@ from broker.errors import (
     UnauthenticatedError,
 )
 from broker.limits import LIMITS, max_request_bytes_of
+from broker.plans import Planned, PlanTicket
 from broker.records import RankKey
 from broker.security import ServerSecurity
 from broker.service import BrokerService
 from broker.v1 import broker_pb2 as pb
 from broker.v1 import broker_pb2_grpc as pb_grpc
-from broker.wire import ident, optional_ident, text
+from broker.wire import count_block_ids, ident, optional_ident, text
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Broker"].full_name
+#: Broker methods that answer with a stream.
+_STREAMING = frozenset(
+    m.name for m in pb.DESCRIPTOR.services_by_name["Broker"].methods if m.server_streaming
+)
 #: Largest inbound message (bytes): registrations carry agent metadata and layouts.
 MAX_RECEIVE_BYTES = LIMITS.max_request_bytes
-#: Requests with more block ids than this are translated (and their plans) off the loop;
-#: smaller ones take less than a thread hand-off.
+#: Work that grows with a request runs on the worker thread past these sizes (smaller work
+#: takes less than a thread hand-off): requests are parsed there past OFFLOAD_REQUEST_BYTES,
+#: translated, checked and planned past OFFLOAD_BLOCK_IDS block ids, and plans turned into
+#: descriptors and serialized past OFFLOAD_DESCRIPTORS descriptors.
+OFFLOAD_REQUEST_BYTES = 256 << 10
 OFFLOAD_BLOCK_IDS = 16_384
-#: Bytes of serialized large plans kept for repeated asks of the same plan.
-PLAN_BYTES_CACHE = 256 << 20
+OFFLOAD_DESCRIPTORS = 32_768
 
 #: First matching class wins; any other :class:`PdbrokerError` is INVALID_ARGUMENT.
 _STATUS_BY_ERROR: tuple[tuple[type[PdbrokerError], grpc.StatusCode], ...] = (
@@ -103,6 +111,8 @@ def status_code(exc: PdbrokerError) -> grpc.StatusCode:
 
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> NoReturn:
     """End the call with the status of ``exc`` (INTERNAL for anything but our errors)."""
+    if isinstance(exc, _Refused):
+        await context.abort(exc.code, f"request: {exc.detail}")
     if isinstance(exc, CompactedError):
         await context.abort(
             status_code(exc),
@@ -139,7 +149,7 @@ def _plan_holder(guard: AccessGuard, who: Identity, request: Any) -> None:
 
 
 def _transfer_party(guard: AccessGuard, who: Identity, request: Any) -> None:
-    guard.see_transfer(who, request.transfer_id)
+    guard.see_transfer(who, request.transfer_id, request.prefill_engine_id)
 
 
 def _operator(guard: AccessGuard, who: Identity, request: Any) -> None:
@@ -177,28 +187,20 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         self.traced = tracing.enabled()
         self._wakeups: dict[RankKey, set[asyncio.Event]] = {}
         service.add_release_listener(self.wake)
-        self._translator = ThreadPoolExecutor(1, thread_name_prefix="pdbroker-translate")
-        self._plan_bytes: OrderedDict[tuple, bytes] = OrderedDict()
-        self._plan_bytes_held = 0
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="pdbroker-work")
 
     async def offload(self, function: Callable[..., T], *args: Any) -> T:
-        """``function(*args)`` on the translating thread (pure work only: no service calls)."""
+        """``function(*args)`` on the worker thread (pure work only: no service calls)."""
         return await asyncio.get_running_loop().run_in_executor(
-            self._translator, partial(function, *args)
+            self._worker, partial(function, *args)
         )
 
-    def close(self) -> None:
-        self._translator.shutdown(wait=False, cancel_futures=True)
+    async def pure(self, heavy: bool, function: Callable[..., T], *args: Any) -> T:
+        """``function(*args)`` here, or on the worker thread when ``heavy``."""
+        return await self.offload(function, *args) if heavy else function(*args)
 
-    def _keep_plan_bytes(self, key: tuple, encoded: bytes) -> None:
-        """Keep a large plan's answer for the same rank's repeated asks (a plan never
-        changes once handed out), the newest :data:`PLAN_BYTES_CACHE` bytes."""
-        if len(encoded) > PLAN_BYTES_CACHE or key in self._plan_bytes:  # asked at once
-            return
-        self._plan_bytes[key] = encoded
-        self._plan_bytes_held += len(encoded)
-        while self._plan_bytes_held > PLAN_BYTES_CACHE:
-            self._plan_bytes_held -= len(self._plan_bytes.popitem(last=False)[1])
+    def close(self) -> None:
+        self._worker.shutdown(wait=False, cancel_futures=True)
 
     def wake(self, key: RankKey) -> None:
         """Wake the watchers of prefill rank ``key`` (a release was queued or it went away)."""
@@ -210,18 +212,22 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         if self.guard is not None:
             rule(self.guard, self.guard.identify(context), request)
 
+    def in_context(
+        self, context: grpc.aio.ServicerContext, call: Callable[..., T], *args: Any
+    ) -> T:
+        """``call(*args)``, in the trace context the caller sent when this process traces."""
+        if self.traced:
+            return tracing.call_in_context(context.invocation_metadata(), call, *args)
+        return call(*args)
+
     async def RegisterRank(
-        self, request: pb.RegisterRankRequest, context: grpc.aio.ServicerContext
+        self, request: Any, context: grpc.aio.ServicerContext
     ) -> pb.RegisterRankResponse:
         try:
+            request = await self.parsed(request)
             self.authorize(context, _registrant, request)
             registration = await self.offload(convert.registration_from_proto, request)
-            if self.traced:
-                lease = tracing.call_in_context(
-                    context.invocation_metadata(), self.service.register_rank, registration
-                )
-            else:
-                lease = self.service.register_rank(registration)
+            lease = self.in_context(context, self.service.register_rank, registration)
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status
             await _abort(context, exc)
         return convert.lease_to_proto(lease)
@@ -236,52 +242,67 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         self.service.deregister(ident(request.lease_id, "lease_id"))
         return pb.DeregisterResponse()
 
-    async def PublishBlocks(
-        self, request: pb.PublishBlocksRequest, context: grpc.aio.ServicerContext
-    ) -> pb.PublishBlocksResponse:
+    async def PublishBlocks(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        """Publications of many block ids are translated and checked against the engine's
+        layout on the worker thread; only storing them runs on the loop."""
         traceparent = tracing.traceparent_from_metadata(context.invocation_metadata())
         try:
+            request = await self.parsed(request)
             self.authorize(context, _as_engine, request)
-            if _many_block_ids(request.block_ids):
-                publication = await self.offload(
-                    convert.publication_from_proto, request, traceparent
-                )
-            else:
-                publication = convert.publication_from_proto(request, traceparent)
-            expires = self.service.publish(publication)
+            heavy = count_block_ids(request.block_ids) > OFFLOAD_BLOCK_IDS
+            pub = await self.pure(heavy, convert.publication_from_proto, request, traceparent)
+            checked = None
+            if heavy:
+                layout, checked = self.service.engine_layout(pub.engine_id)
+                await self.offload(check_published_blocks, layout, pub.block_ids, pub.num_tokens)
+            expires = self.service.publish(pub, checked)
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status
             await _abort(context, exc)
         return pb.PublishBlocksResponse(expires_at_ms=expires)
 
-    async def GetTransferPlan(
-        self, request: pb.GetTransferPlanRequest, context: grpc.aio.ServicerContext
-    ) -> pb.GetTransferPlanResponse:
+    async def GetTransferPlan(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         """As the other calls, without joining the caller's trace: a plan's spans descend
         from the transfer's publication anyway, and decode links its own trace from its read
-        spans, so the hot path need not parse the caller's context (~25 µs a plan). The
-        service checks the publication's ``allowed_decode_engines``."""
+        spans, so the hot path need not parse the caller's context (~25 µs a plan). A plan
+        whose answer exceeds ``max_unary_plan_bytes`` is refused before it is handed out."""
         try:
-            self.authorize(context, _as_engine, request)
-            if not _many_block_ids(request.block_ids):
-                return convert.plan_to_proto(
-                    self.service.get_plan(convert.plan_query_from_proto(request))
-                )
-            query = await self.offload(convert.plan_query_from_proto, request)
-            plan = self.service.get_plan(query)
-            key = (
-                plan.plan_id,
-                plan.expires_at_ms,
-                plan.traceparent,
-                tuple(bool(s.agent_metadata) for s in plan.sources),
-            )
-            encoded = self._plan_bytes.get(key)
-            if encoded is None:
-                encoded = await self.offload(_serialized_plan, plan)
-                self._keep_plan_bytes(key, encoded)
-            return encoded  # bytes: sent as they are
-
+            plan = await self._plan(request, context, LIMITS.max_unary_plan_bytes)
+            if plan.num_descriptors <= OFFLOAD_DESCRIPTORS:
+                return convert.plan_to_proto(plan)
+            return await self.offload(_serialized_plan, plan)  # bytes: sent as they are
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status
             await _abort(context, exc)
+
+    async def StreamTransferPlan(
+        self, request: Any, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GetTransferPlanResponse]:
+        """GetTransferPlan of any size, in messages of at most ``max_plan_chunk_bytes`` of
+        descriptors: the loop sends one while the next waits for flow control."""
+        try:
+            plan = await self._plan(request, context, None)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a status
+            await _abort(context, exc)
+        for chunk in convert.plan_chunks(plan, LIMITS.max_plan_chunk_bytes):
+            yield chunk
+
+    async def _plan(
+        self, request: Any, context: grpc.aio.ServicerContext, answer_bytes: int | None
+    ) -> PlanResult:
+        """The decode rank's plan; the planning, descriptors and translation of large ones
+        on the worker thread, deciding on the loop (:meth:`BrokerService.plan_step`)."""
+        request = await self.parsed(request)
+        self.authorize(context, _as_engine, request)
+        heavy = count_block_ids(request.block_ids) > OFFLOAD_BLOCK_IDS
+        query = await self.pure(heavy, convert.plan_query_from_proto, request)
+        planned: Planned | None = None
+        while True:
+            step = self.service.plan_step(query, planned, answer_bytes)
+            if isinstance(step, PlanTicket):
+                return await self.pure(step.num_descriptors > OFFLOAD_DESCRIPTORS, step.result)
+            light = step.block_ids <= OFFLOAD_BLOCK_IDS
+            planned = step.run_if_free() if light else None
+            if planned is None:  # large, or the pair's planner is busy on the worker
+                planned = await self.offload(step.run)
 
     @_unary(_plan_holder)
     def ReportTransfer(self, request: pb.ReportTransferRequest) -> pb.ReportTransferResponse:
@@ -294,18 +315,31 @@ class BrokerServicer(pb_grpc.BrokerServicer):
 
     @_unary(_transfer_party)
     def AbortTransfer(self, request: pb.AbortTransferRequest) -> pb.AbortTransferResponse:
-        transfer_id = ident(request.transfer_id, "transfer_id")
-        state = self.service.abort(transfer_id, text(request.reason))
+        state = self.service.abort(
+            ident(request.transfer_id, "transfer_id"),
+            text(request.reason),
+            optional_ident(request.prefill_engine_id, "prefill_engine_id"),
+        )
         return pb.AbortTransferResponse(state=convert.state_to_proto(state))
 
     @_unary(_operator)
     def ListEngines(self, request: pb.ListEnginesRequest) -> pb.ListEnginesResponse:
         return convert.engines_to_proto(self.service.list_engines())
 
-    @_unary(_transfer_party)
-    def GetTransfer(self, request: pb.GetTransferRequest) -> pb.GetTransferResponse:
-        transfer = self.service.get_transfer(ident(request.transfer_id, "transfer_id"))
-        return convert.transfer_to_proto(transfer, self.service.clock.now_ms())
+    async def GetTransfer(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            self.authorize(context, _transfer_party, request)
+            transfer = self.in_context(
+                context,
+                self.service.get_transfer,
+                ident(request.transfer_id, "transfer_id"),
+                optional_ident(request.prefill_engine_id, "prefill_engine_id"),
+            )
+            heavy = sum(len(g) for g in transfer.block_ids) > OFFLOAD_BLOCK_IDS
+            now = self.service.clock.now_ms()
+            return await self.pure(heavy, convert.transfer_to_proto, transfer, now)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a status
+            await _abort(context, exc)
 
     @_unary(_operator)
     def ListTransfers(self, request: pb.ListTransfersRequest) -> pb.ListTransfersResponse:
@@ -334,7 +368,8 @@ class BrokerServicer(pb_grpc.BrokerServicer):
                 if events is None:
                     return
                 for event in events:
-                    yield convert.release_to_proto(event)
+                    heavy = sum(len(g) for g in event.block_ids) > OFFLOAD_BLOCK_IDS
+                    yield await self.pure(heavy, convert.release_to_proto, event)
                     cursor = event.sequence
                     self.service.delivered(key, cursor)
                 if not events:
@@ -347,12 +382,14 @@ class BrokerServicer(pb_grpc.BrokerServicer):
             if not waiters:
                 del self._wakeups[key]
 
+    async def parsed(self, request: Any) -> Any:
+        """The request message, parsed on the worker thread if it came unparsed (large)."""
+        if isinstance(request, _Unparsed):
+            return await self.offload(request.parse)
+        return request
 
-def _many_block_ids(groups: Sequence[pb.BlockIds]) -> bool:
-    return sum(len(g.ids) for g in groups) > OFFLOAD_BLOCK_IDS
 
-
-def _serialized_plan(plan: Any) -> bytes:
+def _serialized_plan(plan: PlanResult) -> bytes:
     return convert.plan_to_proto(plan).SerializeToString()
 
 
@@ -366,11 +403,19 @@ def _serializer(response_type: type) -> Callable[[Any], bytes]:
     return encode
 
 
-class _Undecodable:
-    """Stands in for a request that is refused unparsed: ``code`` and ``detail`` say why."""
+class _Refused(Exception):
+    """A request refused before its handler looks at it: ``code`` and ``detail`` say why."""
 
     def __init__(self, code: grpc.StatusCode, detail: str) -> None:
+        super().__init__(detail)
         self.code, self.detail = code, detail
+
+
+class _Unparsed:
+    """A large request, parsed by its handler on the worker thread (:meth:`BrokerServicer.parsed`)."""
+
+    def __init__(self, parse: Callable[[], Any]) -> None:
+        self.parse = parse
 
 
 def _lenient(message_type: type, max_bytes: int) -> Callable[[bytes], Any]:
@@ -379,40 +424,46 @@ def _lenient(message_type: type, max_bytes: int) -> Callable[[bytes], Any]:
     than ``max_bytes``."""
     name = message_type.DESCRIPTOR.full_name
 
-    def parse(data: bytes) -> Any:
-        if len(data) > max_bytes:
-            return _Undecodable(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{len(data)} bytes is more than a {name} may have ({max_bytes})",
-            )
+    def decode(data: bytes) -> Any:
         try:
             return message_type.FromString(data)
         except Exception as exc:  # noqa: BLE001 - DecodeError, or RecursionError when too deep
             why = str(exc).rsplit(": ", 1)[-1]  # DecodeError repeats the type name
-            return _Undecodable(grpc.StatusCode.INVALID_ARGUMENT, f"not a valid {name} ({why})")
+            raise _Refused(
+                grpc.StatusCode.INVALID_ARGUMENT, f"not a valid {name} ({why})"
+            ) from None
+
+    def parse(data: bytes) -> Any:
+        if len(data) > max_bytes:
+            return _Refused(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{len(data)} bytes is more than a {name} may have ({max_bytes})",
+            )
+        if len(data) > OFFLOAD_REQUEST_BYTES:
+            return _Unparsed(partial(decode, data))
+        try:
+            return decode(data)
+        except _Refused as refused:
+            return refused
 
     return parse
 
 
-def _refuse_undecodable(behavior: Callable, streaming: bool) -> Callable:
-    """``behavior``, answering an :class:`_Undecodable` request with its status."""
-
-    async def refuse(request: _Undecodable, context: grpc.aio.ServicerContext) -> NoReturn:
-        await context.abort(request.code, f"request: {request.detail}")
-
+def _refuse_unparsable(behavior: Callable, streaming: bool) -> Callable:
+    """``behavior``, answering a request its deserializer refused with its status."""
     if streaming:
 
         async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            if isinstance(request, _Undecodable):
-                await refuse(request, context)
+            if isinstance(request, _Refused):
+                await _abort(context, request)
             async for item in behavior(request, context):
                 yield item
 
         return stream
 
     async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        if isinstance(request, _Undecodable):
-            await refuse(request, context)
+        if isinstance(request, _Refused):
+            await _abort(context, request)
         return await behavior(request, context)
 
     return unary
@@ -432,7 +483,7 @@ def _add_broker(servicer: BrokerServicer, server: grpc.aio.Server) -> None:
             else grpc.unary_unary_rpc_method_handler
         )
         handlers[method.name] = make(
-            _refuse_undecodable(getattr(servicer, method.name), method.server_streaming),
+            _refuse_unparsable(getattr(servicer, method.name), method.server_streaming),
             request_deserializer=_lenient(request_type, max_request_bytes_of(method.name)),
             response_serializer=_serializer(response_type),
         )
@@ -465,7 +516,7 @@ class _AuthenticateFirst(grpc.aio.ServerInterceptor):
             why,
         )
         detail = f"authorization: {why}"
-        streaming = details.method.endswith("/WatchReleases")
+        streaming = details.method.rsplit("/", 1)[-1] in _STREAMING
 
         async def unary(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, detail)

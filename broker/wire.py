@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 import unicodedata
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from enum import Enum
 from typing import Generic, TypeVar
 
@@ -291,3 +291,30 @@ def unpack(data: bytes) -> np.ndarray:
             f"{len(data)} bytes is not a whole number of {DESCRIPTOR_BYTES}-byte descriptors"
         )
     return np.frombuffer(data, dtype="<i8").reshape(-1, 3).astype(np.int64)
+
+
+def join_plan_chunks(
+    chunks: Iterable[pb.GetTransferPlanResponse],
+) -> pb.GetTransferPlanResponse:
+    """The one answer a StreamTransferPlan stream carries in ``chunks``: the first message
+    with, per source, the descriptors of every message appended in order. ``ValueError`` if
+    the stream is empty or a later message names a source the first did not."""
+    messages = iter(chunks)
+    first = next(messages, None)
+    if first is None:
+        raise ValueError("the plan stream ended before its first message")
+    local = {s.prefill_rank: [s.local_descriptors] for s in first.sources}
+    remote = {s.prefill_rank: [s.remote_descriptors] for s in first.sources}
+    for message in messages:
+        for source in message.sources:
+            if source.prefill_rank not in local:
+                raise ValueError(
+                    f"a plan chunk names prefill rank {source.prefill_rank}, not a source"
+                )
+            local[source.prefill_rank].append(source.local_descriptors)
+            remote[source.prefill_rank].append(source.remote_descriptors)
+    for source in first.sources:
+        if len(local[source.prefill_rank]) > 1:
+            source.local_descriptors = b"".join(local[source.prefill_rank])
+            source.remote_descriptors = b"".join(remote[source.prefill_rank])
+    return first

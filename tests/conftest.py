@@ -45,9 +45,9 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def store(self, **ttls: int):
-        """A :class:`~broker.redis_store.RedisStateStore` under a prefix of its own, so
+        """A :class:`~broker.store.redis.RedisStateStore` under a prefix of its own, so
         every store made here starts empty."""
-        from broker.redis_store import RedisStateStore
+        from broker.store.redis import RedisStateStore
 
         return RedisStateStore.from_url(self.url, f"test-{uuid.uuid4().hex[:12]}:", **ttls)
 
@@ -122,7 +122,7 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
 @pytest.fixture(params=["memory", "redis"])
 def default_store(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Runs a test once per store: with ``redis``, every ``BrokerService`` the test builds
-    without a store gets a fresh :class:`~broker.redis_store.RedisStateStore` instead of the
+    without a store gets a fresh :class:`~broker.store.redis.RedisStateStore` instead of the
     in-memory default. Use it with ``pytestmark = pytest.mark.usefixtures("default_store")``."""
     if request.param == "redis":
         import broker.service

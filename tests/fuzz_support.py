@@ -24,7 +24,7 @@ from broker.scenarios import Scenario, build_scenario
 from broker.server import BrokerServer
 from broker.service import BrokerService
 from broker.v1 import broker_pb2 as pb
-from broker.wire import DESCRIPTOR_BYTES, unpack
+from broker.wire import DESCRIPTOR_BYTES, join_plan_chunks, unpack
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Broker"]
 #: Method name → (request type, response type, server streaming).
@@ -119,7 +119,12 @@ class Fuzzer:
         except Exception:  # noqa: BLE001 - the broker must refuse it as INVALID_ARGUMENT
             request = None
         try:
-            if streaming:
+            if method == "StreamTransferPlan":  # a finite stream: the whole plan
+                chunks = self._calls[method](payload, timeout=CALL_TIMEOUT_S)
+                parsed = (response_type.FromString(chunk) for chunk in chunks)
+                reply = join_plan_chunks(parsed).SerializeToString()
+                streaming = False
+            elif streaming:
                 reply = self._first_event(method, payload, request)
             else:
                 reply = self._calls[method](payload, timeout=CALL_TIMEOUT_S)
@@ -178,7 +183,7 @@ class Fuzzer:
             model.publishers.discard(key)
         elif method == "PublishBlocks":
             model.transfers[request.transfer_id] = request.engine_id
-        elif method == "GetTransferPlan":
+        elif method in ("GetTransferPlan", "StreamTransferPlan"):
             self._check_plan(request, reply)
             model.plans.append(
                 (reply.plan_id, request.engine_id, request.tp_rank, reply.total_bytes)
@@ -254,6 +259,7 @@ class Requests:
             "Deregister": lambda pick: pb.DeregisterRequest(lease_id=self._lease(pick, OTHER)),
             "PublishBlocks": self.publish,
             "GetTransferPlan": self.plan,
+            "StreamTransferPlan": self.plan,
             "ReportTransfer": self.report,
             "WatchReleases": lambda pick: pb.WatchReleasesRequest(
                 engine_id=PREFILL, tp_rank=pick([0, 1]), after_sequence=pick([0, 1, 1 << 40])

@@ -258,15 +258,16 @@ def test_health_and_keep_alives_stay_prompt_under_costly_registrations() -> None
     assert p99["health"] < 100 and p99["keepalive"] < 100, p99
 
 
-def test_a_large_plan_asked_at_once_is_serialized_and_kept_once(live: LiveBroker) -> None:
-    """Four concurrent asks and one more of a plan of many block ids: every answer is the
-    same plan, the translated answer is kept once (its bytes counted once), and the later
-    ask is answered from it."""
+def test_a_large_plan_asked_at_once_is_claimed_once_and_answered_alike(live: LiveBroker) -> None:
+    """Four concurrent asks and one more of a plan of many block ids (planned, turned into
+    descriptors and serialized on the worker thread): every answer is the same plan, made by
+    one claim and handed out once; the stream answers it alike."""
     from broker_helpers import hybrid, register_request
 
     from broker.models import build_engine_layout
     from broker.server import OFFLOAD_BLOCK_IDS
     from broker.v1 import broker_pb2_grpc as pb_grpc
+    from broker.wire import join_plan_chunks
 
     ids = OFFLOAD_BLOCK_IDS + 1
     layout = build_engine_layout(hybrid(mamba=None), 1, ids, 16)
@@ -286,15 +287,15 @@ def test_a_large_plan_asked_at_once_is_serialized_and_kept_once(live: LiveBroker
     plan = pb.GetTransferPlanRequest(
         transfer_id="large", engine_id="LD", block_ids=[pb.BlockIds(ids=order)]
     )
-    first = stub.GetTransferPlan(plan, timeout=WAIT_S)  # the one with the agent metadata
     with ThreadPoolExecutor(4) as pool:
         answers = list(pool.map(lambda _: stub.GetTransferPlan(plan, timeout=WAIT_S), range(4)))
     answers.append(stub.GetTransferPlan(plan, timeout=WAIT_S))
-    assert first.sources[0].remote_agent_metadata
-    assert {a.SerializeToString() for a in answers} == {answers[0].SerializeToString()}
-    assert answers[0].plan_id == first.plan_id and answers[0].num_descriptors > ids // 2
-    servicer = live.server._servicer
-    kept = list(servicer._plan_bytes.values())
-    assert len(kept) == 2  # with and without the agent metadata
-    assert servicer._plan_bytes_held == sum(len(b) for b in kept)
-    assert answers[-1].SerializeToString() in kept
+    streamed = join_plan_chunks(stub.StreamTransferPlan(plan, timeout=WAIT_S))
+    assert sum(bool(a.sources[0].remote_agent_metadata) for a in answers) == 1  # first contact
+    for answer in answers + [streamed]:
+        answer.sources[0].remote_agent_metadata = b""
+    assert {a.SerializeToString() for a in answers + [streamed]} == {answers[0].SerializeToString()}
+    assert answers[0].num_descriptors > ids // 2
+    timeline = stub.GetTransfer(pb.GetTransferRequest(transfer_id="large"), timeout=WAIT_S).timeline
+    assert [e.event for e in timeline].count("claimed") == 1
+    assert [e.event for e in timeline].count("planned") == 1

@@ -48,6 +48,8 @@ DOCUMENTED_LIMITS = {
     "max_allowed_decode_engines": 256,
     "max_template_runs": 1_048_576,
     "max_plan_runs": 16_777_216,
+    "max_unary_plan_bytes": 16 << 20,
+    "max_plan_chunk_bytes": 4 << 20,
 }
 #: The broker's table limits and durations (``pdbroker serve`` flags), as documented.
 DOCUMENTED_DEFAULTS = {

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from broker.logs import JsonFormatter, TextFormatter, TransferFilter, escape, transfer_fields
-from broker.redis_store import redact_url
+from broker.store.redis_link import redact_url
 
 #: A caller-supplied text that tries to start a line of its own, rewrite the terminal and
 #: reorder what is shown.

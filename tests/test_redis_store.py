@@ -24,13 +24,16 @@ from conftest import RedisServer, start_redis
 from broker.api import PlanQuery, Publication, Report
 from broker.errors import StoreUnavailableError
 from broker.records import ReleaseEvent, TransferRecord
-from broker.redis_store import REDELIVER_MS, RedisStateStore
 from broker.scenarios import Scenario, build_scenario
 from broker.service import BrokerService, ServiceConfig
+from broker.store.contract import REDELIVER_MS
+from broker.store.redis import RedisStateStore
 from broker.v1 import broker_pb2 as pb
 from broker.v1 import broker_pb2_grpc as pb_grpc
 from broker.wire import ReleaseReason, ReportStatus, Role
 
+#: The transfer every fleet publishes: id t1 of prefill engine P.
+T1 = ("P", "t1")
 #: Release backlog budgets that never drop an event (rank, total).
 UNBOUNDED = (1 << 40, 1 << 40)
 
@@ -61,7 +64,7 @@ def done(plan_id: str, d: int) -> Report:
 def plain(t: TransferRecord) -> tuple:
     """A transfer as comparable values (plans hold numpy columns)."""
     plans = {
-        d: (
+        p.decode_rank: (
             p.plan_id,
             p.block_ids,
             p.handed_out,
@@ -76,7 +79,7 @@ def plain(t: TransferRecord) -> tuple:
                 for s in p.rank_plan.sources
             ],
         )
-        for d, p in t.plans.items()
+        for p in t.plans
     }
     fields = {k: v for k, v in vars(t).items() if k != "plans"}
     return fields, plans
@@ -127,14 +130,14 @@ def test_records_survive_a_new_store_object_and_a_server_restart(tmp_path) -> No
         service, sc = fleet(store, 2, 2, clock)
         plans = [service.get_plan(query(sc, d)) for d in range(2)]
         service.report(done(plans[0].plan_id, 0))
-        before = (store.ranks(), plain(store.get_transfer("t1")), events(store, ("P", 0)))
+        before = (store.ranks(), plain(store.get_transfer(T1)), events(store, ("P", 0)))
         assert before[2] == [("t1", ReleaseReason.COMPLETED)]
 
         server.stop()
         server = start_redis(tmp_path, server.port)
         again = RedisStateStore.from_url(server.url, "durable:")
-        assert (again.ranks(), plain(again.get_transfer("t1")), events(again, ("P", 0))) == before
-        assert again.transfer_of_plan(plans[1].plan_id) == "t1"
+        assert (again.ranks(), plain(again.get_transfer(T1)), events(again, ("P", 0))) == before
+        assert again.transfer_of_plan(plans[1].plan_id) == T1
         assert again.rank_by_lease(before[0][0].lease_id) == before[0][0]
         # A new broker on the restarted server finishes what the first one started.
         restarted = BrokerService(again, clock, CONFIG)
@@ -153,17 +156,24 @@ def test_every_field_round_trips(redis_server: RedisServer) -> None:
     service, sc = fleet(store, 2, 1, FakeClock())
     plan = service.get_plan(query(sc, 0))
     service.report(Report(plan.plan_id, "D", 0, ReportStatus.FAILED, 0, 10, "boom"))
-    record = store.get_transfer("t1")
+    record = store.get_transfer(T1)
     assert record.finished_at_ms is not None and record.released and record.timeline
-    for obj in (record, *record.plans.values()):
-        for f in dataclasses.fields(obj):
-            if getattr(obj, f.name) in ("", 0, False) and f.name not in (
-                "decode_rank",
-                "bytes_moved",
-            ):
-                setattr(obj, f.name, "set" if f.type == "str" else 7)
+
+    def filled(obj):
+        """``obj`` with every empty field of its own set (strings "set", numbers 7)."""
+        return dataclasses.replace(
+            obj,
+            **{
+                f.name: "set" if f.type == "str" else 7
+                for f in dataclasses.fields(obj)
+                if getattr(obj, f.name) in ("", 0, False)
+                and f.name not in ("decode_rank", "bytes_moved")
+            },
+        )
+
+    record = filled(dataclasses.replace(record, plans=tuple(filled(p) for p in record.plans)))
     store.put_transfer(record)
-    assert plain(twin(store).get_transfer("t1")) == plain(record)
+    assert plain(twin(store).get_transfer(T1)) == plain(record)
     event = ReleaseEvent(0, "t", ((1, 2), (3,)), ReleaseReason.CONSUMER_FAILED, "why", 5)
     event = dataclasses.replace(
         event, **{f.name: "set" for f in dataclasses.fields(event) if getattr(event, f.name) == ""}
@@ -183,7 +193,7 @@ def test_server_side_ttls_forget_what_nobody_renews(redis_server: RedisServer) -
         service.keep_alive(lease)
     assert store.get_rank(("P", 0)) is not None and store.rank_by_lease(lease) is not None
     assert store.get_rank(("D", 0)) is None and store.engine_ranks("D") == []
-    assert store.get_transfer("t1") is None and list(store.transfers()) == []
+    assert store.get_transfer(T1) is None and list(store.transfers()) == []
     assert [r.registration.key for r in store.ranks()] == [("P", 0)]
     assert store.client.smembers(store._key("ranks")) == {b"0:P"}  # index entry cleaned
     assert store.count_transfers() == 0
@@ -221,15 +231,15 @@ def test_release_cursor_resumes_from_another_store(redis_server: RedisServer) ->
 def test_due_transfers_come_once_and_again_if_never_put_back(redis_server: RedisServer) -> None:
     store = redis_server.store()
     service, _ = fleet(store, 1, 1, FakeClock())
-    deadline = store.get_transfer("t1").deadline_ms
+    deadline = store.get_transfer(T1).deadline_ms
     assert store.due_transfers(deadline - 1) == []
-    assert [t.transfer_id for t in store.due_transfers(deadline)] == ["t1"]
+    assert store.due_transfers(deadline) == [T1]
     assert store.due_transfers(deadline) == []  # another replica's reaper gets nothing
     # A reaper that took it and died: it comes back once REDELIVER_MS passed.
-    assert [t.transfer_id for t in store.due_transfers(deadline + REDELIVER_MS)] == ["t1"]
+    assert store.due_transfers(deadline + REDELIVER_MS) == [T1]
     service.clock.advance(CONFIG.default_ttl_ms + 2 * REDELIVER_MS)
     service.reap()  # expires it: put back with the retention deadline
-    assert store.get_transfer("t1").state.value == "expired"
+    assert store.get_transfer(T1).state.value == "expired"
     assert store.due_transfers(service.clock.now + REDELIVER_MS) == []
 
 
@@ -353,7 +363,7 @@ def test_a_stalled_server_fails_calls_within_the_timeout_then_at_once(
     fleet(store, 1, 1, FakeClock())  # publishes t1
 
     def read_then_stall() -> TransferRecord | None:
-        store.get_transfer("t1")  # watched
+        store.get_transfer(T1)  # watched
         os.kill(server.process.pid, signal.SIGSTOP)
         return store.get_transfer("t2")
 
@@ -367,7 +377,7 @@ def test_a_stalled_server_fails_calls_within_the_timeout_then_at_once(
         started = time.monotonic()
         for _ in range(20):
             with pytest.raises(StoreUnavailableError):
-                store.transact(lambda: store.get_transfer("t1"))
+                store.transact(lambda: store.get_transfer(T1))
         at_once_s = time.monotonic() - started
     finally:
         os.kill(server.process.pid, signal.SIGCONT)
@@ -376,7 +386,7 @@ def test_a_stalled_server_fails_calls_within_the_timeout_then_at_once(
         while not store.available:
             assert time.monotonic() < deadline, "the store never came back"
             time.sleep(0.02)
-        assert store.transact(lambda: store.get_transfer("t1")).transfer_id == "t1"
+        assert store.transact(lambda: store.get_transfer(T1)).transfer_id == "t1"
     finally:
         server.stop()
     assert 0.25 < first_s < 1.0, first_s  # one 300 ms timeout, not one per retry or attempt

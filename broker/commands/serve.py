@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from broker.logs import FORMATS, configure_logging
 from broker.service import BrokerService, ServiceConfig
-from broker.state import StateStore
+from broker.store.contract import StateStore
 from broker.tracing import configure_tracing
 
 if TYPE_CHECKING:
@@ -434,7 +434,8 @@ def _open_store(url: str, config: ServiceConfig, timeout_ms: int) -> StateStore 
         return None
     import redis
 
-    from broker.redis_store import RedisStateStore, redact_url
+    from broker.store.redis import RedisStateStore
+    from broker.store.redis_link import redact_url
 
     shown = redact_url(url)
     if not url.startswith(("redis://", "rediss://", "unix://")):

@@ -340,12 +340,14 @@ class ReleaseEvent(_message.Message):
     def __init__(self, sequence: _Optional[int] = ..., transfer_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., reason: _Optional[_Union[ReleaseReason, str]] = ..., detail: _Optional[str] = ..., released_at_ms: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class AbortTransferRequest(_message.Message):
-    __slots__ = ("transfer_id", "reason")
+    __slots__ = ("transfer_id", "reason", "prefill_engine_id")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     reason: str
-    def __init__(self, transfer_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    prefill_engine_id: str
+    def __init__(self, transfer_id: _Optional[str] = ..., reason: _Optional[str] = ..., prefill_engine_id: _Optional[str] = ...) -> None: ...
 
 class AbortTransferResponse(_message.Message):
     __slots__ = ("state",)
@@ -400,10 +402,12 @@ class ListEnginesResponse(_message.Message):
     def __init__(self, engines: _Optional[_Iterable[_Union[EngineInfo, _Mapping]]] = ...) -> None: ...
 
 class GetTransferRequest(_message.Message):
-    __slots__ = ("transfer_id",)
+    __slots__ = ("transfer_id", "prefill_engine_id")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
-    def __init__(self, transfer_id: _Optional[str] = ...) -> None: ...
+    prefill_engine_id: str
+    def __init__(self, transfer_id: _Optional[str] = ..., prefill_engine_id: _Optional[str] = ...) -> None: ...
 
 class TimelineEvent(_message.Message):
     __slots__ = ("at_ms", "event", "detail")

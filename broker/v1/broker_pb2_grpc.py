@@ -59,6 +59,11 @@ class BrokerStub:
                 request_serializer=broker_dot_v1_dot_broker__pb2.GetTransferPlanRequest.SerializeToString,
                 response_deserializer=broker_dot_v1_dot_broker__pb2.GetTransferPlanResponse.FromString,
                 _registered_method=True)
+        self.StreamTransferPlan = channel.unary_stream(
+                '/pdbroker.v1.Broker/StreamTransferPlan',
+                request_serializer=broker_dot_v1_dot_broker__pb2.GetTransferPlanRequest.SerializeToString,
+                response_deserializer=broker_dot_v1_dot_broker__pb2.GetTransferPlanResponse.FromString,
+                _registered_method=True)
         self.ReportTransfer = channel.unary_unary(
                 '/pdbroker.v1.Broker/ReportTransfer',
                 request_serializer=broker_dot_v1_dot_broker__pb2.ReportTransferRequest.SerializeToString,
@@ -124,7 +129,21 @@ class BrokerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetTransferPlan(self, request, context):
-        """A decode rank asks what to read, from which prefill ranks, at which addresses.
+        """A decode rank asks what to read, from which prefill ranks, at which addresses. A plan
+        whose answer would exceed 16 MiB is refused RESOURCE_EXHAUSTED (field `plan`) before it
+        is handed out: ask StreamTransferPlan for it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StreamTransferPlan(self, request, context):
+        """GetTransferPlan for plans of any size: the same answer as a stream of messages of at most
+        about 4 MiB each. The first message carries every field; later ones carry only sources
+        entries naming a prefill_rank with the next descriptors of that source. Concatenating,
+        per prefill_rank, local_descriptors (and remote_descriptors) of all messages in order
+        gives that source's descriptors; its num_descriptors and total_bytes in the first
+        message count them all.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -200,6 +219,11 @@ def add_BrokerServicer_to_server(servicer, server):
             ),
             'GetTransferPlan': grpc.unary_unary_rpc_method_handler(
                     servicer.GetTransferPlan,
+                    request_deserializer=broker_dot_v1_dot_broker__pb2.GetTransferPlanRequest.FromString,
+                    response_serializer=broker_dot_v1_dot_broker__pb2.GetTransferPlanResponse.SerializeToString,
+            ),
+            'StreamTransferPlan': grpc.unary_stream_rpc_method_handler(
+                    servicer.StreamTransferPlan,
                     request_deserializer=broker_dot_v1_dot_broker__pb2.GetTransferPlanRequest.FromString,
                     response_serializer=broker_dot_v1_dot_broker__pb2.GetTransferPlanResponse.SerializeToString,
             ),
@@ -367,6 +391,33 @@ class Broker:
             request,
             target,
             '/pdbroker.v1.Broker/GetTransferPlan',
+            broker_dot_v1_dot_broker__pb2.GetTransferPlanRequest.SerializeToString,
+            broker_dot_v1_dot_broker__pb2.GetTransferPlanResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StreamTransferPlan(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdbroker.v1.Broker/StreamTransferPlan',
             broker_dot_v1_dot_broker__pb2.GetTransferPlanRequest.SerializeToString,
             broker_dot_v1_dot_broker__pb2.GetTransferPlanResponse.FromString,
             options,

@@ -1,0 +1,152 @@
+"""The pure work of a plan request, done outside the broker's units of work.
+
+Answering ``GetTransferPlan`` takes two kinds of work: deciding (which transfer, claimed by
+whom, which plan is handed out: the service, inside one unit of work) and computing (planning
+every decode rank of a transfer, and turning a plan's region-relative runs into absolute
+descriptors: pure numpy over as many runs as the request has blocks). The service hands the
+computing out as values — a :class:`PlanWork` when it needs plans it does not have, a
+:class:`PlanTicket` once it handed a plan out — so the server can run large ones on another
+thread while its event loop keeps serving, and a direct caller runs them in place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+import numpy as np
+
+from broker.api import PlanResult, SourceDescriptors
+from broker.descriptors import descriptor_pair
+from broker.engines import PairPlanning
+from broker.errors import PdbrokerError, PreconditionError, RequestError
+from broker.planner import RankPlan, TransferRequest
+from broker.wire import MemoryKind
+
+
+@dataclass(frozen=True)
+class PlanWork:
+    """Plans the service needs: every decode rank's (``decode_rank`` None: a claim) or one
+    rank's, for ``request``. ``basis`` names what they are valid for (the transfer, both
+    engines' generations, the decode block ids); ``started`` is when the request came
+    (``time.perf_counter()``) and ``cache_hit`` whether the pair's planner was cached."""
+
+    pair: PairPlanning
+    request: TransferRequest
+    decode_rank: int | None
+    basis: Hashable
+    started: float
+    cache_hit: bool
+
+    @property
+    def block_ids(self) -> int:
+        """Block ids of the request on both sides: what the work grows with."""
+        return sum(len(g) for g in self.request.prefill_block_ids) + sum(
+            len(g) for g in self.request.decode_block_ids
+        )
+
+    def run(self) -> Planned:
+        """Plan (any thread; one at a time per pair: the planner's cache is not shared)."""
+        with self.pair.lock:
+            return self._plan()
+
+    def run_if_free(self) -> Planned | None:
+        """Plan here unless another thread is planning for the same pair."""
+        if not self.pair.lock.acquire(blocking=False):
+            return None
+        try:
+            return self._plan()
+        finally:
+            self.pair.lock.release()
+
+    def _plan(self) -> Planned:
+        planner = self.pair.planner
+        try:
+            if self.decode_rank is None:
+                plans = planner.plan(self.request).ranks
+            else:
+                plans = (planner.plan_rank(self.decode_rank, self.request),)
+        except RequestError as exc:
+            raise _planning_error(exc) from None
+        return Planned(self, plans)
+
+
+@dataclass(frozen=True)
+class Planned:
+    """The plans :class:`PlanWork` made, to hand back to the service."""
+
+    work: PlanWork
+    plans: tuple[RankPlan, ...]
+
+
+@dataclass(frozen=True)
+class SourceAgent:
+    """What decode needs to know of one prefill rank it reads from."""
+
+    prefill_rank: int
+    agent_name: str
+    #: Its NIXL agent metadata when this is the decode rank's first contact with it (or the
+    #: decode rank asked for it again), else empty.
+    agent_metadata: bytes
+    region_table: np.ndarray
+    memory_kind: MemoryKind
+
+
+@dataclass(frozen=True)
+class PlanTicket:
+    """A plan handed out to a decode rank, ready to be turned into descriptors."""
+
+    plan_id: str
+    transfer_id: str
+    rank_plan: RankPlan
+    region_table: np.ndarray
+    memory_kind: MemoryKind
+    sources: tuple[SourceAgent, ...]
+    expires_at_ms: int
+    traceparent: str
+
+    @property
+    def num_descriptors(self) -> int:
+        return self.rank_plan.num_descriptors
+
+    def result(self) -> PlanResult:
+        """Absolute descriptors, each checked to lie in its registered region (any thread)."""
+        sources = []
+        for reads, agent in zip(self.rank_plan.sources, self.sources):
+            local, remote = descriptor_pair(
+                self.region_table,
+                agent.region_table,
+                reads.region,
+                reads.local_offset,
+                reads.remote_offset,
+                reads.length,
+            )
+            sources.append(
+                SourceDescriptors(
+                    reads.prefill_rank,
+                    agent.agent_name,
+                    agent.agent_metadata,
+                    local,
+                    remote,
+                    reads.nbytes,
+                    f"pdbroker:{self.transfer_id}:{self.plan_id}:{reads.prefill_rank}".encode(),
+                    self.memory_kind,
+                    agent.memory_kind,
+                )
+            )
+        return PlanResult(
+            self.plan_id,
+            tuple(sources),
+            self.rank_plan.naive_bytes,
+            self.rank_plan.vllm_descriptors,
+            self.expires_at_ms,
+            self.traceparent,
+        )
+
+
+def _planning_error(exc: RequestError) -> PdbrokerError:
+    """A planner error as the service's: bad decode block ids name ``block_ids``; a
+    published request that cannot be planned fails the transfer's precondition."""
+    if exc.field.startswith("decode_block_ids"):
+        return RequestError("block_ids" + exc.field.removeprefix("decode_block_ids"), exc.detail)
+    return PreconditionError("transfer_id", f"published request cannot be planned: {exc}")

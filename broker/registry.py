@@ -1,0 +1,165 @@
+"""The broker's rules for ranks: registration under a lease, renewal, and what a rank's
+departure does to the transfers it takes part in (:class:`Registry`)."""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, replace
+
+from broker import transfers
+from broker.api import EngineView, Lease
+from broker.clock import Clock
+from broker.effects import Effects, Refusal, atomic
+from broker.engines import EngineCatalog, assemble_layout, check_regions
+from broker.errors import AlreadyExistsError, LimitExceededError, NotFoundError, PreconditionError
+from broker.records import RankKey, RankRecord, RankRegistration
+from broker.wire import Role
+
+LEASE_EXPIRED = "lease expired"
+
+
+@dataclass(frozen=True)
+class RankLimits:
+    """Registered ranks at once over all engines, and agent metadata per engine (bytes)."""
+
+    lease_ttl_ms: int
+    max_ranks: int
+    max_metadata_bytes_per_engine: int
+
+
+class Registry:
+    """Ranks and their leases. A rank that goes away (deregistered, replaced, lease
+    expired) fails the unfinished transfers it takes part in (:class:`transfers.LoseRank`)."""
+
+    def __init__(
+        self, effects: Effects, clock: Clock, engines: EngineCatalog, limits: RankLimits
+    ) -> None:
+        self.effects = effects
+        self.store = effects.store
+        self.clock = clock
+        self.engines = engines
+        self.limits = limits
+
+    @atomic
+    def register(self, reg: RankRegistration) -> Lease:
+        """Register (or re-register, failing the old registration's transfers) one rank."""
+        limits, store = self.limits, self.store
+        check_regions(reg)
+        siblings = [r for r in store.engine_ranks(reg.engine_id) if r.key != reg.key]
+        for name in ("tp_size", "role", "model_fingerprint") if siblings else ():
+            theirs, ours = getattr(siblings[0].registration, name), getattr(reg, name)
+            if theirs != ours:
+                raise PreconditionError(
+                    name,
+                    f"engine {reg.engine_id!r} registered its other ranks "
+                    f"with {name}={_show(theirs)}, got {_show(ours)}",
+                )
+        old = store.get_rank(reg.key)
+        if old is None and store.count_ranks() >= limits.max_ranks:
+            raise LimitExceededError(
+                "tp_rank", f"the broker already holds {limits.max_ranks} registered ranks"
+            )
+        holder = store.rank_by_agent(reg.agent_name)
+        if holder is not None and holder.key != reg.key:
+            raise AlreadyExistsError(
+                "agent_name",
+                f"{reg.agent_name!r} is already registered by engine "
+                f"{holder.registration.engine_id!r} rank {holder.registration.tp_rank}",
+            )
+        metadata = len(reg.agent_metadata) + sum(
+            len(r.registration.agent_metadata) for r in siblings
+        )
+        if metadata > limits.max_metadata_bytes_per_engine:
+            raise LimitExceededError(
+                "agent_metadata",
+                f"engine {reg.engine_id!r}'s ranks would hold {metadata} bytes of agent "
+                f"metadata, over its quota of {limits.max_metadata_bytes_per_engine} "
+                "(--max-metadata-bytes-per-engine)",
+            )
+        complete = len(siblings) + 1 == reg.tp_size
+        if complete:
+            assemble_layout([s.registration for s in siblings] + [reg])
+        if old is not None:
+            self.remove(old, "re-registered")
+        now = self.clock.now_ms()
+        record = RankRecord(
+            reg,
+            secrets.token_hex(16),
+            now + limits.lease_ttl_ms,
+            now,
+            store.next_counter("generation"),
+        )
+        store.put_rank(record)
+        self.effects.later(self.effects.observer.rank_registered, reg.role)
+        generation = max([record.generation] + [s.generation for s in siblings])
+        return Lease(record.lease_id, limits.lease_ttl_ms, generation, complete)
+
+    @atomic
+    def keep_alive(self, lease_id: str) -> int:
+        """Renew a lease; returns its TTL (ms). NOT_FOUND once expired."""
+        now = self.clock.now_ms()
+        record = self.lease(lease_id)
+        if record.lease_expires_at_ms <= now:
+            self.remove(record, LEASE_EXPIRED)
+            raise Refusal(NotFoundError("lease_id", "lease expired; register again"))
+        self.store.put_rank(replace(record, lease_expires_at_ms=now + self.limits.lease_ttl_ms))
+        return self.limits.lease_ttl_ms
+
+    @atomic
+    def deregister(self, lease_id: str) -> None:
+        self.remove(self.lease(lease_id), "deregistered")
+
+    @atomic
+    def expire_lease(self, key: RankKey) -> None:
+        """Remove the rank if its lease is still expired (its own unit of work)."""
+        record = self.store.get_rank(key)
+        if record is not None and record.lease_expires_at_ms <= self.clock.now_ms():
+            self.remove(record, LEASE_EXPIRED)
+
+    def engines_view(self) -> list[EngineView]:
+        """Every engine with its registered ranks, by engine id (operators)."""
+        engines: dict[str, list[RankRecord]] = {}
+        for record in self.store.ranks():
+            engines.setdefault(record.registration.engine_id, []).append(record)
+        views = []
+        for engine_id, ranks in sorted(engines.items()):
+            first = ranks[0].registration
+            generation = max(r.generation for r in ranks)
+            views.append(
+                EngineView(
+                    engine_id,
+                    first.role,
+                    first.tp_size,
+                    first.model_fingerprint,
+                    generation,
+                    tuple(ranks),
+                )
+            )
+        return views
+
+    def lease(self, lease_id: str) -> RankRecord:
+        record = self.store.rank_by_lease(lease_id)
+        if record is None:
+            raise NotFoundError("lease_id", "unknown or expired lease; register again")
+        return record
+
+    def remove(self, record: RankRecord, why: str) -> None:
+        """Forget a rank (inside a unit of work) and fail the unfinished transfers it takes
+        part in."""
+        now = self.clock.now_ms()
+        effects, store, key = self.effects, self.store, record.key
+        store.delete_rank(key)
+        effects.later(effects.observer.rank_removed, record.registration.role, why == LEASE_EXPIRED)
+        store.drop_releases(key)
+        store.drop_contacts(key)
+        self.engines.forget(key[0])
+        lost = transfers.LoseRank(key[0], key[1], record.generation, why)
+        for transfer_key in store.transfers_of(key[0]):
+            t = store.get_transfer(transfer_key)
+            if t is not None:
+                effects.decide(t, lost, now)
+        effects.notify(key)
+
+
+def _show(value: object) -> str:
+    return repr(value.value) if isinstance(value, Role) else repr(value)

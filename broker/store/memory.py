@@ -1,0 +1,340 @@
+"""The broker's default store: dicts in one process (:class:`InMemoryStateStore`).
+
+Each unit of work keeps a journal: before a table entry changes for the first time in the
+unit, its old value (a shallow copy when it is a collection) is saved, so a unit that raises
+is undone entry by entry and commits nothing. Deadline heaps are validated lazily against
+their tables, so only what a unit popped from them needs restoring.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+from array import array
+from collections.abc import Callable, Hashable, Iterator
+from dataclasses import replace
+from operator import attrgetter
+from typing import Any, TypeVar
+
+from broker.records import RankKey, RankRecord, ReleaseEvent, TransferKey, TransferRecord
+from broker.store.contract import REDELIVER_MS, StateStore, held_block_ids
+
+T = TypeVar("T")
+_MISSING = object()
+
+
+class _Journal:
+    """Old values of the table entries one unit of work changed, to undo it."""
+
+    def __init__(self) -> None:
+        self._saved: dict[tuple[int, Hashable], tuple[dict, Hashable, Any]] = {}
+        self._undo: list[Callable[[], None]] = []
+
+    def save(self, table: dict, key: Hashable) -> None:
+        """Remember ``table[key]`` as it is now (once per unit of work)."""
+        slot = (id(table), key)
+        if slot not in self._saved:
+            old = table.get(key, _MISSING)
+            if isinstance(old, (set, list, dict)):
+                old = old.copy()
+            self._saved[slot] = (table, key, old)
+
+    def on_undo(self, action: Callable[[], None]) -> None:
+        self._undo.append(action)
+
+    def undo(self) -> None:
+        for action in reversed(self._undo):
+            action()
+        for table, key, old in self._saved.values():
+            if old is _MISSING:
+                table.pop(key, None)
+            else:
+                table[key] = old
+
+
+class InMemoryStateStore(StateStore):
+    """Dicts in one process; see the module docstring. Not thread-safe: use it from one
+    thread (the broker's event loop)."""
+
+    def __init__(self) -> None:
+        self._counters: dict[str, int] = {}
+        self._ranks: dict[RankKey, RankRecord] = {}
+        self._engines: dict[str, set[int]] = {}
+        self._leases: dict[str, RankKey] = {}
+        self._agents: dict[str, RankKey] = {}
+        # (expiry, key) min-heaps; an entry is live while its table agrees with it.
+        self._lease_heap: list[tuple[int, RankKey]] = []
+        self._transfers: dict[TransferKey, TransferRecord] = {}
+        self._named: dict[str, set[TransferKey]] = {}
+        self._parties: dict[str, set[TransferKey]] = {}
+        self._plans: dict[str, TransferKey] = {}
+        self._deadline_heap: list[tuple[int, TransferKey]] = []
+        self._deadlines: dict[TransferKey, int] = {}
+        self._usage: dict[str, tuple[int, int]] = {}  # engine_usage by prefill engine
+        self._contacts: dict[RankKey, set[str]] = {}
+        self._releases: dict[RankKey, list[ReleaseEvent]] = {}
+        self._delivered: dict[RankKey, int] = {}
+        self._release_bytes: dict[RankKey, int] = {}  # kept events' nbytes, by rank
+        self._totals: dict[str, int] = {"release_bytes": 0}
+        self._compacted: dict[RankKey, int] = {}
+        self._journal: _Journal | None = None
+
+    # ------------------------------------------------------------------ units of work
+
+    def transact(self, operation: Callable[[], T]) -> T:
+        if self._journal is not None:
+            return operation()
+        self._journal = journal = _Journal()
+        try:
+            return operation()
+        except BaseException:
+            journal.undo()
+            raise
+        finally:
+            self._journal = None
+
+    def _write(self, table: dict, key: Hashable) -> None:
+        """About to change ``table[key]``: journal it inside a unit of work."""
+        if self._journal is not None:
+            self._journal.save(table, key)
+
+    def _set(self, table: dict, key: Hashable, value: Any) -> None:
+        self._write(table, key)
+        table[key] = value
+
+    def _pop(self, table: dict, key: Hashable) -> Any:
+        self._write(table, key)
+        return table.pop(key, None)
+
+    def _add_to(self, table: dict[Any, set], key: Hashable, member: Any) -> None:
+        self._write(table, key)
+        table.setdefault(key, set()).add(member)
+
+    def _remove_from(self, table: dict[Any, set], key: Hashable, member: Any) -> None:
+        members = table.get(key)
+        if members is not None and member in members:
+            self._write(table, key)
+            members.discard(member)
+            if not members:
+                del table[key]
+
+    def _take_due(self, heap: list, is_due: Callable[[Any, Any], bool], now_ms: int) -> list:
+        """Keys of heap entries due at ``now_ms`` that ``is_due(deadline, key)`` still agrees
+        with (stale entries are dropped); what was popped is put back if the unit of work
+        is undone."""
+        due, popped = [], []
+        while heap and heap[0][0] <= now_ms:
+            entry = heapq.heappop(heap)
+            popped.append(entry)
+            if is_due(*entry):
+                due.append(entry[1])
+        if popped and self._journal is not None:
+            self._journal.on_undo(lambda: [heapq.heappush(heap, e) for e in popped])
+        return due
+
+    # ------------------------------------------------------------------ counters
+
+    def next_counter(self, name: str) -> int:
+        value = self._counters.get(name, 0) + 1
+        self._counters[name] = value
+        return value
+
+    # ------------------------------------------------------------------ ranks
+
+    def put_rank(self, record: RankRecord) -> None:
+        key = record.key
+        old = self._ranks.get(key)
+        if old is not None:
+            self._pop(self._leases, old.lease_id)
+            self._pop(self._agents, old.registration.agent_name)
+        self._set(self._ranks, key, record)
+        self._add_to(self._engines, key[0], key[1])
+        self._set(self._leases, record.lease_id, key)
+        self._set(self._agents, record.registration.agent_name, key)
+        if old is None or old.lease_expires_at_ms != record.lease_expires_at_ms:
+            heapq.heappush(self._lease_heap, (record.lease_expires_at_ms, key))
+
+    def get_rank(self, key: RankKey) -> RankRecord | None:
+        return self._ranks.get(key)
+
+    def rank_by_lease(self, lease_id: str) -> RankRecord | None:
+        key = self._leases.get(lease_id)
+        return None if key is None else self._ranks.get(key)
+
+    def rank_by_agent(self, agent_name: str) -> RankRecord | None:
+        key = self._agents.get(agent_name)
+        return None if key is None else self._ranks.get(key)
+
+    def delete_rank(self, key: RankKey) -> None:
+        record = self._pop(self._ranks, key)
+        if record is not None:
+            self._pop(self._leases, record.lease_id)
+            self._pop(self._agents, record.registration.agent_name)
+            self._remove_from(self._engines, key[0], key[1])
+
+    def engine_ranks(self, engine_id: str) -> list[RankRecord]:
+        return [self._ranks[(engine_id, r)] for r in sorted(self._engines.get(engine_id, ()))]
+
+    def count_ranks(self) -> int:
+        return len(self._ranks)
+
+    def due_leases(self, now_ms: int) -> list[RankKey]:
+        def expired(expires: int, key: RankKey) -> bool:
+            record = self._ranks.get(key)
+            return record is not None and record.lease_expires_at_ms == expires
+
+        due = self._take_due(self._lease_heap, expired, now_ms)
+        for key in due:  # handed out again until renewed or deleted
+            heapq.heappush(self._lease_heap, (self._ranks[key].lease_expires_at_ms, key))
+        return due
+
+    def ranks(self) -> list[RankRecord]:
+        return [self._ranks[k] for k in sorted(self._ranks)]
+
+    # ------------------------------------------------------------------ transfers
+
+    def put_transfer(self, record: TransferRecord) -> None:
+        key = record.key
+        old = self._transfers.get(key)
+        self._account(old, record)
+        self._set(self._transfers, key, record)
+        self._add_to(self._named, record.transfer_id, key)
+        for engine in record.parties - (old.parties if old else frozenset()):
+            self._add_to(self._parties, engine, key)
+        for plan in record.plans:
+            if plan.plan_id not in self._plans:
+                self._set(self._plans, plan.plan_id, key)
+        if self._deadlines.get(key) != record.deadline_ms:
+            self._set(self._deadlines, key, record.deadline_ms)
+            heapq.heappush(self._deadline_heap, (record.deadline_ms, key))
+
+    def get_transfer(self, key: TransferKey) -> TransferRecord | None:
+        return self._transfers.get(key)
+
+    def delete_transfer(self, key: TransferKey) -> None:
+        record = self._pop(self._transfers, key)
+        if record is None:
+            return
+        self._account(record, None)
+        self._remove_from(self._named, record.transfer_id, key)
+        for engine in record.parties:
+            self._remove_from(self._parties, engine, key)
+        for plan in record.plans:
+            self._pop(self._plans, plan.plan_id)
+        self._pop(self._deadlines, key)
+
+    def transfers_named(self, transfer_id: str) -> list[TransferKey]:
+        return sorted(self._named.get(transfer_id, ()))
+
+    def transfers_of(self, engine_id: str) -> list[TransferKey]:
+        return sorted(self._parties.get(engine_id, ()))
+
+    def transfer_of_plan(self, plan_id: str) -> TransferKey | None:
+        return self._plans.get(plan_id)
+
+    def due_transfers(self, now_ms: int) -> list[TransferKey]:
+        due = self._take_due(
+            self._deadline_heap, lambda deadline, key: self._deadlines.get(key) == deadline, now_ms
+        )
+        for key in due:  # handed out again later unless put with a new deadline or deleted
+            self._set(self._deadlines, key, now_ms + REDELIVER_MS)
+            heapq.heappush(self._deadline_heap, (now_ms + REDELIVER_MS, key))
+        return due
+
+    def count_transfers(self) -> int:
+        return len(self._transfers)
+
+    def _account(self, old: TransferRecord | None, new: TransferRecord | None) -> None:
+        """Count ``new`` against its prefill engine's usage instead of ``old``."""
+        for record, sign in ((old, -1), (new, 1)):
+            held = held_block_ids(record)
+            if record is not None and held:
+                engine = record.prefill_engine_id
+                transfers, ids = self._usage.get(engine, (0, 0))
+                transfers, ids = transfers + sign, ids + sign * held
+                if transfers:
+                    self._set(self._usage, engine, (transfers, ids))
+                else:
+                    self._pop(self._usage, engine)
+
+    def engine_usage(self, engine_id: str) -> tuple[int, int]:
+        return self._usage.get(engine_id, (0, 0))
+
+    def transfers(self) -> Iterator[TransferRecord]:
+        return iter(list(self._transfers.values()))
+
+    # ------------------------------------------------------------------ agent contacts
+
+    def add_contact(self, decode: RankKey, agent: str) -> bool:
+        if agent in self._contacts.get(decode, ()):
+            return False
+        self._add_to(self._contacts, decode, agent)
+        return True
+
+    def drop_contacts(self, decode: RankKey) -> None:
+        self._pop(self._contacts, decode)
+
+    # ------------------------------------------------------------------ release queues
+
+    def append_release(
+        self, key: RankKey, event: ReleaseEvent, rank_bytes: int, total_bytes: int
+    ) -> None:
+        # Block ids as arrays of int64: 8 bytes an id rather than a Python int each.
+        compact = tuple(array("q", g) for g in event.block_ids)
+        self._write(self._releases, key)
+        self._releases.setdefault(key, []).append(replace(event, block_ids=compact))
+        self._add_bytes(key, event.nbytes)
+        self._forget_oldest(key, lambda: self._release_bytes[key] > rank_bytes)
+        while self._totals["release_bytes"] > total_bytes:
+            largest = max(self._release_bytes, key=self._release_bytes.__getitem__)
+            self._forget_oldest(largest, lambda: False, at_least=1)
+
+    def _add_bytes(self, key: RankKey, size: int) -> None:
+        self._set(self._release_bytes, key, self._release_bytes.get(key, 0) + size)
+        self._set(self._totals, "release_bytes", self._totals["release_bytes"] + size)
+
+    def _forget_oldest(self, key: RankKey, over: Callable[[], bool], at_least: int = 0) -> None:
+        """Drop ``key``'s oldest events: ``at_least`` of them, then while ``over()``."""
+        queue = self._releases[key]
+        dropped = 0
+        while queue[dropped:] and (dropped < at_least or over()):
+            self._add_bytes(key, -queue[dropped].nbytes)
+            dropped += 1
+        if dropped:
+            self._set(self._compacted, key, queue[dropped - 1].sequence)
+            self._write(self._releases, key)
+            del queue[:dropped]
+
+    def compacted_through(self, key: RankKey) -> int:
+        return self._compacted.get(key, 0)
+
+    def releases_after(self, key: RankKey, sequence: int) -> list[ReleaseEvent]:
+        queue = self._releases.get(key, [])
+        # Sequences are increasing: scan back from the newest event.
+        start = len(queue)
+        while start > 0 and queue[start - 1].sequence > sequence:
+            start -= 1
+        return queue[start:]
+
+    def mark_delivered(self, key: RankKey, sequence: int) -> None:
+        if sequence > self._delivered.get(key, 0):
+            self._set(self._delivered, key, sequence)
+
+    def delivered(self, key: RankKey) -> int:
+        return self._delivered.get(key, 0)
+
+    def trim_releases(self, key: RankKey, keep_delivered: int) -> None:
+        queue = self._releases.get(key)
+        if not queue:
+            return
+        cursor = self._delivered.get(key, 0)
+        delivered = bisect.bisect_right(queue, cursor, key=attrgetter("sequence"))
+        if delivered > keep_delivered:
+            self._forget_oldest(key, lambda: False, at_least=delivered - keep_delivered)
+
+    def drop_releases(self, key: RankKey) -> None:
+        self._pop(self._releases, key)
+        self._pop(self._delivered, key)
+        self._pop(self._compacted, key)
+        dropped = self._pop(self._release_bytes, key) or 0
+        self._set(self._totals, "release_bytes", self._totals["release_bytes"] - dropped)

@@ -1,0 +1,665 @@
+"""A :class:`~broker.store.contract.StateStore` in Redis, shared by broker replicas.
+
+Keys (``P`` is the prefix, ``R`` a rank ``"{tp_rank}:{engine_id}"``, ``T`` a transfer
+``"{len(engine_id)}:{engine_id}:{transfer_id}"``):
+
+=========================  ==========================================================
+``P counter:NAME``         ``INCR`` counters (generations, release sequences)
+``P rank:R``               hash: ``reg`` (registration JSON), ``meta`` (agent metadata),
+                           ``lease``, ``exp``, ``at``, ``gen``, ``agent``; sets ``P ranks``
+                           and ``P engine:ID``, sorted set ``P leases`` (by expiry)
+``P lease:LEASE``          ``R`` of the rank holding that lease
+``P agent:NAME``           ``R`` of the rank registered with that NIXL agent
+``P transfer:T``           hash: ``m`` (record JSON naming its plans' token), ``d``
+                           (deadline), ``ids`` (plan ids), ``p`` (plans blob), ``named``,
+                           ``parties``; sets ``P transfers``, ``P named:ID`` (by bare id),
+                           ``P party:ENGINE`` (by engine it concerns)
+``P deadlines``            sorted set: transfers by deadline (ms)
+``P usage:ENGINE``         hash: ``t`` transfers and ``i`` block ids a prefill engine's
+                           transfers hold (each transfer's own share in its field ``q``)
+``P plan:PLAN``            ``T`` of a plan
+``P contacts:R``           set of agents a decode rank was given metadata for
+``P releases:R``           stream: release events, entry id ``SEQUENCE-0``, fields ``e``
+                           (event JSON) and ``b`` (its backlog bytes)
+``P cursor:R``             the largest sequence delivered to a watcher (durable cursor)
+``P backlog:R``            hash: ``bytes`` of the rank's kept events, ``compacted`` (the
+                           newest sequence dropped); ``P backlog`` all ranks' bytes, sorted
+                           set ``P backlogs`` each rank's
+=========================  ==========================================================
+
+Values are written in the store's own format (:mod:`broker.store.codec`); decoded plans and
+registrations are cached by content token and generation, so the many reads that change only
+counters move and decode only the small JSON part.
+
+**Server-side TTLs.** Lease *expiry* stays the service's decision (it must fail the rank's
+transfers and release their blocks), but every rank, lease, agent, contact, stream and cursor
+key carries a Redis TTL of ``rank_ttl_ms`` refreshed by each ``put_rank`` (each keep-alive),
+and transfer and plan keys one of ``transfer_ttl_ms`` refreshed by each ``put_transfer``: if
+every broker dies, Redis forgets what nobody renews. Index entries whose record expired that
+way are skipped and removed when read.
+
+**Units of work.** :meth:`RedisStateStore.transact` is optimistic: its reads ``WATCH`` the
+keys they return, its writes are queued (the last write of a record replacing earlier ones)
+and applied in one ``MULTI``/``EXEC`` that fails if any watched key changed; the unit then
+runs again on fresh records. A unit that raises applies nothing. So two replicas never both
+claim a transfer, both count one report or both release a prefill rank. Release sequences
+are taken from ``P counter:release`` inside the commit (a Lua script), so they grow per stream
+in commit order and a cursor never skips an event; each commit publishes the rank on
+``P releases`` for :meth:`~RedisStateStore.subscribe_releases`. Outages:
+:mod:`broker.store.redis_link`.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TypeVar
+
+import redis
+
+from broker.planner import RankPlan
+from broker.records import (
+    RankKey,
+    RankRecord,
+    RankRegistration,
+    ReleaseEvent,
+    TransferKey,
+    TransferRecord,
+)
+from broker.store import codec
+from broker.store.contract import REDELIVER_MS, StateStore, held_block_ids
+from broker.store.redis_link import (
+    PROBE_INTERVAL_S,
+    STORE_TIMEOUT_MS,
+    UNREACHABLE,
+    Availability,
+    client_for,
+    fails_fast,
+    raise_if_broken,
+)
+from broker.store.redis_scripts import SCRIPTS
+
+T = TypeVar("T")
+
+#: Plan runs (32 bytes each) kept decoded in memory across transfers.
+PLAN_CACHE_RUNS = 4_000_000
+_RANK_FIELDS = ("reg", "meta", "lease", "exp", "at", "gen")
+
+
+class ConflictError(RuntimeError):
+    """:meth:`RedisStateStore.transact` kept losing races with other replicas."""
+
+
+class _Unit:
+    """One attempt of :meth:`RedisStateStore.transact`: the watching connection, the writes
+    queued for ``EXEC`` (by record, so a record written twice is written once) and this
+    attempt's own records, which its reads must see."""
+
+    def __init__(self, pipe: redis.client.Pipeline) -> None:
+        self.pipe = pipe
+        self.watched: set[bytes] = set()
+        self.ops: dict[object, Callable[[Any], Any]] = {}
+        self.ranks: dict[RankKey, RankRecord | None] = {}
+        self.transfers: dict[TransferKey, TransferRecord | None] = {}
+        self.contacts: set[tuple[RankKey, str]] = set()
+        #: Plans blobs this unit writes, by plan object id, and what to remember of them
+        #: once it committed.
+        self.plan_tokens: dict[int, str] = {}
+        self.plan_blobs: dict[str, bytes] = {}
+        self.on_commit: list[Callable[[], None]] = []
+
+    def queue(self, op: Callable[[Any], Any], record: object = None) -> None:
+        """Queue ``op``; one naming ``record`` replaces that record's earlier write."""
+        slot = object() if record is None else record
+        self.ops.pop(slot, None)
+        self.ops[slot] = op
+
+
+def _transfer_member(key: TransferKey) -> str:
+    engine_id, transfer_id = key
+    return f"{len(engine_id)}:{engine_id}:{transfer_id}"
+
+
+def _parse_transfer(member: bytes | str) -> TransferKey:
+    text = member.decode() if isinstance(member, bytes) else member
+    size, rest = text.split(":", 1)
+    return rest[: int(size)], rest[int(size) + 1 :]
+
+
+def _rank_member(key: RankKey) -> str:
+    return f"{key[1]}:{key[0]}"
+
+
+def _parse_rank(member: bytes | str) -> RankKey:
+    text = member.decode() if isinstance(member, bytes) else member
+    tp_rank, engine_id = text.split(":", 1)
+    return engine_id, int(tp_rank)
+
+
+@fails_fast
+class RedisStateStore(StateStore):
+    """Records in one Redis server (or primary); see the module docstring.
+
+    ``rank_ttl_ms`` must exceed the service's lease TTL and ``transfer_ttl_ms`` the longest
+    transfer TTL plus retention, so Redis never forgets what the service still needs.
+    Not thread-safe, like the service: use it from one thread (callbacks of
+    :meth:`subscribe_releases` run on their own).
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        prefix: str = "pdbroker:",
+        *,
+        rank_ttl_ms: int = 60_000,
+        transfer_ttl_ms: int = 3_720_000,
+    ) -> None:
+        self.client = client
+        self.prefix = prefix
+        self.rank_ttl_ms = rank_ttl_ms
+        self.transfer_ttl_ms = transfer_ttl_ms
+        self.link = Availability(client)
+        self._unit: _Unit | None = None
+        #: Decoded registrations by rank: (generation, registration).
+        self._registrations: dict[RankKey, tuple[int, RankRegistration]] = {}
+        #: Decoded plans by blob token, and the token of each cached plan object (by id: the
+        #: cache keeps the object alive, so the id stays its own).
+        self._plans: dict[str, dict[int, RankPlan]] = {}
+        self._plan_tokens: dict[int, str] = {}
+        self._cached_runs = 0
+        self._scripts = {name: client.register_script(text) for name, text in SCRIPTS.items()}
+
+    @classmethod
+    def from_url(
+        cls, url: str, prefix: str = "pdbroker:", *, timeout_ms: int = STORE_TIMEOUT_MS, **ttls: int
+    ) -> RedisStateStore:
+        """A store on ``url`` whose every connect and reply times out after ``timeout_ms``
+        (:func:`~broker.store.redis_link.client_for`)."""
+        return cls(client_for(url, timeout_ms), prefix, **ttls)
+
+    @property
+    def name(self) -> str:
+        return self.link.name
+
+    @property
+    def available(self) -> bool:
+        """False from a call that could not reach Redis in time until a probe is answered."""
+        return self.link.outage is None
+
+    # ------------------------------------------------------------------ units of work
+
+    def transact(self, operation: Callable[[], T], attempts: int = 32) -> T:
+        if self._unit is not None:
+            return operation()
+        for _ in range(attempts):
+            with self.client.pipeline(transaction=True) as pipe:
+                self._unit = unit = _Unit(pipe)
+                try:
+                    try:
+                        result = operation()
+                    except redis.WatchError as exc:
+                        raise_if_broken(exc)
+                        raise
+                    if self.link.outage is not None:  # nothing can be committed
+                        if pipe.connection is not None:  # no UNWATCH to wait for
+                            pipe.connection.disconnect()
+                        raise self.link.unavailable()
+                    pipe.multi()
+                    for op in unit.ops.values():
+                        op(pipe)
+                    pipe.execute()
+                    for remember in unit.on_commit:
+                        remember()
+                except redis.WatchError as exc:
+                    raise_if_broken(exc)
+                    continue
+                finally:
+                    self._unit = None
+            return result
+        raise ConflictError(f"gave up after {attempts} conflicting attempts")
+
+    def _watch(self, keys: Iterable[bytes]) -> None:
+        unit = self._unit
+        if unit is not None:
+            new = [k for k in keys if k not in unit.watched]
+            if new:
+                unit.pipe.watch(*new)
+                unit.watched.update(new)
+
+    def _write(self, op: Callable[[Any], Any], record: object = None) -> None:
+        """Apply ``op`` to the client now, or queue it for the unit's ``EXEC``."""
+        if self._unit is None:
+            op(self.client)
+        else:
+            self._unit.queue(op, record)
+
+    def _run(self, name: str, keys: list[bytes], args: list[Any], client: Any) -> Any:
+        return self._scripts[name](keys=keys, args=args, client=client)
+
+    def _key(self, *parts: str) -> bytes:
+        return (self.prefix + ":".join(parts)).encode()
+
+    def _prefix_of(self, name: str) -> str:
+        return self._key(name, "").decode()
+
+    # ------------------------------------------------------------------ counters
+
+    def next_counter(self, name: str) -> int:
+        return int(self.client.incr(self._key("counter", name)))
+
+    # ------------------------------------------------------------------ ranks
+
+    def put_rank(self, record: RankRecord) -> None:
+        key, reg = record.key, record.registration
+        member = _rank_member(key)
+        keys = [
+            self._key("rank", member),
+            self._key("ranks"),
+            self._key("engine", key[0]),
+            self._key("lease", record.lease_id),
+            self._key("releases", member),
+            self._key("cursor", member),
+            self._key("contacts", member),
+            self._key("backlog", member),
+            self._key("agent", reg.agent_name),
+            self._key("leases"),
+        ]
+        args = [
+            member,
+            key[1],
+            codec.encode_registration(reg),
+            reg.agent_metadata,
+            record.lease_id,
+            record.lease_expires_at_ms,
+            record.registered_at_ms,
+            record.generation,
+            self.rank_ttl_ms,
+            self._prefix_of("lease"),
+            self._prefix_of("agent"),
+            reg.agent_name,
+        ]
+        self._registrations[key] = (record.generation, reg)
+        if self._unit is not None:
+            self._unit.ranks[key] = record
+        self._write(lambda c: self._run("put_rank", keys, args, c), ("rank", key))
+
+    def get_rank(self, key: RankKey) -> RankRecord | None:
+        return self._ranks([key])[0]
+
+    def _rank_at(self, index: bytes, matches: Callable[[RankRecord], bool]) -> RankRecord | None:
+        """The rank an index key names, if it still ``matches`` (pending writes first)."""
+        self._watch([index])
+        if self._unit is not None:
+            for record in self._unit.ranks.values():
+                if record is not None and matches(record):
+                    return record
+        member = self.client.get(index)
+        if member is None:
+            return None
+        record = self.get_rank(_parse_rank(member))
+        return record if record is not None and matches(record) else None
+
+    def rank_by_lease(self, lease_id: str) -> RankRecord | None:
+        return self._rank_at(self._key("lease", lease_id), lambda r: r.lease_id == lease_id)
+
+    def rank_by_agent(self, agent_name: str) -> RankRecord | None:
+        return self._rank_at(
+            self._key("agent", agent_name), lambda r: r.registration.agent_name == agent_name
+        )
+
+    def delete_rank(self, key: RankKey) -> None:
+        keys = [
+            self._key("rank", _rank_member(key)),
+            self._key("ranks"),
+            self._key("engine", key[0]),
+            self._key("leases"),
+        ]
+        args = [_rank_member(key), key[1], self._prefix_of("lease"), self._prefix_of("agent")]
+        if self._unit is not None:
+            self._unit.ranks[key] = None
+        self._write(lambda c: self._run("delete_rank", keys, args, c), ("rank", key))
+
+    def engine_ranks(self, engine_id: str) -> list[RankRecord]:
+        engine_key = self._key("engine", engine_id)
+        if self._unit is None:  # one round trip
+            rows = self._run(
+                "engine", [engine_key], [self._prefix_of("rank"), engine_id], self.client
+            )
+            records = (self._decode_rank((engine_id, int(tp)), row) for tp, *row in rows)
+            return sorted((r for r in records if r is not None), key=lambda r: r.key[1])
+        self._watch([engine_key])
+        tp_ranks = {int(m) for m in self.client.smembers(engine_key)}
+        tp_ranks |= {k[1] for k in self._unit.ranks if k[0] == engine_id}
+        keys = [(engine_id, r) for r in sorted(tp_ranks)]
+        return [r for r in self._ranks(keys) if r is not None]
+
+    def count_ranks(self) -> int:
+        """Registered ranks (in a unit of work, not counting its own writes)."""
+        return int(self.client.scard(self._key("ranks")))
+
+    def due_leases(self, now_ms: int) -> list[RankKey]:
+        args = [now_ms, self._prefix_of("rank")]
+        members = self._run("due_leases", [self._key("leases")], args, self.client)
+        return [_parse_rank(m) for m in members]
+
+    def ranks(self) -> list[RankRecord]:
+        keys = [_parse_rank(m) for m in self.client.smembers(self._key("ranks"))]
+        if self._unit is not None:
+            keys = list(set(keys) | set(self._unit.ranks))
+        found = self._ranks(keys, watch=False)
+        gone = [_rank_member(k) for k, r in zip(keys, found) if r is None and not self._pending(k)]
+        if gone:
+            self._write(lambda c: c.srem(self._key("ranks"), *gone))
+        return sorted((r for r in found if r is not None), key=lambda r: r.key)
+
+    def _pending(self, key: object) -> bool:
+        unit = self._unit
+        return unit is not None and (key in unit.ranks or key in unit.transfers)
+
+    def _ranks(self, keys: list[RankKey], watch: bool = True) -> list[RankRecord | None]:
+        """The records at ``keys`` (``None`` where missing), in one round trip."""
+        pending = {} if self._unit is None else self._unit.ranks
+        remote = [k for k in keys if k not in pending]
+        rank_keys = [self._key("rank", _rank_member(k)) for k in remote]
+        if watch:
+            self._watch(rank_keys)
+        with self.client.pipeline(transaction=False) as pipe:
+            for rank_key in rank_keys:
+                pipe.hmget(rank_key, _RANK_FIELDS)
+            rows = dict(zip(remote, pipe.execute()))
+        return [pending[k] if k in pending else self._decode_rank(k, rows[k]) for k in keys]
+
+    def _decode_rank(self, key: RankKey, row: list[bytes | None]) -> RankRecord | None:
+        reg, meta, lease, expires, registered, generation = row
+        if reg is None or generation is None or lease is None:
+            return None
+        gen = int(generation)
+        cached = self._registrations.get(key)
+        if cached is None or cached[0] != gen:
+            cached = (gen, codec.decode_registration(reg, meta or b""))
+            self._registrations[key] = cached
+        return RankRecord(cached[1], lease.decode(), int(expires or 0), int(registered or 0), gen)
+
+    # ------------------------------------------------------------------ transfers
+
+    def put_transfer(self, record: TransferRecord) -> None:
+        key = record.key
+        member = _transfer_member(key)
+        keys = [
+            self._key("transfer", member),
+            self._key("deadlines"),
+            self._key("transfers"),
+            self._key("usage", record.prefill_engine_id),
+            self._key("named", record.transfer_id),
+            *(self._key("party", engine) for engine in sorted(record.parties)),
+        ]
+        if self._unit is not None:
+            self._unit.transfers[key] = record
+        token, blob = self._plans_token(record)
+
+        def put(client: Any) -> Any:  # the record encoded once, when written
+            args = [
+                member,
+                codec.encode_transfer(record, token),
+                record.deadline_ms,
+                " ".join(p.plan_id for p in record.plans),
+                blob,
+                self.transfer_ttl_ms,
+                held_block_ids(record),
+                self._prefix_of("plan"),
+                json.dumps(sorted(record.parties)),
+            ]
+            return self._run("put_transfer", keys, args, client)
+
+        self._write(put, ("transfer", key))
+
+    def get_transfer(self, key: TransferKey) -> TransferRecord | None:
+        return self._transfers([key])[0]
+
+    def delete_transfer(self, key: TransferKey) -> None:
+        member = _transfer_member(key)
+        keys = [self._key("transfer", member), self._key("deadlines"), self._key("transfers")]
+        args = [member, self._prefix_of("plan"), self._prefix_of("party")]
+        if self._unit is not None:
+            self._unit.transfers[key] = None
+        self._write(lambda c: self._run("delete_transfer", keys, args, c), ("transfer", key))
+
+    def _indexed(
+        self, index: bytes, belongs: Callable[[TransferRecord], bool]
+    ) -> list[TransferKey]:
+        """Transfer keys in set ``index``, with this unit's own writes (``belongs``)."""
+        self._watch([index])
+        keys = {_parse_transfer(m) for m in self.client.smembers(index)}
+        if self._unit is not None:
+            for key, record in self._unit.transfers.items():
+                if record is None:
+                    keys.discard(key)
+                elif belongs(record):
+                    keys.add(key)
+        return sorted(keys)
+
+    def transfers_named(self, transfer_id: str) -> list[TransferKey]:
+        return self._indexed(
+            self._key("named", transfer_id), lambda t: t.transfer_id == transfer_id
+        )
+
+    def transfers_of(self, engine_id: str) -> list[TransferKey]:
+        return self._indexed(self._key("party", engine_id), lambda t: engine_id in t.parties)
+
+    def transfer_of_plan(self, plan_id: str) -> TransferKey | None:
+        if self._unit is not None:
+            for record in self._unit.transfers.values():
+                if record is not None and record.plan_by_id(plan_id) is not None:
+                    return record.key
+        value = self.client.get(self._key("plan", plan_id))
+        return None if value is None else _parse_transfer(value)
+
+    def due_transfers(self, now_ms: int) -> list[TransferKey]:
+        args = [now_ms, now_ms + REDELIVER_MS, self._prefix_of("transfer")]
+        members = self._run("due", [self._key("deadlines")], args, self.client)
+        return [_parse_transfer(m) for m in members]
+
+    def count_transfers(self) -> int:
+        """Stored transfers (in a unit of work, not counting its own writes)."""
+        return int(self.client.scard(self._key("transfers")))
+
+    def engine_usage(self, engine_id: str) -> tuple[int, int]:
+        transfers, ids = self.client.hmget(self._key("usage", engine_id), "t", "i")
+        return int(transfers or 0), int(ids or 0)
+
+    def transfers(self) -> Iterator[TransferRecord]:
+        keys = {_parse_transfer(m) for m in self.client.smembers(self._key("transfers"))}
+        if self._unit is not None:
+            keys |= set(self._unit.transfers)
+        ordered = sorted(keys)
+        found = self._transfers(ordered, watch=False)
+        gone = [
+            _transfer_member(k)
+            for k, t in zip(ordered, found)
+            if t is None and not self._pending(k)
+        ]
+        if gone:
+            self._write(lambda c: c.srem(self._key("transfers"), *gone))
+        return iter([t for t in found if t is not None])
+
+    def _transfers(
+        self, keys: list[TransferKey], watch: bool = True
+    ) -> list[TransferRecord | None]:
+        """The records of ``keys`` (``None`` where missing) in one round trip, plus one for
+        the plans blobs whose token is not cached here."""
+        pending = {} if self._unit is None else self._unit.transfers
+        remote = [k for k in keys if k not in pending]
+        hash_keys = [self._key("transfer", _transfer_member(k)) for k in remote]
+        if watch:
+            self._watch(hash_keys)
+        with self.client.pipeline(transaction=False) as pipe:
+            for hash_key in hash_keys:
+                pipe.hget(hash_key, "m")
+            metas = [None if raw is None else codec.plans_token_of(raw) for raw in pipe.execute()]
+        plans = {m[1]: self._plans.get(m[1]) for m in metas if m is not None}
+        plans[""] = {}  # no plans yet
+        misses = [i for i, m in enumerate(metas) if m is not None and plans[m[1]] is None]
+        if misses:
+            with self.client.pipeline(transaction=False) as pipe:
+                for i in misses:
+                    pipe.hmget(hash_keys[i], ("m", "p"))
+                for i, (raw, blob) in zip(misses, pipe.execute()):
+                    # Read again with the blob: a writer may have replaced both meanwhile.
+                    metas[i] = meta = None if raw is None else codec.plans_token_of(raw)
+                    if meta is not None and plans.get(meta[1]) is None:
+                        plans[meta[1]] = decoded = codec.decode_plans(blob)
+                        self._cache_plans(meta[1], decoded)
+        found = {
+            k: None if m is None else codec.decode_transfer(m[0], plans[m[1]] or {})
+            for k, m in zip(remote, metas)
+        }
+        return [pending[k] if k in pending else found[k] for k in keys]
+
+    def _plans_token(self, record: TransferRecord) -> tuple[str, bytes]:
+        """The token of the record's rank plans and, when they changed since they were last
+        stored or read here, their blob (else ``b""``)."""
+        plans = {p.decode_rank: p.rank_plan for p in record.plans}
+        if not plans:
+            return "", b""
+        unit = self._unit
+        pending = {} if unit is None else unit.plan_tokens
+        tokens = {pending.get(id(p), self._plan_tokens.get(id(p))) for p in plans.values()}
+        if len(tokens) == 1 and None not in tokens:
+            token = tokens.pop()
+            assert token is not None
+            if unit is not None and token in unit.plan_blobs:  # written again in this unit
+                return token, unit.plan_blobs[token]
+            cached = self._plans.get(token)
+            if (
+                cached is not None
+                and cached.keys() == plans.keys()
+                and all(cached[d] is p for d, p in plans.items())
+            ):
+                return token, b""
+        token, blob = secrets.token_hex(8), codec.encode_plans(plans)
+        if unit is None:
+            self._cache_plans(token, plans)
+        else:  # remembered only once written: a unit that does not commit writes no blob
+            unit.plan_tokens.update((id(p), token) for p in plans.values())
+            unit.plan_blobs[token] = blob
+            unit.on_commit.append(lambda: self._cache_plans(token, plans))
+        return token, blob
+
+    def _cache_plans(self, token: str, plans: dict[int, RankPlan]) -> None:
+        """Remember decoded plans by token; the oldest go once more than
+        :data:`PLAN_CACHE_RUNS` runs are cached."""
+        self._plans[token] = plans
+        self._cached_runs += sum(p.num_descriptors for p in plans.values())
+        for plan in plans.values():
+            self._plan_tokens[id(plan)] = token
+        while self._cached_runs > PLAN_CACHE_RUNS and len(self._plans) > 1:
+            old = self._plans.pop(next(iter(self._plans)))
+            self._cached_runs -= sum(p.num_descriptors for p in old.values())
+            for plan in old.values():
+                self._plan_tokens.pop(id(plan), None)
+
+    # ------------------------------------------------------------------ agent contacts
+
+    def add_contact(self, decode: RankKey, agent: str) -> bool:
+        key = self._key("contacts", _rank_member(decode))
+        if self._unit is None:
+            with self.client.pipeline(transaction=False) as pipe:
+                added, _ = pipe.sadd(key, agent).pexpire(key, self.rank_ttl_ms).execute()
+            return bool(added)
+        self._watch([key])
+        if (decode, agent) in self._unit.contacts or self.client.sismember(key, agent):
+            return False
+        self._unit.contacts.add((decode, agent))
+        ttl = self.rank_ttl_ms
+        self._write(lambda c: (c.sadd(key, agent), c.pexpire(key, ttl)))
+        return True
+
+    def drop_contacts(self, decode: RankKey) -> None:
+        key = self._key("contacts", _rank_member(decode))
+        self._write(lambda c: c.delete(key))
+
+    # ------------------------------------------------------------------ release queues
+
+    def append_release(
+        self, key: RankKey, event: ReleaseEvent, rank_bytes: int, total_bytes: int
+    ) -> None:
+        """Queue ``event`` under a sequence taken when the write is applied (so sequences
+        grow in commit order across replicas); ``event.sequence`` is not used."""
+        member = _rank_member(key)
+        keys = [
+            self._key("releases", member),
+            self._key("counter", "release"),
+            self._key("backlog", member),
+        ]
+        args = [
+            self.prefix,
+            codec.encode_release(event),
+            self._key("releases").decode(),
+            member,
+            self.rank_ttl_ms,
+            event.nbytes,
+            rank_bytes,
+            total_bytes,
+        ]
+        self._write(lambda c: self._run("append", keys, args, c))
+
+    def compacted_through(self, key: RankKey) -> int:
+        value = self.client.hget(self._key("backlog", _rank_member(key)), "compacted")
+        return 0 if value is None else int(value)
+
+    def releases_after(self, key: RankKey, sequence: int) -> list[ReleaseEvent]:
+        stream = self._key("releases", _rank_member(key))
+        entries = self.client.xrange(stream, f"({sequence}-0", "+")
+        return [
+            codec.decode_release(int(entry_id.split(b"-", 1)[0]), fields[b"e"])
+            for entry_id, fields in entries
+        ]
+
+    def mark_delivered(self, key: RankKey, sequence: int) -> None:
+        cursor, ttl = self._key("cursor", _rank_member(key)), self.rank_ttl_ms
+        self._write(lambda c: self._run("mark", [cursor], [sequence, ttl], c))
+
+    def delivered(self, key: RankKey) -> int:
+        value = self.client.get(self._key("cursor", _rank_member(key)))
+        return 0 if value is None else int(value)
+
+    def trim_releases(self, key: RankKey, keep_delivered: int) -> None:
+        member = _rank_member(key)
+        keys = [self._key("releases", member), self._key("cursor", member)]
+        self._write(lambda c: self._run("trim", keys, [self.prefix, member, keep_delivered], c))
+
+    def drop_releases(self, key: RankKey) -> None:
+        member = _rank_member(key)
+        keys = [
+            self._key("releases", member),
+            self._key("cursor", member),
+            self._key("backlog", member),
+        ]
+        args = [self.prefix, member, self._key("releases").decode()]
+        self._write(lambda c: self._run("drop", keys, args, c))
+
+    def subscribe_releases(self, callback: Callable[[RankKey], None]) -> Callable[[], None]:
+        """Call ``callback(key)`` on a background thread whenever any replica queues a
+        release for prefill rank ``key`` or drops its queue (so a local watcher wakes up);
+        returns the function that stops listening. Listening survives outages: the thread
+        subscribes again once Redis is back."""
+        pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+        pubsub.subscribe(
+            **{self._key("releases").decode(): lambda m: callback(_parse_rank(m["data"]))}
+        )
+
+        def keep_listening(exc: BaseException, *_: Any) -> None:
+            if not isinstance(exc, UNREACHABLE):
+                raise exc
+            time.sleep(PROBE_INTERVAL_S)
+
+        worker = pubsub.run_in_thread(sleep_time=1.0, daemon=True, exception_handler=keep_listening)
+
+        def stop() -> None:
+            worker.stop()
+            worker.join(5)
+            pubsub.close()
+
+        return stop

@@ -1,0 +1,147 @@
+"""How :class:`~broker.store.redis.RedisStateStore` reaches Redis: deadlines on every connect
+and reply, outages noticed once and probed in the background, and names of the store that
+never carry its credentials.
+
+Every connect and every reply has a deadline (``timeout_ms``, no retries), so a stalled or
+dead Redis fails a call within it and never holds the caller (the server's event loop)
+longer. Such a failure raises :class:`~broker.errors.StoreUnavailableError` (gRPC
+UNAVAILABLE) naming the store, and from then on every call fails at once, without touching
+Redis, until a background thread's ``PING`` is answered again (every
+:data:`PROBE_INTERVAL_S`): the event loop is blocked at most once per outage.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections.abc import Callable
+from functools import wraps
+from types import FunctionType
+from typing import Any, TypeVar
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from broker.errors import StoreUnavailableError
+
+T = TypeVar("T")
+
+#: Default deadline of one connect or reply (ms): a store that takes longer is unavailable.
+STORE_TIMEOUT_MS = 1_000
+#: Pause between probes of an unavailable store (seconds).
+PROBE_INTERVAL_S = 0.1
+#: What a store that cannot be reached in time raises.
+UNREACHABLE = (redis.ConnectionError, redis.TimeoutError)
+
+#: The user information of a URL, up to its last ``@`` (a password may hold ``@``, ``/``, ``?``).
+_USERINFO = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<userinfo>.*)@", re.DOTALL)
+_PASSWORD_PARAM = re.compile(r"(?P<key>[?&]password=)[^&#]*", re.IGNORECASE)
+
+
+def redact_url(url: str) -> str:
+    """``url`` as it may be logged or shown: its password (``redis://:PASSWORD@HOST``,
+    ``redis://USER:PASSWORD@HOST``, ``?password=PASSWORD``) replaced by ``***``; user
+    information without a ``:`` is hidden whole."""
+
+    def userinfo(match: re.Match[str]) -> str:
+        user, colon, _ = match["userinfo"].partition(":")
+        return f"{match['scheme']}{user}:***@" if colon else f"{match['scheme']}***@"
+
+    return _PASSWORD_PARAM.sub(r"\g<key>***", _USERINFO.sub(userinfo, url, count=1))
+
+
+def client_for(url: str, timeout_ms: int = STORE_TIMEOUT_MS) -> redis.Redis:
+    """A client of ``redis://HOST:PORT/DB`` (``rediss://`` for TLS, ``unix://`` too) whose
+    connects and replies each time out after ``timeout_ms``, never retried (the caller gets
+    UNAVAILABLE and may go to another replica)."""
+    return redis.Redis.from_url(
+        url,
+        socket_timeout=timeout_ms / 1000,
+        socket_connect_timeout=timeout_ms / 1000,
+        retry=Retry(NoBackoff(), 0),
+        health_check_interval=30,
+    )
+
+
+def store_name(client: redis.Redis) -> str:
+    """``redis://HOST:PORT/DB`` (or ``unix://PATH``) of ``client``'s server, without
+    credentials."""
+    pool = client.connection_pool
+    kwargs = pool.connection_kwargs
+    if "path" in kwargs:
+        return f"unix://{kwargs['path']}"
+    scheme = "rediss" if issubclass(pool.connection_class, redis.SSLConnection) else "redis"
+    host, port, db = kwargs.get("host", "localhost"), kwargs.get("port", 6379), kwargs.get("db", 0)
+    return f"{scheme}://{host}:{port}/{db}"
+
+
+class Availability:
+    """Whether Redis is known to be unreachable, and the probe that notices its return."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.client = client
+        #: How errors name the store: its address, never its credentials.
+        self.name = store_name(client)
+        #: Why the store is unavailable (None: it is not known to be); set by the call that
+        #: could not reach it, cleared by the probe that got an answer.
+        self.outage: str | None = None
+        self._lock = threading.Lock()
+
+    def unavailable(self, why: str | None = None) -> StoreUnavailableError:
+        """The error of a call that could not reach the store (``why``: the outage's cause)."""
+        why = why or self.outage
+        return StoreUnavailableError("store", f"Redis store {self.name} is unavailable: {why}")
+
+    def lost(self, exc: Exception) -> StoreUnavailableError:
+        """Record an outage (``exc`` says why) and start probing, unless already probing."""
+        why = " ".join(str(exc).split()) or type(exc).__name__
+        with self._lock:
+            if self.outage is None:
+                self.outage = why
+                threading.Thread(target=self._probe, name="store-probe", daemon=True).start()
+        return self.unavailable(why)
+
+    def _probe(self) -> None:
+        """``PING`` every :data:`PROBE_INTERVAL_S` until Redis answers; then end the outage."""
+        while True:
+            time.sleep(PROBE_INTERVAL_S)
+            try:
+                self.client.ping()
+            except redis.RedisError:
+                continue
+            with self._lock:
+                self.outage = None
+            return
+
+
+def fails_fast(cls: type[T]) -> type[T]:
+    """Every public method of ``cls`` (which has an :class:`Availability` as ``link``):
+    while the store is known to be unavailable, raise :class:`StoreUnavailableError` at
+    once; when Redis cannot be reached in time, raise it and start probing."""
+
+    def guard(method: Callable[..., Any]) -> Callable[..., Any]:
+        @wraps(method)
+        def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
+            link: Availability = self.link
+            if link.outage is not None:
+                raise link.unavailable()
+            try:
+                return method(self, *args, **kwargs)
+            except UNREACHABLE as exc:
+                raise link.lost(exc) from None
+
+        return guarded
+
+    for name, method in list(vars(cls).items()):
+        if isinstance(method, FunctionType) and not name.startswith("_"):
+            setattr(cls, name, guard(method))
+    return cls
+
+
+def raise_if_broken(exc: Exception) -> None:
+    """Raise the connection error behind a ``WatchError`` (redis-py's answer when a watching
+    connection breaks); a lost race is not one."""
+    if isinstance(exc, redis.WatchError) and isinstance(exc.__context__, UNREACHABLE):
+        raise exc.__context__ from None
