@@ -29,6 +29,11 @@ _I64 = np.int64
 #: Rows of a template table: source (decode rank * prefill TP size + prefill rank), region,
 #: coalescing key (source * regions per rank + region), decode offset, prefill offset, length.
 SOURCE, REGION, KEY, LOCAL, REMOTE, LENGTH = range(6)
+#: Tokens of an attention page pair one template copies: (prefill page token, decode page
+#: token, tokens); a Mamba template's chunk is None (the whole block).
+Chunk = tuple[int, int, int]
+#: A template's key in its table: (decode rank, group, chunk).
+TemplateKey = tuple[int, int, Chunk | None]
 
 
 @dataclass(frozen=True)
@@ -52,13 +57,13 @@ class TemplateTable:
     page ends (only such runs can merge with a run of another block pair)."""
 
     def __init__(self) -> None:
-        self.ids: dict[tuple, int] = {}
+        self.ids: dict[TemplateKey, int] = {}
         self.meta = np.zeros((5, 0), dtype=_I64)
         self.runs = np.zeros((6, 0), dtype=_I64)
 
     def add(
         self,
-        key: tuple,
+        key: TemplateKey,
         tpl: Template,
         num_regions: int,
         first_source: int,
@@ -216,7 +221,7 @@ def build_template(
     decode: EngineLayout,
     decode_rank: int,
     g: int,
-    chunk: tuple[int, int, int] | None,
+    chunk: Chunk | None,
     sources: Sequence[int],
     max_runs: int,
     merge: bool,
@@ -300,7 +305,7 @@ def build_template(
 
 
 def _kernel_pieces(
-    p_group: GroupLayout, d_group: GroupLayout, chunk: tuple[int, int, int] | None
+    p_group: GroupLayout, d_group: GroupLayout, chunk: Chunk | None
 ) -> list[tuple[int, int, int, int, int]]:
     """Split a chunk at kernel-block boundaries of both sides: ``(p_kernel_block,
     p_token_in_kb, d_kernel_block, d_token_in_kb, tokens)``. Mamba: one whole piece."""
@@ -355,7 +360,7 @@ def _segment_box(
 
 def _check_template(
     d_group: GroupLayout,
-    chunk: tuple[int, int, int] | None,
+    chunk: Chunk | None,
     d_off: np.ndarray,
     p_off: np.ndarray,
     length: np.ndarray,

@@ -35,6 +35,7 @@ from broker.plan_templates import (
     REGION,
     REMOTE,
     SOURCE,
+    Chunk,
     TemplateTable,
     build_template,
     coalesce_columns,
@@ -321,13 +322,15 @@ class PairPlanner:
     def _block_pairs(
         self,
         request: TransferRequest,
-    ) -> tuple[list[tuple[int, tuple[int, int, int] | None, int]], list[int], list[int], int]:
+    ) -> tuple[list[tuple[int, Chunk | None, int]], list[int], list[int], int]:
         """The request's block pairs, the same for every decode rank: runs of ``(group,
         chunk, count)`` (template keys, in slot order), the prefill and decode block id of
         each slot, and the number of decode pages written (over all layers)."""
-        chunks: list[tuple[int, tuple[int, int, int] | None, int]] = []
+        chunks: list[tuple[int, Chunk | None, int]] = []
         slot_p: list[int] = []
         slot_d: list[int] = []
+        p_sel: Sequence[int]  # a group's prefill and decode block id per slot
+        d_sel: Sequence[int]
         naive_pages = 0
         for g, d_group in enumerate(self.decode.groups):
             p_ids, d_ids = request.prefill_block_ids[g], request.decode_block_ids[g]
@@ -388,7 +391,7 @@ class PairPlanner:
         num_tokens: int,
         p_ids: Sequence[int],
         d_ids: Sequence[int],
-    ) -> tuple[list[tuple[tuple[int, int, int], int]], list[int], list[int], int]:
+    ) -> tuple[list[tuple[Chunk, int]], list[int], list[int], int]:
         """Split the tokens decode is missing into chunks that lie in one prefill and one
         decode page; returns the chunk shapes (with how many consecutive chunks have each),
         both block ids per chunk, and the number of decode pages written."""
@@ -416,14 +419,14 @@ class PairPlanner:
         starts = np.union1d(starts, [first])
         ends = np.append(starts[1:], last)
         p_index, d_index = starts // p_bs, starts // d_bs
-        shapes = zip(
+        spans = zip(
             (starts - p_index * p_bs).tolist(),
             (starts - d_index * d_bs).tolist(),
             (ends - starts).tolist(),
         )
         d_sel = np.asarray(d_ids, dtype=_I64)[d_index - skip]
         return (
-            [(shape, 1) for shape in shapes],
+            [(span, 1) for span in spans],
             np.asarray(p_ids, dtype=_I64)[p_index].tolist(),
             d_sel.tolist(),
             int(np.unique(d_sel).size),
@@ -431,7 +434,7 @@ class PairPlanner:
 
     # ---- templates
 
-    def _template_id(self, decode_rank: int, g: int, chunk: tuple[int, int, int] | None) -> int:
+    def _template_id(self, decode_rank: int, g: int, chunk: Chunk | None) -> int:
         """Id in the pair's table of ``decode_rank``'s template for group ``g`` and ``chunk``
         (``(prefill page token, decode page token, tokens)``; ``None`` for a Mamba block)."""
         table = self._table
