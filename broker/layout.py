@@ -302,7 +302,7 @@ def _check_disjoint(group: GroupLayout, gwhere: str) -> None:
         )
 
 
-def _signature(group: GroupLayout) -> tuple:
+def _signature(group: GroupLayout) -> tuple[object, ...]:
     """What every rank of an engine declares alike about a group: the planner reads them
     from rank 0."""
     tensors = sorted(

@@ -19,10 +19,14 @@ import logging
 import os
 from collections.abc import Iterator
 from datetime import datetime, timezone
+from types import TracebackType
 
 from opentelemetry import trace
 
 from broker.tracing import trace_id_of
+
+#: What ``sys.exc_info()`` returns, as :meth:`logging.Formatter.formatException` takes it.
+_ExcInfo = tuple[type[BaseException], BaseException, TracebackType | None] | tuple[None, None, None]
 
 FORMATS = ("text", "json")
 _TEXT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -79,7 +83,7 @@ class TextFormatter(logging.Formatter):
     def formatMessage(self, record: logging.LogRecord) -> str:
         return escape(super().formatMessage(record))
 
-    def formatException(self, ei) -> str:
+    def formatException(self, ei: _ExcInfo) -> str:
         text = super().formatException(ei)
         for message in _messages(ei[1]):  # a message's newlines would start forged lines
             text = text.replace(message, escape(message))

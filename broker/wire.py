@@ -17,7 +17,6 @@ from enum import Enum
 from typing import Generic, TypeVar
 
 import numpy as np
-from google.protobuf.internal.enum_type_wrapper import EnumTypeWrapper
 
 from broker.errors import InvalidFieldError, LayoutError, LimitExceededError
 from broker.layout import GroupKind, GroupLayout, RankLayout, Segment
@@ -27,6 +26,8 @@ from broker.v1 import broker_pb2 as pb
 #: Block ids per KV-cache group, in request order.
 BlockIds = tuple[tuple[int, ...], ...]
 E = TypeVar("E", bound=Enum)
+#: A generated protobuf enum: a class in the type stubs, plain ints at run time.
+P = TypeVar("P", bound=int)
 
 
 class Role(Enum):
@@ -78,18 +79,20 @@ class TransferState(Enum):
         return self not in (TransferState.PUBLISHED, TransferState.IN_PROGRESS)
 
 
-class EnumCodec(Generic[E]):
+class EnumCodec(Generic[E, P]):
     """One value enum ⇄ its protobuf enum, whose member ``PREFIX_NAME`` is ``E.NAME``; the
-    protobuf ``*_UNSPECIFIED`` value (0) stands for no member."""
+    protobuf ``PREFIX_UNSPECIFIED`` value (0) stands for no member."""
 
-    def __init__(self, enum: type[E], proto: EnumTypeWrapper, prefix: str) -> None:
+    def __init__(self, enum: type[E], proto: type[P], prefix: str) -> None:
         self.enum_name = enum.__name__
-        self._to = {member: proto.Value(prefix + member.name) for member in enum}
-        self._from = {number: member for member, number in self._to.items()}
+        # Each protobuf value is an attribute of its enum, typed P by the generated stubs.
+        self._unspecified: P = getattr(proto, prefix + "UNSPECIFIED")
+        self._to: dict[E, P] = {member: getattr(proto, prefix + member.name) for member in enum}
+        self._from: dict[int, E] = {number: member for member, number in self._to.items()}
 
-    def to_proto(self, member: E | None) -> int:
+    def to_proto(self, member: E | None) -> P:
         """The protobuf value of ``member`` (UNSPECIFIED for None)."""
-        return 0 if member is None else self._to[member]
+        return self._unspecified if member is None else self._to[member]
 
     def from_proto(self, number: int, field: str) -> E:
         """The member of protobuf value ``number``; INVALID_ARGUMENT naming ``field`` for
