@@ -42,7 +42,7 @@ if TYPE_CHECKING:  # the SDK is imported only to configure tracing
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SpanExporter
 
-    from broker.trace_export import OffloadTracerProvider
+    from broker.span_tracer import OffloadTracerProvider
 
 T = TypeVar("T")
 TRACER_NAME = "pdbroker"
@@ -100,7 +100,7 @@ def configure_tracing(
     ``exporter``: a span exporter (exported synchronously, for tests), names from
     :data:`EXPORTERS` (comma-separated; batched), or None to follow ``OTEL_TRACES_EXPORTER``
     (default ``otlp`` when an OTLP endpoint is set). ``offload``: record spans with
-    :class:`~broker.trace_export.OffloadTracerProvider`, which exports them from a child
+    :class:`~broker.span_tracer.OffloadTracerProvider`, which exports them from a child
     process (the broker's choice: SDK spans and their encoding would cost it more than a
     plan). ``service_name`` becomes the resource's ``service.name``; other
     ``OTEL_RESOURCE_ATTRIBUTES`` and the sampler (``OTEL_TRACES_SAMPLER``) come from the
@@ -125,7 +125,7 @@ def configure_tracing(
             if name not in EXPORTERS:
                 raise ValueError(f"trace exporter {name!r} is not one of {EXPORTERS}")
         if offload:
-            from broker.trace_export import OffloadTracerProvider
+            from broker.span_tracer import OffloadTracerProvider
 
             # An SDK provider reads OTEL_TRACES_SAMPLER; the offloading one uses its sampler.
             sampler = TracerProvider(shutdown_on_exit=False).sampler
