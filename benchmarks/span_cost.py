@@ -3,7 +3,7 @@ exporter child (``python -m broker.span_exporter``) that encodes and sends them 
 
 Records ``--spans`` spans shaped like ``broker.plan`` (a stored publisher ``traceparent`` as
 parent, the plan's attributes, a ``traceparent`` formatted from the span) through
-``configure_tracing(..., offload=True)`` at ``--rate`` spans a second (a busy broker's plan
+``install_broker_tracing`` at ``--rate`` spans a second (a busy broker's plan
 rate: it sets how many spans each frame and export request carry), exporting over OTLP/gRPC
 to a receiver in another process (on idle CPU time). The recording side is the CPU time of the span calls (this
 thread) and of the provider's shipping thread that frames them into the pipe (from
@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from plan_throughput import cpu_seconds
 
 from broker import tracing
+from broker.span_tracer import install_broker_tracing
 from clients.trace_receiver import TraceReceiver
 
 
@@ -88,8 +89,8 @@ def main() -> int:
     receiver.start()
     try:
         os.environ.update(conn.recv())
-        provider = tracing.configure_tracing("span-cost", offload=True)
-        assert provider is not None and hasattr(provider, "pipe")
+        provider = install_broker_tracing("span-cost")
+        assert provider is not None
         child = provider.pipe.child_pid
         traceparents = [f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-01" for _ in range(64)]
         record(1000, traceparents)  # warm-up: imports, the child's first export, the channel

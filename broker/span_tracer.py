@@ -10,6 +10,9 @@ child (:mod:`broker.span_exporter`) that encodes and exports on idle CPU time. U
 default sampler (``parentbased_always_on``) the tracer takes the parent's decision itself
 rather than calling the sampler. Trace and span ids, W3C context and the sampler
 (``OTEL_TRACES_SAMPLER``) are OpenTelemetry's.
+
+:func:`install_broker_tracing` is the broker process's counterpart of
+:func:`broker.tracing.configure_tracing`.
 """
 
 from __future__ import annotations
@@ -21,11 +24,12 @@ from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace
 from opentelemetry.context import Context
-from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace.sampling import DEFAULT_ON, ParentBased, Sampler
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 from opentelemetry.util.types import Attributes
 
+from broker import tracing
 from broker.span_pipe import PackedEvent, PackedLink, PackedSpan, SpanPipe
 
 if TYPE_CHECKING:  # the type of what trace.use_span returns
@@ -287,3 +291,24 @@ class OffloadTracerProvider(trace.TracerProvider):
         """Write the rest, let the child export it and exit (waits up to 30 s). Later calls
         do nothing."""
         self.pipe.close()
+
+
+def install_broker_tracing(service_name: str) -> OffloadTracerProvider | None:
+    """Install an :class:`OffloadTracerProvider` for the broker process when
+    ``OTEL_TRACES_EXPORTER`` or an OTLP endpoint asks for traces, as
+    :func:`broker.tracing.configure_tracing` installs an SDK one for other processes:
+    exporters from ``OTEL_TRACES_EXPORTER`` (default ``otlp``), ``service_name`` as the
+    resource's ``service.name`` with the rest of ``OTEL_RESOURCE_ATTRIBUTES``, the sampler
+    from ``OTEL_TRACES_SAMPLER``. Returns the provider (``shutdown()`` flushes), or None when
+    tracing stays off or a provider is installed already."""
+    from opentelemetry.sdk.trace import TracerProvider
+
+    if tracing.enabled() or not tracing.tracing_requested():
+        return None
+    names = tracing.exporter_names(None)
+    # An SDK provider reads OTEL_TRACES_SAMPLER; the offloading one uses its sampler.
+    sampler = TracerProvider(shutdown_on_exit=False).sampler
+    resource = Resource.create({SERVICE_NAME: service_name})
+    provider = OffloadTracerProvider(resource, ",".join(names), sampler)
+    trace.set_tracer_provider(provider)
+    return provider

@@ -1,4 +1,5 @@
-"""The client-safe tracing facade (``broker/tracing.py``): stored ``traceparent`` strings."""
+"""The client-safe tracing facade (``broker/tracing.py``): stored ``traceparent`` strings
+and exporter names."""
 
 from __future__ import annotations
 
@@ -30,3 +31,15 @@ def test_stored_traceparents_parse_as_the_propagator_parses_them(traceparent: st
     assert span_context == trace.get_current_span(expected).get_span_context()
     assert trace.get_current_span(ctx).get_span_context() == span_context
     assert ctx.keys() == expected.keys()
+
+
+def test_exporter_names_follow_the_environment_and_are_checked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("OTEL_TRACES_EXPORTER", raising=False)
+    assert tracing.exporter_names(None) == ["otlp"]
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", " OTLP, console ,none,")
+    assert tracing.exporter_names(None) == ["otlp", "console"]
+    assert tracing.exporter_names("none") == []
+    with pytest.raises(ValueError, match="'zipkin' is not one of"):
+        tracing.exporter_names("otlp,zipkin")
