@@ -5,7 +5,7 @@ It reads the frames of packed spans the broker's tracer writes to its stdin
 exports them with the exporters ``NAMES`` lists (comma-separated,
 :data:`broker.tracing.EXPORTERS`; '' records only) in a resource of ``RESOURCE_JSON``'s
 attributes. The SDK's OTLP exporters (gRPC or HTTP) get the request
-:func:`broker.otlp_encoding.encode_request` wrote (_takes_encoded), so
+:func:`broker.otlp_encoding.encode_request` wrote (:func:`accept_encoded_requests`), so
 endpoint, headers, TLS, compression, timeout and retries follow the usual
 ``OTEL_EXPORTER_OTLP_*`` variables; other exporters (console) get SDK spans
 (:func:`unpack_span`).
@@ -17,7 +17,7 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
@@ -36,12 +36,18 @@ log = logging.getLogger(__name__)
 EXPORT_BATCH = 512
 #: Added to the exporter process's nice value where idle scheduling is not available.
 NICENESS = 19
+#: The modules of the SDK's OTLP span exporters whose ``encode_spans``
+#: :func:`accept_encoded_requests` rebinds.
+OTLP_EXPORTER_MODULES = (
+    "opentelemetry.exporter.otlp.proto.grpc.trace_exporter",
+    "opentelemetry.exporter.otlp.proto.http.trace_exporter",
+)
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 
 
 class EncodedSpans:
     """Spans encoded as one OTLP request by :func:`~broker.otlp_encoding.encode_request`,
-    passed to an SDK OTLP exporter (_takes_encoded) where it expects a
+    passed to an SDK OTLP exporter (:func:`accept_encoded_requests`) where it expects a
     sequence of SDK spans."""
 
     __slots__ = ("_count", "request")
@@ -54,27 +60,48 @@ class EncodedSpans:
         return self._count
 
 
-def _takes_encoded(exporter: SpanExporter) -> bool:
-    """Let an SDK OTLP span exporter (gRPC or HTTP) take :class:`EncodedSpans`.
+class _PassEncoded:
+    """What :func:`accept_encoded_requests` binds to ``encode_spans`` in an SDK exporter
+    module: an :class:`EncodedSpans`' request as it is, anything else through ``sdk_encode``
+    (the SDK's encoder)."""
 
-    Both build their request with the ``encode_spans`` their module imported from
-    ``opentelemetry-exporter-otlp-proto-common``, then send it with their own channel or
-    session, headers, compression and retries. In this process that name is rebound to a
-    function that passes encoded requests through (and encodes SDK spans as before). False
-    for other exporters, which get SDK spans."""
-    module = sys.modules.get(type(exporter).__module__)
-    sdk_encode = getattr(module, "encode_spans", None)
-    if not type(exporter).__module__.startswith("opentelemetry.exporter.otlp.proto.") or (
-        not callable(sdk_encode)
-    ):
+    __slots__ = ("sdk_encode",)
+
+    def __init__(self, sdk_encode: Callable[[Sequence[ReadableSpan]], Any]) -> None:
+        self.sdk_encode = sdk_encode
+
+    def __call__(self, spans: Sequence[ReadableSpan] | EncodedSpans) -> Any:
+        return spans.request if isinstance(spans, EncodedSpans) else self.sdk_encode(spans)
+
+
+def accept_encoded_requests(exporter: SpanExporter) -> bool:
+    """Let ``exporter``, if it is one of the SDK's OTLP span exporters (gRPC or HTTP), take
+    :class:`EncodedSpans`; whether it does (other exporters get SDK spans).
+
+    The one place pdbroker relies on an OpenTelemetry SDK internal: no public API sends an
+    encoded request through the SDK's OTLP exporters, and those are what make the export
+    follow ``OTEL_EXPORTER_OTLP_*``. What it relies on: each module of
+    :data:`OTLP_EXPORTER_MODULES` imports ``encode_spans`` from
+    ``opentelemetry.exporter.otlp.proto.common.trace_encoder`` as a module global, and its
+    ``OTLPSpanExporter`` looks that global up at each export, calls it with what
+    ``export()`` was given and sends the ``ExportTraceServiceRequest`` it returns (gRPC in
+    ``_translate_data``; HTTP in ``export``, serialized). Here, in the exporter child, the
+    global is rebound once to a function that returns an :class:`EncodedSpans`' request as
+    it is and passes anything else to the SDK's encoder. Where a module lacks the global
+    the exporter gets SDK spans (slower, same export). ``tests/test_span_exporter.py``
+    fails on an SDK where any of this no longer holds; pyproject.toml pins the SDK to the
+    versions tested.
+    """
+    module_name = type(exporter).__module__
+    if module_name not in OTLP_EXPORTER_MODULES:
         return False
-    if getattr(sdk_encode, "__wrapped__", None) is None:
-
-        def encode_spans(spans: Any) -> Any:
-            return spans.request if isinstance(spans, EncodedSpans) else sdk_encode(spans)
-
-        encode_spans.__wrapped__ = sdk_encode  # type: ignore[attr-defined]
-        module.encode_spans = encode_spans  # type: ignore[union-attr]
+    module = sys.modules[module_name]
+    sdk_encode = getattr(module, "encode_spans", None)
+    if not callable(sdk_encode):
+        log.warning("%s has no encode_spans: spans are exported as SDK spans", module_name)
+        return False
+    if not isinstance(sdk_encode, _PassEncoded):  # not rebound yet
+        vars(module)["encode_spans"] = _PassEncoded(sdk_encode)
     return True
 
 
@@ -123,7 +150,7 @@ def main(exporter_names: str, resource_attributes: Mapping[str, Any]) -> int:
     resource = Resource(resource_attributes)
     encoded_resource = encode_resource(resource.attributes)
     exporters = [named_exporter(n) for n in exporter_names.split(",") if n]  # '': record only
-    otlp = [e for e in exporters if _takes_encoded(e)]
+    otlp = [e for e in exporters if accept_encoded_requests(e)]
     others = [e for e in exporters if all(e is not o for o in otlp)]
     for batch in read_frames(sys.stdin.buffer):
         for start in range(0, len(batch), EXPORT_BATCH):  # requests of bounded size
