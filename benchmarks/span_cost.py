@@ -1,9 +1,9 @@
 """CPU per span of the broker's tracer: in the process that records spans, and in its
-exporter child (``python -m broker.trace_export``) that encodes and sends them over OTLP.
+exporter child (``python -m broker.span_exporter``) that encodes and sends them over OTLP.
 
 Records ``--spans`` spans shaped like ``broker.plan`` (a stored publisher ``traceparent`` as
 parent, the plan's attributes, a ``traceparent`` formatted from the span) through
-``configure_tracing(..., offload=True)`` at ``--rate`` spans a second (a busy broker's plan
+``install_broker_tracing`` at ``--rate`` spans a second (a busy broker's plan
 rate: it sets how many spans each frame and export request carry), exporting over OTLP/gRPC
 to a receiver in another process (on idle CPU time). The recording side is the CPU time of the span calls (this
 thread) and of the provider's shipping thread that frames them into the pipe (from
@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from plan_throughput import cpu_seconds
 
 from broker import tracing
+from broker.span_tracer import install_broker_tracing
 from clients.trace_receiver import TraceReceiver
 
 
@@ -88,16 +89,17 @@ def main() -> int:
     receiver.start()
     try:
         os.environ.update(conn.recv())
-        provider = tracing.configure_tracing("span-cost", offload=True)
-        assert provider is not None and hasattr(provider, "_child")
-        child = provider._child.pid
+        provider = install_broker_tracing("span-cost")
+        assert provider is not None
+        child = provider.pipe.child_pid
         traceparents = [f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-01" for _ in range(64)]
         record(1000, traceparents)  # warm-up: imports, the child's first export, the channel
         provider.force_flush()
         while (conn.send("count"), conn.recv())[1] < 1000:
             time.sleep(0.05)
         time.sleep(0.5)
-        shipping = provider._thread.native_id
+        shipping = provider.pipe.shipping_thread_id
+        assert shipping is not None
         child_before, ship_before = cpu_seconds(child), thread_cpu_seconds(shipping)
         step = max(1, int(args.rate / 50))  # every 20 ms
         start, recorded = time.monotonic(), 0.0

@@ -184,11 +184,11 @@ def _receiver_process(conn: mp.connection.Connection) -> None:
 
 
 def exporter_pid(broker: BrokerProcess) -> int | None:
-    """The pid of the broker's span exporter child (``python -m broker.trace_export``)."""
+    """The pid of the broker's span exporter child (``python -m broker.span_exporter``)."""
     proc = Path(f"/proc/{broker.process.pid}")
     for children in proc.glob("task/*/children"):
         for pid in children.read_text().split():
-            if b"broker.trace_export" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            if b"broker.span_exporter" in Path(f"/proc/{pid}/cmdline").read_bytes():
                 return int(pid)
     return None
 

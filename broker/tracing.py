@@ -9,10 +9,11 @@ only, not in stored strings.
 
 Spans are made through the global OpenTelemetry API, so a host application that installed
 its own SDK tracer provider (vLLM) records pdbroker's spans too. :func:`configure_tracing`
-installs one for pdbroker's own processes when ``OTEL_TRACES_EXPORTER`` or
-``OTEL_EXPORTER_OTLP[_TRACES]_ENDPOINT`` asks for it (or a caller passes an exporter). Without
-a provider tracing is off: every helper here returns at its first check and no span object
-is made.
+installs one for pdbroker's own engine processes when ``OTEL_TRACES_EXPORTER`` or
+``OTEL_EXPORTER_OTLP[_TRACES]_ENDPOINT`` asks for it (or a caller passes an exporter); the
+broker installs its own lean tracer (``broker.span_tracer``), which this module does not
+import. Without a provider tracing is off: every helper here returns at its first check and
+no span object is made.
 """
 
 from __future__ import annotations
@@ -42,8 +43,6 @@ if TYPE_CHECKING:  # the SDK is imported only to configure tracing
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SpanExporter
 
-    from broker.trace_export import OffloadTracerProvider
-
 T = TypeVar("T")
 TRACER_NAME = "pdbroker"
 #: Exporter names ``OTEL_TRACES_EXPORTER`` may list (comma-separated).
@@ -72,6 +71,18 @@ def tracing_requested() -> bool:
     )
 
 
+def exporter_names(names: str | None) -> list[str]:
+    """The exporters ``names`` lists (comma-separated, from :data:`EXPORTERS`), or
+    ``OTEL_TRACES_EXPORTER`` for None (default ``otlp``); without ``none``. Raises ValueError
+    for a name not in :data:`EXPORTERS`."""
+    raw = names if names is not None else os.environ.get("OTEL_TRACES_EXPORTER", "otlp")
+    listed = [n for n in (x.strip().lower() for x in raw.split(",")) if n not in ("", "none")]
+    for name in listed:
+        if name not in EXPORTERS:
+            raise ValueError(f"trace exporter {name!r} is not one of {EXPORTERS}")
+    return listed
+
+
 def named_exporter(name: str) -> SpanExporter:
     """The exporter ``OTEL_TRACES_EXPORTER`` calls ``name``, configured by ``OTEL_*``."""
     if name == "console":
@@ -85,27 +96,31 @@ def named_exporter(name: str) -> SpanExporter:
         or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
         or "grpc"
     )
+    # endpoint, headers, timeout from OTEL_EXPORTER_OTLP_* variables
     if protocol.startswith("http"):
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-    else:
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-    return OTLPSpanExporter()  # endpoint, headers, timeout from OTEL_EXPORTER_OTLP_* variables
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+            OTLPSpanExporter as HTTPSpanExporter,
+        )
+
+        return HTTPSpanExporter()
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+    return OTLPSpanExporter()
 
 
 def configure_tracing(
-    service_name: str, exporter: SpanExporter | str | None = None, offload: bool = False
-) -> TracerProvider | OffloadTracerProvider | None:
-    """Install a recording tracer provider for this process, or leave tracing off.
+    service_name: str, exporter: SpanExporter | str | None = None
+) -> TracerProvider | None:
+    """Install a recording SDK tracer provider for this process, or leave tracing off.
 
     ``exporter``: a span exporter (exported synchronously, for tests), names from
     :data:`EXPORTERS` (comma-separated; batched), or None to follow ``OTEL_TRACES_EXPORTER``
-    (default ``otlp`` when an OTLP endpoint is set). ``offload``: record spans with
-    :class:`~broker.trace_export.OffloadTracerProvider`, which exports them from a child
-    process (the broker's choice: SDK spans and their encoding would cost it more than a
-    plan). ``service_name`` becomes the resource's ``service.name``; other
-    ``OTEL_RESOURCE_ATTRIBUTES`` and the sampler (``OTEL_TRACES_SAMPLER``) come from the
-    environment. Returns the provider (``shutdown()`` flushes; SDK providers also flush at
-    exit), or None when tracing stays off or the host application already installed one.
+    (default ``otlp`` when an OTLP endpoint is set). ``service_name`` becomes the resource's
+    ``service.name``; other ``OTEL_RESOURCE_ATTRIBUTES`` and the sampler
+    (``OTEL_TRACES_SAMPLER``) come from the environment. Returns the provider (``shutdown()``
+    flushes; it also flushes at exit), or None when tracing stays off or the host
+    application already installed one. (The broker process installs its own tracer
+    instead: ``broker.span_tracer.install_broker_tracing``.)
     """
     from opentelemetry.sdk.resources import SERVICE_NAME, Resource
     from opentelemetry.sdk.trace import TracerProvider
@@ -114,26 +129,14 @@ def configure_tracing(
     if enabled() or (exporter is None and not tracing_requested()):
         return None
     resource = Resource.create({SERVICE_NAME: service_name})
-    provider: TracerProvider | OffloadTracerProvider
     if exporter is not None and not isinstance(exporter, str):
         provider = TracerProvider(resource=resource)
         provider.add_span_processor(SimpleSpanProcessor(exporter))
     else:
-        raw = exporter if exporter is not None else os.environ.get("OTEL_TRACES_EXPORTER", "otlp")
-        names = [n for n in (x.strip().lower() for x in raw.split(",")) if n not in ("", "none")]
+        names = exporter_names(exporter)
+        provider = TracerProvider(resource=resource)
         for name in names:
-            if name not in EXPORTERS:
-                raise ValueError(f"trace exporter {name!r} is not one of {EXPORTERS}")
-        if offload:
-            from broker.trace_export import OffloadTracerProvider
-
-            # An SDK provider reads OTEL_TRACES_SAMPLER; the offloading one uses its sampler.
-            sampler = TracerProvider(shutdown_on_exit=False).sampler
-            provider = OffloadTracerProvider(resource, ",".join(names), sampler)
-        else:
-            provider = TracerProvider(resource=resource)
-            for name in names:
-                provider.add_span_processor(BatchSpanProcessor(named_exporter(name)))
+            provider.add_span_processor(BatchSpanProcessor(named_exporter(name)))
     trace.set_tracer_provider(provider)
     return provider
 
@@ -209,9 +212,9 @@ def attached(ctx: Context) -> Iterator[None]:
 # --------------------------------------------------------------------------- spans
 
 
-#: A stored ``traceparent`` as pdbroker keeps them (version 00, lower-case hex): parsed here
-#: in ~2 µs rather than the propagator's ~7 (a plan's span parses one when the cache missed);
-#: other forms go through the propagator.
+#: A stored ``traceparent`` as pdbroker keeps them (version 00, lower-case hex): parsed here,
+#: at a third of the propagator's cost (a plan's span parses one when the cache missed;
+#: ``docs/BENCHMARKS.md``); other forms go through the propagator.
 _STORED_TRACEPARENT = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
 #: Parsed stored traceparents, as a context and its span's context (a transfer's is used by
 #: several spans); cleared when full.

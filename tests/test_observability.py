@@ -31,7 +31,7 @@ from broker.api import PlanQuery, Publication, Report
 from broker.metrics import BrokerMetrics
 from broker.scenarios import build_scenario
 from broker.service import BrokerService, ServiceConfig
-from broker.trace_export import OffloadTracerProvider
+from broker.span_tracer import OffloadTracerProvider
 from broker.tracing import context_from_traceparent, trace_id_of
 from broker.v1 import broker_pb2 as pb
 from broker.v1 import broker_pb2_grpc as pb_grpc

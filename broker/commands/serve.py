@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING
 from broker.logs import FORMATS, configure_logging
 from broker.service import BrokerService, ServiceConfig
 from broker.store.contract import StateStore
-from broker.tracing import configure_tracing
 
 if TYPE_CHECKING:
     from broker.security import ServerSecurity
@@ -300,10 +299,10 @@ def run(args: argparse.Namespace) -> int:
     _resolve(args)
     security = _security(args)
     configure_logging(args.log_level, args.log_format)
+    from broker.span_tracer import install_broker_tracing  # imports the OpenTelemetry SDK
+
     # Off unless OTEL_TRACES_EXPORTER / OTEL_EXPORTER_OTLP_*ENDPOINT ask for traces.
-    tracer_provider = configure_tracing(
-        os.environ.get("OTEL_SERVICE_NAME") or "pdbroker", offload=True
-    )
+    tracer_provider = install_broker_tracing(os.environ.get("OTEL_SERVICE_NAME") or "pdbroker")
     config = ServiceConfig(
         default_ttl_ms=args.default_ttl_ms,
         max_ttl_ms=args.max_ttl_ms,
