@@ -20,10 +20,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from broker import convert
+from broker.config import ServiceConfig
 from broker.presets import resolve_model
 from broker.scenarios import build_scenario
-from broker.server import BrokerServicer
-from broker.service import BrokerService, ServiceConfig
+from broker.service import BrokerService
+from broker.servicer import BrokerServicer
 from broker.v1 import broker_pb2 as pb
 from clients.control_plane_bench import DECODE_ADDR, PREFILL_ADDR, registrations
 

@@ -29,7 +29,7 @@ import secrets
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TypeVar
 
 from broker import tracing, transfers
@@ -44,6 +44,7 @@ from broker.api import (
     TransferListing,
 )
 from broker.clock import Clock, SystemClock
+from broker.config import ServiceConfig
 from broker.effects import Effects, Refusal, atomic
 from broker.engines import (
     Engine,
@@ -52,7 +53,6 @@ from broker.engines import (
 )
 from broker.errors import (
     AlreadyExistsError,
-    CompactedError,
     LimitExceededError,
     NotFoundError,
     PreconditionError,
@@ -66,11 +66,11 @@ from broker.records import (
     PlanRecord,
     RankKey,
     RankRegistration,
-    ReleaseEvent,
     TransferKey,
     TransferRecord,
 )
 from broker.registry import RankLimits, Registry
+from broker.releases import ReleaseFeeds
 from broker.store.contract import StateStore
 from broker.store.memory import InMemoryStateStore
 from broker.wire import DESCRIPTOR_BYTES, TransferState
@@ -78,38 +78,6 @@ from broker.wire import DESCRIPTOR_BYTES, TransferState
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 LEASE_EXPIRED = "lease expired"
-
-
-@dataclass(frozen=True)
-class ServiceConfig:
-    """Durations in milliseconds."""
-
-    default_ttl_ms: int = 30_000
-    max_ttl_ms: int = 3_600_000
-    lease_ttl_ms: int = 10_000
-    #: How long finished transfers stay queryable (GetTransfer, idempotent reports).
-    retention_ms: int = 60_000
-    max_transfers: int = 100_000
-    #: Registered ranks at once, over all engines.
-    max_ranks: int = 4096
-    planner_cache_size: int = 64
-    #: Delivered release events kept per prefill rank for streams that resume.
-    release_resume_window: int = 1024
-    #: Bytes of release events (:attr:`~broker.records.ReleaseEvent.nbytes`) kept per prefill
-    #: rank, delivered or not, and over all ranks; the oldest beyond either are dropped and a
-    #: stream resuming before them is told so (:class:`~broker.errors.CompactedError`), so
-    #: its client asks which of its transfers ended. The default per rank holds several
-    #: events of requests at the block-id limit (8 MiB each).
-    release_backlog_bytes: int = 64 << 20
-    release_backlog_total_bytes: int = 1 << 30
-    #: Per prefill engine: transfers holding block ids at once, those block ids, and the
-    #: agent metadata of its ranks (bytes). One engine at a quota does not stop another.
-    max_transfers_per_engine: int = 10_000
-    max_block_ids_per_engine: int = 1 << 22
-    max_metadata_bytes_per_engine: int = 128 << 20
-    #: How long a live plan (handed out, not reported) may hold its prefill ranks after its
-    #: transfer ended; then it counts as failed and they are released.
-    max_read_ms: int = 60_000
 
 
 class BrokerService:
@@ -139,6 +107,8 @@ class BrokerService:
             self.engines,
             RankLimits(config.lease_ttl_ms, config.max_ranks, config.max_metadata_bytes_per_engine),
         )
+        #: What release streams read (:class:`~broker.releases.ReleaseFeeds`).
+        self.feeds = ReleaseFeeds(self.effects, config.release_resume_window)
 
     def add_release_listener(self, listener: Callable[[RankKey], None]) -> None:
         """``listener(key)`` is called when a release is queued for prefill rank ``key`` or
@@ -417,59 +387,6 @@ class BrokerService:
         return TransferListing(
             self.clock.now_ms(), dict(counts), tuple(listed[:limit] if limit else listed)
         )
-
-    # ------------------------------------------------------------------ releases
-
-    def release_stream(
-        self, engine_id: str, tp_rank: int, after_sequence: int, lease_id: str = ""
-    ) -> tuple[int, int]:
-        """Start watching prefill rank ``(engine_id, tp_rank)``: returns its registration
-        generation and the cursor to read from (``after_sequence``, or where the last
-        watcher stopped when 0). A ``lease_id`` that is not the rank's current lease fails:
-        the cursor was read under another registration, whose sequences these are not."""
-        record = self.store.get_rank((engine_id, tp_rank))
-        if record is None:
-            field_name = "tp_rank" if self.store.engine_ranks(engine_id) else "engine_id"
-            raise NotFoundError(
-                field_name, f"engine {engine_id!r} has no registered rank {tp_rank}"
-            )
-        if not record.registration.role.publishes:
-            raise PreconditionError("engine_id", f"engine {engine_id!r} is a decode engine")
-        if lease_id and lease_id != record.lease_id:
-            raise PreconditionError(
-                "lease_id",
-                f"not the current lease of rank {tp_rank}: it registered again since; "
-                "watch under the new lease from after_sequence 0",
-            )
-        cursor = after_sequence or self.store.delivered((engine_id, tp_rank))
-        self._check_kept((engine_id, tp_rank), cursor)
-        return record.generation, cursor
-
-    def releases(self, key: RankKey, generation: int, cursor: int) -> list[ReleaseEvent] | None:
-        """Events after ``cursor`` for the rank, or ``None`` once that registration is gone;
-        :class:`CompactedError` when some of them are no longer kept."""
-        record = self.store.get_rank(key)
-        if record is None or record.generation != generation:
-            return None
-        self._check_kept(key, cursor)
-        return self.store.releases_after(key, cursor)
-
-    def _check_kept(self, key: RankKey, cursor: int) -> None:
-        through = self.store.compacted_through(key)
-        if cursor < through:
-            raise CompactedError(
-                "after_sequence",
-                f"release events of rank {key[1]} after {cursor} through {through} are no "
-                "longer kept; ask GetTransfer which of your transfers were released, then "
-                f"watch from after_sequence {through}",
-                through,
-            )
-
-    @atomic
-    def delivered(self, key: RankKey, sequence: int) -> None:
-        """A watcher sent events up to ``sequence``."""
-        self.store.mark_delivered(key, sequence)
-        self.store.trim_releases(key, self.config.release_resume_window)
 
     # ------------------------------------------------------------------ time
 

@@ -265,7 +265,7 @@ def test_a_large_plan_asked_at_once_is_claimed_once_and_answered_alike(live: Liv
     from broker_helpers import hybrid, register_request
 
     from broker.models import build_engine_layout
-    from broker.server import OFFLOAD_BLOCK_IDS
+    from broker.servicer import OFFLOAD_BLOCK_IDS
     from broker.v1 import broker_pb2_grpc as pb_grpc
     from broker.wire import join_plan_chunks
 

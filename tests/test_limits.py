@@ -16,12 +16,12 @@ import pytest
 from broker_helpers import hybrid, register_request
 from fuzz_support import DECODE, PREFILL, Fuzzer, LiveBroker, Requests
 
+from broker.config import ServiceConfig
 from broker.errors import LimitExceededError
 from broker.limits import LIMITS
 from broker.models import build_engine_layout
 from broker.planner import PairPlanner
 from broker.scenarios import build_scenario, fresh_block_ids
-from broker.service import ServiceConfig
 from broker.v1 import broker_pb2 as pb
 from broker.v1 import broker_pb2_grpc as pb_grpc
 

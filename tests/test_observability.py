@@ -28,9 +28,10 @@ from prerequisites import require_module
 from prometheus_client.parser import text_string_to_metric_families
 
 from broker.api import PlanQuery, Publication, Report
+from broker.config import ServiceConfig
 from broker.metrics import BrokerMetrics
 from broker.scenarios import build_scenario
-from broker.service import BrokerService, ServiceConfig
+from broker.service import BrokerService
 from broker.span_tracer import OffloadTracerProvider
 from broker.tracing import context_from_traceparent, trace_id_of
 from broker.v1 import broker_pb2 as pb

@@ -22,10 +22,11 @@ from broker_helpers import FakeClock, hybrid, register_engine, register_request
 from conftest import RedisServer, start_redis
 
 from broker.api import PlanQuery, Publication, Report
+from broker.config import ServiceConfig
 from broker.errors import StoreUnavailableError
 from broker.records import ReleaseEvent, TransferRecord
 from broker.scenarios import Scenario, build_scenario
-from broker.service import BrokerService, ServiceConfig
+from broker.service import BrokerService
 from broker.store.contract import REDELIVER_MS
 from broker.store.redis import RedisStateStore
 from broker.v1 import broker_pb2 as pb

@@ -19,11 +19,12 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from test_vectors import merge_runs
 
 from broker.cases import load_case
+from broker.config import ServiceConfig
 from broker.layout import EngineLayout
 from broker.planner import PairPlanner, TransferRequest
 from broker.scenarios import build_scenario
 from broker.server import BrokerServer
-from broker.service import BrokerService, ServiceConfig
+from broker.service import BrokerService
 from broker.v1 import broker_pb2 as pb
 from broker.v1 import broker_pb2_grpc as pb_grpc
 from broker.wire import unpack

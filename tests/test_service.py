@@ -16,6 +16,7 @@ from broker_helpers import (
 )
 
 from broker.api import PlanQuery, Publication, Report
+from broker.config import ServiceConfig
 from broker.errors import (
     AbortedError,
     AlreadyExistsError,
@@ -30,7 +31,7 @@ from broker.errors import (
 )
 from broker.planner import PairPlanner
 from broker.scenarios import Scenario, build_scenario
-from broker.service import BrokerService, ServiceConfig
+from broker.service import BrokerService
 from broker.wire import ReleaseReason, ReportStatus, Role, TransferState
 
 #: Every test runs against the in-memory store and against Redis (tests/conftest.py).
@@ -589,23 +590,23 @@ def test_release_cursor_resumes_and_new_watchers_start_after_delivered_events() 
     for t in ("a", "b", "c"):
         publish(service, sc, t)
         service.abort(t, "")
-    generation, cursor = service.release_stream("P", 0, 0)
-    events = service.releases(("P", 0), generation, cursor)
+    generation, cursor = service.feeds.start("P", 0, 0)
+    events = service.feeds.after(("P", 0), generation, cursor)
     assert [e.transfer_id for e in events] == ["a", "b", "c"]
     assert [e.sequence for e in events] == sorted(e.sequence for e in events)
-    service.delivered(("P", 0), events[1].sequence)
-    _, cursor = service.release_stream("P", 0, 0)
-    assert [e.transfer_id for e in service.releases(("P", 0), generation, cursor)] == ["c"]
-    _, cursor = service.release_stream("P", 0, events[0].sequence)
-    assert [e.transfer_id for e in service.releases(("P", 0), generation, cursor)] == ["b", "c"]
+    service.feeds.delivered(("P", 0), events[1].sequence)
+    _, cursor = service.feeds.start("P", 0, 0)
+    assert [e.transfer_id for e in service.feeds.after(("P", 0), generation, cursor)] == ["c"]
+    _, cursor = service.feeds.start("P", 0, events[0].sequence)
+    assert [e.transfer_id for e in service.feeds.after(("P", 0), generation, cursor)] == ["b", "c"]
     with pytest.raises(NotFoundError) as err:
-        service.release_stream("P", 3, 0)
+        service.feeds.start("P", 3, 0)
     assert err.value.field == "tp_rank"
     with pytest.raises(PreconditionError):
-        service.release_stream("D", 0, 0)
+        service.feeds.start("D", 0, 0)
     lease = service.store.get_rank(("P", 0)).lease_id
     service.deregister(lease)
-    assert service.releases(("P", 0), generation, 0) is None
+    assert service.feeds.after(("P", 0), generation, 0) is None
 
 
 def _event_bytes(service: BrokerService, key=("P", 0)) -> list[int]:
@@ -626,12 +627,12 @@ def test_release_backlog_is_bounded_in_bytes_and_a_resume_before_it_is_refused()
     assert kept == [f"t{i:02}" for i in range(12 - len(kept), 12)] and 0 < len(kept) < 12
     for after in (0, 1):
         with pytest.raises(CompactedError) as err:
-            service.release_stream("P", 0, after)
+            service.feeds.start("P", 0, after)
         assert err.value.field == "after_sequence"
     through = err.value.through
     assert through == service.store.compacted_through(("P", 0)) > 0
-    generation, cursor = service.release_stream("P", 0, through)
-    events = service.releases(("P", 0), generation, cursor)
+    generation, cursor = service.feeds.start("P", 0, through)
+    events = service.feeds.after(("P", 0), generation, cursor)
     assert [e.transfer_id for e in events] == kept and events[0].sequence > through
 
 
@@ -655,14 +656,14 @@ def test_a_resume_below_the_kept_delivered_window_is_refused_not_silent() -> Non
     for t in ("a", "b", "c", "d"):
         publish(service, sc, t)
         service.abort(t, "")
-    generation, cursor = service.release_stream("P", 0, 0)
-    events = service.releases(("P", 0), generation, cursor)
-    service.delivered(("P", 0), events[-1].sequence)  # a and b are trimmed: 2 are kept
+    generation, cursor = service.feeds.start("P", 0, 0)
+    events = service.feeds.after(("P", 0), generation, cursor)
+    service.feeds.delivered(("P", 0), events[-1].sequence)  # a and b are trimmed: 2 are kept
     with pytest.raises(CompactedError) as err:
-        service.release_stream("P", 0, events[0].sequence)
+        service.feeds.start("P", 0, events[0].sequence)
     assert err.value.through == events[1].sequence
-    _, cursor = service.release_stream("P", 0, events[1].sequence)
-    assert [e.transfer_id for e in service.releases(("P", 0), generation, cursor)] == ["c", "d"]
+    _, cursor = service.feeds.start("P", 0, events[1].sequence)
+    assert [e.transfer_id for e in service.feeds.after(("P", 0), generation, cursor)] == ["c", "d"]
 
 
 def test_released_transfers_drop_their_block_ids() -> None:
@@ -728,20 +729,20 @@ def test_a_cursor_of_an_earlier_registration_is_refused_not_resumed() -> None:
     publish(service, sc, "before")
     service.abort("before", "")
     old_lease = service.store.get_rank(("P", 0)).lease_id
-    generation, cursor = service.release_stream("P", 0, 0, old_lease)
-    (event,) = service.releases(("P", 0), generation, cursor)
+    generation, cursor = service.feeds.start("P", 0, 0, old_lease)
+    (event,) = service.feeds.after(("P", 0), generation, cursor)
     restarted, _, _ = setup(1, 1)  # same engines, a fresh broker
     publish(restarted, sc, "after")
     restarted.abort("after", "")
     with pytest.raises(PreconditionError) as err:
-        restarted.release_stream("P", 0, event.sequence, old_lease)
+        restarted.feeds.start("P", 0, event.sequence, old_lease)
     assert err.value.field == "lease_id"
     # What the check prevents: the same sequence numbers, so the old cursor skips "after".
-    generation, cursor = restarted.release_stream("P", 0, event.sequence)
-    assert restarted.releases(("P", 0), generation, cursor) == []
+    generation, cursor = restarted.feeds.start("P", 0, event.sequence)
+    assert restarted.feeds.after(("P", 0), generation, cursor) == []
     new_lease = restarted.store.get_rank(("P", 0)).lease_id
-    generation, cursor = restarted.release_stream("P", 0, 0, new_lease)
-    assert [e.transfer_id for e in restarted.releases(("P", 0), generation, cursor)] == ["after"]
+    generation, cursor = restarted.feeds.start("P", 0, 0, new_lease)
+    assert [e.transfer_id for e in restarted.feeds.after(("P", 0), generation, cursor)] == ["after"]
 
 
 def test_registrations_beyond_max_ranks_are_refused() -> None:

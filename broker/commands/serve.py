@@ -26,8 +26,9 @@ import resource
 import signal
 from typing import TYPE_CHECKING
 
+from broker.config import ServiceConfig
 from broker.logs import FORMATS, configure_logging
-from broker.service import BrokerService, ServiceConfig
+from broker.service import BrokerService
 from broker.store.contract import StateStore
 
 if TYPE_CHECKING:

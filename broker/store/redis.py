@@ -52,14 +52,12 @@ in commit order and a cursor never skips an event; each commit publishes the ran
 from __future__ import annotations
 
 import json
-import secrets
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 import redis
 
-from broker.planner import RankPlan
 from broker.records import (
     RankKey,
     RankRecord,
@@ -80,62 +78,22 @@ from broker.store.redis_link import (
     raise_if_broken,
 )
 from broker.store.redis_scripts import SCRIPTS
+from broker.store.redis_unit import (
+    PlanBlobs,
+    Unit,
+    parse_rank,
+    parse_transfer,
+    rank_member,
+    transfer_member,
+)
 
 T = TypeVar("T")
 
-#: Plan runs (32 bytes each) kept decoded in memory across transfers.
-PLAN_CACHE_RUNS = 4_000_000
 _RANK_FIELDS = ("reg", "meta", "lease", "exp", "at", "gen")
 
 
 class ConflictError(RuntimeError):
     """:meth:`RedisStateStore.transact` kept losing races with other replicas."""
-
-
-class _Unit:
-    """One attempt of :meth:`RedisStateStore.transact`: the watching connection, the writes
-    queued for ``EXEC`` (by record, so a record written twice is written once) and this
-    attempt's own records, which its reads must see."""
-
-    def __init__(self, pipe: redis.client.Pipeline) -> None:
-        self.pipe = pipe
-        self.watched: set[bytes] = set()
-        self.ops: dict[object, Callable[[Any], Any]] = {}
-        self.ranks: dict[RankKey, RankRecord | None] = {}
-        self.transfers: dict[TransferKey, TransferRecord | None] = {}
-        self.contacts: set[tuple[RankKey, str]] = set()
-        #: Plans blobs this unit writes, by plan object id, and what to remember of them
-        #: once it committed.
-        self.plan_tokens: dict[int, str] = {}
-        self.plan_blobs: dict[str, bytes] = {}
-        self.on_commit: list[Callable[[], None]] = []
-
-    def queue(self, op: Callable[[Any], Any], record: object = None) -> None:
-        """Queue ``op``; one naming ``record`` replaces that record's earlier write."""
-        slot = object() if record is None else record
-        self.ops.pop(slot, None)
-        self.ops[slot] = op
-
-
-def _transfer_member(key: TransferKey) -> str:
-    engine_id, transfer_id = key
-    return f"{len(engine_id)}:{engine_id}:{transfer_id}"
-
-
-def _parse_transfer(member: bytes | str) -> TransferKey:
-    text = member.decode() if isinstance(member, bytes) else member
-    size, rest = text.split(":", 1)
-    return rest[: int(size)], rest[int(size) + 1 :]
-
-
-def _rank_member(key: RankKey) -> str:
-    return f"{key[1]}:{key[0]}"
-
-
-def _parse_rank(member: bytes | str) -> RankKey:
-    text = member.decode() if isinstance(member, bytes) else member
-    tp_rank, engine_id = text.split(":", 1)
-    return engine_id, int(tp_rank)
 
 
 @fails_fast
@@ -161,14 +119,11 @@ class RedisStateStore(StateStore):
         self.rank_ttl_ms = rank_ttl_ms
         self.transfer_ttl_ms = transfer_ttl_ms
         self.link = Availability(client)
-        self._unit: _Unit | None = None
+        self._unit: Unit | None = None
         #: Decoded registrations by rank: (generation, registration).
         self._registrations: dict[RankKey, tuple[int, RankRegistration]] = {}
-        #: Decoded plans by blob token, and the token of each cached plan object (by id: the
-        #: cache keeps the object alive, so the id stays its own).
-        self._plans: dict[str, dict[int, RankPlan]] = {}
-        self._plan_tokens: dict[int, str] = {}
-        self._cached_runs = 0
+        #: Decoded plans by blob token.
+        self._plans = PlanBlobs()
         self._scripts = {name: client.register_script(text) for name, text in SCRIPTS.items()}
 
     @classmethod
@@ -195,7 +150,7 @@ class RedisStateStore(StateStore):
             return operation()
         for _ in range(attempts):
             with self.client.pipeline(transaction=True) as pipe:
-                self._unit = unit = _Unit(pipe)
+                self._unit = unit = Unit(pipe)
                 try:
                     try:
                         result = operation()
@@ -253,7 +208,7 @@ class RedisStateStore(StateStore):
 
     def put_rank(self, record: RankRecord) -> None:
         key, reg = record.key, record.registration
-        member = _rank_member(key)
+        member = rank_member(key)
         keys = [
             self._key("rank", member),
             self._key("ranks"),
@@ -298,7 +253,7 @@ class RedisStateStore(StateStore):
         member = self.client.get(index)
         if member is None:
             return None
-        record = self.get_rank(_parse_rank(member))
+        record = self.get_rank(parse_rank(member))
         return record if record is not None and matches(record) else None
 
     def rank_by_lease(self, lease_id: str) -> RankRecord | None:
@@ -311,12 +266,12 @@ class RedisStateStore(StateStore):
 
     def delete_rank(self, key: RankKey) -> None:
         keys = [
-            self._key("rank", _rank_member(key)),
+            self._key("rank", rank_member(key)),
             self._key("ranks"),
             self._key("engine", key[0]),
             self._key("leases"),
         ]
-        args = [_rank_member(key), key[1], self._prefix_of("lease"), self._prefix_of("agent")]
+        args = [rank_member(key), key[1], self._prefix_of("lease"), self._prefix_of("agent")]
         if self._unit is not None:
             self._unit.ranks[key] = None
         self._write(lambda c: self._run("delete_rank", keys, args, c), ("rank", key))
@@ -342,14 +297,14 @@ class RedisStateStore(StateStore):
     def due_leases(self, now_ms: int) -> list[RankKey]:
         args = [now_ms, self._prefix_of("rank")]
         members = self._run("due_leases", [self._key("leases")], args, self.client)
-        return [_parse_rank(m) for m in members]
+        return [parse_rank(m) for m in members]
 
     def ranks(self) -> list[RankRecord]:
-        keys = [_parse_rank(m) for m in self.client.smembers(self._key("ranks"))]
+        keys = [parse_rank(m) for m in self.client.smembers(self._key("ranks"))]
         if self._unit is not None:
             keys = list(set(keys) | set(self._unit.ranks))
         found = self._ranks(keys, watch=False)
-        gone = [_rank_member(k) for k, r in zip(keys, found) if r is None and not self._pending(k)]
+        gone = [rank_member(k) for k, r in zip(keys, found) if r is None and not self._pending(k)]
         if gone:
             self._write(lambda c: c.srem(self._key("ranks"), *gone))
         return sorted((r for r in found if r is not None), key=lambda r: r.key)
@@ -362,7 +317,7 @@ class RedisStateStore(StateStore):
         """The records at ``keys`` (``None`` where missing), in one round trip."""
         pending = {} if self._unit is None else self._unit.ranks
         remote = [k for k in keys if k not in pending]
-        rank_keys = [self._key("rank", _rank_member(k)) for k in remote]
+        rank_keys = [self._key("rank", rank_member(k)) for k in remote]
         if watch:
             self._watch(rank_keys)
         with self.client.pipeline(transaction=False) as pipe:
@@ -386,7 +341,7 @@ class RedisStateStore(StateStore):
 
     def put_transfer(self, record: TransferRecord) -> None:
         key = record.key
-        member = _transfer_member(key)
+        member = transfer_member(key)
         keys = [
             self._key("transfer", member),
             self._key("deadlines"),
@@ -397,7 +352,7 @@ class RedisStateStore(StateStore):
         ]
         if self._unit is not None:
             self._unit.transfers[key] = record
-        token, blob = self._plans_token(record)
+        token, blob = self._plans.token_of(record, self._unit)
 
         def put(client: Any) -> Any:  # the record encoded once, when written
             args = [
@@ -419,7 +374,7 @@ class RedisStateStore(StateStore):
         return self._transfers([key])[0]
 
     def delete_transfer(self, key: TransferKey) -> None:
-        member = _transfer_member(key)
+        member = transfer_member(key)
         keys = [self._key("transfer", member), self._key("deadlines"), self._key("transfers")]
         args = [member, self._prefix_of("plan"), self._prefix_of("party")]
         if self._unit is not None:
@@ -431,7 +386,7 @@ class RedisStateStore(StateStore):
     ) -> list[TransferKey]:
         """Transfer keys in set ``index``, with this unit's own writes (``belongs``)."""
         self._watch([index])
-        keys = {_parse_transfer(m) for m in self.client.smembers(index)}
+        keys = {parse_transfer(m) for m in self.client.smembers(index)}
         if self._unit is not None:
             for key, record in self._unit.transfers.items():
                 if record is None:
@@ -454,12 +409,12 @@ class RedisStateStore(StateStore):
                 if record is not None and record.plan_by_id(plan_id) is not None:
                     return record.key
         value = self.client.get(self._key("plan", plan_id))
-        return None if value is None else _parse_transfer(value)
+        return None if value is None else parse_transfer(value)
 
     def due_transfers(self, now_ms: int) -> list[TransferKey]:
         args = [now_ms, now_ms + REDELIVER_MS, self._prefix_of("transfer")]
         members = self._run("due", [self._key("deadlines")], args, self.client)
-        return [_parse_transfer(m) for m in members]
+        return [parse_transfer(m) for m in members]
 
     def count_transfers(self) -> int:
         """Stored transfers (in a unit of work, not counting its own writes)."""
@@ -470,15 +425,13 @@ class RedisStateStore(StateStore):
         return int(transfers or 0), int(ids or 0)
 
     def transfers(self) -> Iterator[TransferRecord]:
-        keys = {_parse_transfer(m) for m in self.client.smembers(self._key("transfers"))}
+        keys = {parse_transfer(m) for m in self.client.smembers(self._key("transfers"))}
         if self._unit is not None:
             keys |= set(self._unit.transfers)
         ordered = sorted(keys)
         found = self._transfers(ordered, watch=False)
         gone = [
-            _transfer_member(k)
-            for k, t in zip(ordered, found)
-            if t is None and not self._pending(k)
+            transfer_member(k) for k, t in zip(ordered, found) if t is None and not self._pending(k)
         ]
         if gone:
             self._write(lambda c: c.srem(self._key("transfers"), *gone))
@@ -491,7 +444,7 @@ class RedisStateStore(StateStore):
         the plans blobs whose token is not cached here."""
         pending = {} if self._unit is None else self._unit.transfers
         remote = [k for k in keys if k not in pending]
-        hash_keys = [self._key("transfer", _transfer_member(k)) for k in remote]
+        hash_keys = [self._key("transfer", transfer_member(k)) for k in remote]
         if watch:
             self._watch(hash_keys)
         with self.client.pipeline(transaction=False) as pipe:
@@ -510,60 +463,17 @@ class RedisStateStore(StateStore):
                     metas[i] = meta = None if raw is None else codec.plans_token_of(raw)
                     if meta is not None and plans.get(meta[1]) is None:
                         plans[meta[1]] = decoded = codec.decode_plans(blob)
-                        self._cache_plans(meta[1], decoded)
+                        self._plans.remember(meta[1], decoded)
         found = {
             k: None if m is None else codec.decode_transfer(m[0], plans[m[1]] or {})
             for k, m in zip(remote, metas)
         }
         return [pending[k] if k in pending else found[k] for k in keys]
 
-    def _plans_token(self, record: TransferRecord) -> tuple[str, bytes]:
-        """The token of the record's rank plans and, when they changed since they were last
-        stored or read here, their blob (else ``b""``)."""
-        plans = {p.decode_rank: p.rank_plan for p in record.plans}
-        if not plans:
-            return "", b""
-        unit = self._unit
-        pending = {} if unit is None else unit.plan_tokens
-        tokens = {pending.get(id(p), self._plan_tokens.get(id(p))) for p in plans.values()}
-        if len(tokens) == 1 and None not in tokens:
-            token = tokens.pop()
-            assert token is not None
-            if unit is not None and token in unit.plan_blobs:  # written again in this unit
-                return token, unit.plan_blobs[token]
-            cached = self._plans.get(token)
-            if (
-                cached is not None
-                and cached.keys() == plans.keys()
-                and all(cached[d] is p for d, p in plans.items())
-            ):
-                return token, b""
-        token, blob = secrets.token_hex(8), codec.encode_plans(plans)
-        if unit is None:
-            self._cache_plans(token, plans)
-        else:  # remembered only once written: a unit that does not commit writes no blob
-            unit.plan_tokens.update((id(p), token) for p in plans.values())
-            unit.plan_blobs[token] = blob
-            unit.on_commit.append(lambda: self._cache_plans(token, plans))
-        return token, blob
-
-    def _cache_plans(self, token: str, plans: dict[int, RankPlan]) -> None:
-        """Remember decoded plans by token; the oldest go once more than
-        :data:`PLAN_CACHE_RUNS` runs are cached."""
-        self._plans[token] = plans
-        self._cached_runs += sum(p.num_descriptors for p in plans.values())
-        for plan in plans.values():
-            self._plan_tokens[id(plan)] = token
-        while self._cached_runs > PLAN_CACHE_RUNS and len(self._plans) > 1:
-            old = self._plans.pop(next(iter(self._plans)))
-            self._cached_runs -= sum(p.num_descriptors for p in old.values())
-            for plan in old.values():
-                self._plan_tokens.pop(id(plan), None)
-
     # ------------------------------------------------------------------ agent contacts
 
     def add_contact(self, decode: RankKey, agent: str) -> bool:
-        key = self._key("contacts", _rank_member(decode))
+        key = self._key("contacts", rank_member(decode))
         if self._unit is None:
             with self.client.pipeline(transaction=False) as pipe:
                 added, _ = pipe.sadd(key, agent).pexpire(key, self.rank_ttl_ms).execute()
@@ -577,7 +487,7 @@ class RedisStateStore(StateStore):
         return True
 
     def drop_contacts(self, decode: RankKey) -> None:
-        key = self._key("contacts", _rank_member(decode))
+        key = self._key("contacts", rank_member(decode))
         self._write(lambda c: c.delete(key))
 
     # ------------------------------------------------------------------ release queues
@@ -587,7 +497,7 @@ class RedisStateStore(StateStore):
     ) -> None:
         """Queue ``event`` under a sequence taken when the write is applied (so sequences
         grow in commit order across replicas); ``event.sequence`` is not used."""
-        member = _rank_member(key)
+        member = rank_member(key)
         keys = [
             self._key("releases", member),
             self._key("counter", "release"),
@@ -606,11 +516,11 @@ class RedisStateStore(StateStore):
         self._write(lambda c: self._run("append", keys, args, c))
 
     def compacted_through(self, key: RankKey) -> int:
-        value = self.client.hget(self._key("backlog", _rank_member(key)), "compacted")
+        value = self.client.hget(self._key("backlog", rank_member(key)), "compacted")
         return 0 if value is None else int(value)
 
     def releases_after(self, key: RankKey, sequence: int) -> list[ReleaseEvent]:
-        stream = self._key("releases", _rank_member(key))
+        stream = self._key("releases", rank_member(key))
         entries = self.client.xrange(stream, f"({sequence}-0", "+")
         return [
             codec.decode_release(int(entry_id.split(b"-", 1)[0]), fields[b"e"])
@@ -618,20 +528,20 @@ class RedisStateStore(StateStore):
         ]
 
     def mark_delivered(self, key: RankKey, sequence: int) -> None:
-        cursor, ttl = self._key("cursor", _rank_member(key)), self.rank_ttl_ms
+        cursor, ttl = self._key("cursor", rank_member(key)), self.rank_ttl_ms
         self._write(lambda c: self._run("mark", [cursor], [sequence, ttl], c))
 
     def delivered(self, key: RankKey) -> int:
-        value = self.client.get(self._key("cursor", _rank_member(key)))
+        value = self.client.get(self._key("cursor", rank_member(key)))
         return 0 if value is None else int(value)
 
     def trim_releases(self, key: RankKey, keep_delivered: int) -> None:
-        member = _rank_member(key)
+        member = rank_member(key)
         keys = [self._key("releases", member), self._key("cursor", member)]
         self._write(lambda c: self._run("trim", keys, [self.prefix, member, keep_delivered], c))
 
     def drop_releases(self, key: RankKey) -> None:
-        member = _rank_member(key)
+        member = rank_member(key)
         keys = [
             self._key("releases", member),
             self._key("cursor", member),
@@ -647,7 +557,7 @@ class RedisStateStore(StateStore):
         subscribes again once Redis is back."""
         pubsub = self.client.pubsub(ignore_subscribe_messages=True)
         pubsub.subscribe(
-            **{self._key("releases").decode(): lambda m: callback(_parse_rank(m["data"]))}
+            **{self._key("releases").decode(): lambda m: callback(parse_rank(m["data"]))}
         )
 
         def keep_listening(exc: BaseException, *_: Any) -> None:

@@ -1,0 +1,389 @@
+"""The ``pdbroker.v1.Broker`` servicer: each method authorizes its caller, translates
+protobuf to service values (:mod:`broker.convert`), calls :class:`~broker.service.BrokerService`
+and maps its typed errors to status codes; the message of every error starts with the
+offending field's path. Any bad input fails that one call; the server keeps serving.
+
+Translating is pure, and for a registration (its layout's validation) or a request of many
+block ids it is the costly part of a call: those run on a worker thread
+(:meth:`BrokerServicer.offload`), as do planning large transfers and turning large plans into
+descriptors and bytes, so the event loop keeps answering health checks and keep-alives
+meanwhile; calls into the service stay on the loop, one at a time.
+
+Trace context: ``PublishBlocks`` keeps the ``traceparent`` its caller sent in metadata with
+the transfer (tracing on or off here, so engines that trace get one trace per transfer through
+a broker that does not). When this process records spans, each unary handler but
+``GetTransferPlan`` also runs in the context its caller sent, so broker spans descend from the
+client spans that caused them (done in the handler wrapper: a server interceptor would cost
+every call).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial, wraps
+from typing import Any, NoReturn, TypeVar
+
+import grpc
+
+from broker import convert, tracing
+from broker.api import PlanResult
+from broker.auth import AccessGuard, Identity
+from broker.engines import check_published_blocks
+from broker.errors import (
+    COMPACTED_THROUGH_KEY,
+    AbortedError,
+    AlreadyExistsError,
+    CompactedError,
+    IncompatibleLayoutsError,
+    LimitExceededError,
+    NotFoundError,
+    PdbrokerError,
+    PermissionDeniedError,
+    PreconditionError,
+    StoreUnavailableError,
+    UnauthenticatedError,
+)
+from broker.limits import LIMITS
+from broker.plans import Planned, PlanTicket
+from broker.records import RankKey
+from broker.service import BrokerService
+from broker.v1 import broker_pb2 as pb
+from broker.v1 import broker_pb2_grpc as pb_grpc
+from broker.wire import count_block_ids, ident, optional_ident, text
+
+log = logging.getLogger(__name__)
+
+#: Work that grows with a request runs on the worker thread past these sizes (smaller work
+#: takes less than a thread hand-off): requests are parsed there past OFFLOAD_REQUEST_BYTES,
+#: translated, checked and planned past OFFLOAD_BLOCK_IDS block ids, and plans turned into
+#: descriptors and serialized past OFFLOAD_DESCRIPTORS descriptors.
+OFFLOAD_REQUEST_BYTES = 256 << 10
+OFFLOAD_BLOCK_IDS = 16_384
+OFFLOAD_DESCRIPTORS = 32_768
+
+#: First matching class wins; any other :class:`PdbrokerError` is INVALID_ARGUMENT.
+_STATUS_BY_ERROR: tuple[tuple[type[PdbrokerError], grpc.StatusCode], ...] = (
+    (NotFoundError, grpc.StatusCode.NOT_FOUND),
+    (PreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
+    (IncompatibleLayoutsError, grpc.StatusCode.FAILED_PRECONDITION),
+    (AlreadyExistsError, grpc.StatusCode.ALREADY_EXISTS),
+    (PermissionDeniedError, grpc.StatusCode.PERMISSION_DENIED),
+    (LimitExceededError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (UnauthenticatedError, grpc.StatusCode.UNAUTHENTICATED),
+    (AbortedError, grpc.StatusCode.ABORTED),
+    (StoreUnavailableError, grpc.StatusCode.UNAVAILABLE),  # another replica may serve it
+    (CompactedError, grpc.StatusCode.OUT_OF_RANGE),
+)
+
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+T = TypeVar("T")
+
+
+def status_code(exc: PdbrokerError) -> grpc.StatusCode:
+    for cls, code in _STATUS_BY_ERROR:
+        if isinstance(exc, cls):
+            return code
+    return grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def abort(context: grpc.aio.ServicerContext, exc: Exception) -> NoReturn:
+    """End the call with the status of ``exc`` (INTERNAL for anything but our errors)."""
+    if isinstance(exc, Refused):
+        await context.abort(exc.code, f"request: {exc.detail}")
+    if isinstance(exc, CompactedError):
+        await context.abort(
+            status_code(exc),
+            str(exc),
+            trailing_metadata=((COMPACTED_THROUGH_KEY, str(exc.through)),),
+        )
+    if isinstance(exc, PdbrokerError):
+        await context.abort(status_code(exc), str(exc))
+    log.exception("internal error", exc_info=exc)
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
+
+
+Method = Callable[[Any, Req], Resp]
+Handler = Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]
+#: An RPC's authorization: raises unless the identified caller may make this request.
+Rule = Callable[[AccessGuard, Identity, Any], None]
+
+
+def _as_engine(guard: AccessGuard, who: Identity, request: Any) -> None:
+    guard.act_as(who, request.engine_id)
+
+
+def _registrant(guard: AccessGuard, who: Identity, request: Any) -> None:
+    guard.register(who, request.engine_id, request.tp_rank)
+
+
+def _lease_holder(guard: AccessGuard, who: Identity, request: Any) -> None:
+    guard.hold_lease(who, request.lease_id)
+
+
+def _plan_holder(guard: AccessGuard, who: Identity, request: Any) -> None:
+    guard.act_as(who, request.engine_id)
+    guard.report_plan(who, request.plan_id)
+
+
+def _transfer_party(guard: AccessGuard, who: Identity, request: Any) -> None:
+    guard.see_transfer(who, request.transfer_id, request.prefill_engine_id)
+
+
+def _operator(guard: AccessGuard, who: Identity, request: Any) -> None:
+    guard.administer(who)
+
+
+def _unary(rule: Rule) -> Callable[[Method], Handler]:
+    """Run a synchronous translate-and-call method once ``rule`` allows the caller, turning
+    exceptions into statuses; with tracing on, in the trace context the caller sent."""
+    return lambda method: _handler(method, rule)
+
+
+def _handler(method: Method, rule: Rule) -> Handler:
+    @wraps(method)
+    async def handler(self: Any, request: Req, context: grpc.aio.ServicerContext) -> Resp:
+        try:
+            self.authorize(context, rule, request)
+            if self.traced:
+                return tracing.call_in_context(context.invocation_metadata(), method, self, request)
+            return method(self, request)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a status
+            await abort(context, exc)
+
+    return handler
+
+
+class BrokerServicer(pb_grpc.BrokerServicer):
+    """``pdbroker.v1.Broker`` over one :class:`BrokerService`; ``guard`` authorizes every
+    call (None: callers are not identified, anyone may call anything)."""
+
+    def __init__(self, service: BrokerService, guard: AccessGuard | None = None) -> None:
+        self.service = service
+        self.guard = guard
+        #: Whether this process records spans (fixed when the server starts).
+        self.traced = tracing.enabled()
+        self._wakeups: dict[RankKey, set[asyncio.Event]] = {}
+        service.add_release_listener(self.wake)
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="pdbroker-work")
+
+    async def offload(self, function: Callable[..., T], *args: Any) -> T:
+        """``function(*args)`` on the worker thread (pure work only: no service calls)."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._worker, partial(function, *args)
+        )
+
+    async def pure(self, heavy: bool, function: Callable[..., T], *args: Any) -> T:
+        """``function(*args)`` here, or on the worker thread when ``heavy``."""
+        return await self.offload(function, *args) if heavy else function(*args)
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=False, cancel_futures=True)
+
+    def wake(self, key: RankKey) -> None:
+        """Wake the watchers of prefill rank ``key`` (a release was queued or it went away)."""
+        for event in self._wakeups.get(key, ()):
+            event.set()
+
+    def authorize(self, context: grpc.aio.ServicerContext, rule: Rule, request: Any) -> None:
+        """Raise unless the caller is identified and ``rule`` allows ``request``."""
+        if self.guard is not None:
+            rule(self.guard, self.guard.identify(context), request)
+
+    def in_context(
+        self, context: grpc.aio.ServicerContext, call: Callable[..., T], *args: Any
+    ) -> T:
+        """``call(*args)``, in the trace context the caller sent when this process traces."""
+        if self.traced:
+            return tracing.call_in_context(context.invocation_metadata(), call, *args)
+        return call(*args)
+
+    async def RegisterRank(
+        self, request: Any, context: grpc.aio.ServicerContext
+    ) -> pb.RegisterRankResponse:
+        try:
+            request = await self.parsed(request)
+            self.authorize(context, _registrant, request)
+            registration = await self.offload(convert.registration_from_proto, request)
+            lease = self.in_context(context, self.service.register_rank, registration)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a status
+            await abort(context, exc)
+        return convert.lease_to_proto(lease)
+
+    @_unary(_lease_holder)
+    def KeepAlive(self, request: pb.KeepAliveRequest) -> pb.KeepAliveResponse:
+        lease_id = ident(request.lease_id, "lease_id")
+        return pb.KeepAliveResponse(ttl_ms=self.service.keep_alive(lease_id))
+
+    @_unary(_lease_holder)
+    def Deregister(self, request: pb.DeregisterRequest) -> pb.DeregisterResponse:
+        self.service.deregister(ident(request.lease_id, "lease_id"))
+        return pb.DeregisterResponse()
+
+    async def PublishBlocks(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        """Publications of many block ids are translated and checked against the engine's
+        layout on the worker thread; only storing them runs on the loop."""
+        traceparent = tracing.traceparent_from_metadata(context.invocation_metadata())
+        try:
+            request = await self.parsed(request)
+            self.authorize(context, _as_engine, request)
+            heavy = count_block_ids(request.block_ids) > OFFLOAD_BLOCK_IDS
+            pub = await self.pure(heavy, convert.publication_from_proto, request, traceparent)
+            checked = None
+            if heavy:
+                layout, checked = self.service.engine_layout(pub.engine_id)
+                await self.offload(check_published_blocks, layout, pub.block_ids, pub.num_tokens)
+            expires = self.service.publish(pub, checked)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a status
+            await abort(context, exc)
+        return pb.PublishBlocksResponse(expires_at_ms=expires)
+
+    async def GetTransferPlan(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        """As the other calls, without joining the caller's trace: a plan's spans descend
+        from the transfer's publication anyway, and decode links its own trace from its read
+        spans, so the hot path need not parse the caller's context (~25 µs a plan). A plan
+        whose answer exceeds ``max_unary_plan_bytes`` is refused before it is handed out."""
+        try:
+            plan = await self._plan(request, context, LIMITS.max_unary_plan_bytes)
+            if plan.num_descriptors <= OFFLOAD_DESCRIPTORS:
+                return convert.plan_to_proto(plan)
+            return await self.offload(_serialized_plan, plan)  # bytes: sent as they are
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a status
+            await abort(context, exc)
+
+    async def StreamTransferPlan(
+        self, request: Any, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GetTransferPlanResponse]:
+        """GetTransferPlan of any size, in messages of at most ``max_plan_chunk_bytes`` of
+        descriptors: the loop sends one while the next waits for flow control."""
+        try:
+            plan = await self._plan(request, context, None)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a status
+            await abort(context, exc)
+        for chunk in convert.plan_chunks(plan, LIMITS.max_plan_chunk_bytes):
+            yield chunk
+
+    async def _plan(
+        self, request: Any, context: grpc.aio.ServicerContext, answer_bytes: int | None
+    ) -> PlanResult:
+        """The decode rank's plan; the planning, descriptors and translation of large ones
+        on the worker thread, deciding on the loop (:meth:`BrokerService.plan_step`)."""
+        request = await self.parsed(request)
+        self.authorize(context, _as_engine, request)
+        heavy = count_block_ids(request.block_ids) > OFFLOAD_BLOCK_IDS
+        query = await self.pure(heavy, convert.plan_query_from_proto, request)
+        planned: Planned | None = None
+        while True:
+            step = self.service.plan_step(query, planned, answer_bytes)
+            if isinstance(step, PlanTicket):
+                return await self.pure(step.num_descriptors > OFFLOAD_DESCRIPTORS, step.result)
+            light = step.block_ids <= OFFLOAD_BLOCK_IDS
+            planned = step.run_if_free() if light else None
+            if planned is None:  # large, or the pair's planner is busy on the worker
+                planned = await self.offload(step.run)
+
+    @_unary(_plan_holder)
+    def ReportTransfer(self, request: pb.ReportTransferRequest) -> pb.ReportTransferResponse:
+        outcome = self.service.report(convert.report_from_proto(request))
+        return pb.ReportTransferResponse(
+            duplicate=outcome.duplicate,
+            intact=outcome.intact,
+            state=convert.state_to_proto(outcome.state),
+        )
+
+    @_unary(_transfer_party)
+    def AbortTransfer(self, request: pb.AbortTransferRequest) -> pb.AbortTransferResponse:
+        state = self.service.abort(
+            ident(request.transfer_id, "transfer_id"),
+            text(request.reason),
+            optional_ident(request.prefill_engine_id, "prefill_engine_id"),
+        )
+        return pb.AbortTransferResponse(state=convert.state_to_proto(state))
+
+    @_unary(_operator)
+    def ListEngines(self, request: pb.ListEnginesRequest) -> pb.ListEnginesResponse:
+        return convert.engines_to_proto(self.service.list_engines())
+
+    async def GetTransfer(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            self.authorize(context, _transfer_party, request)
+            transfer = self.in_context(
+                context,
+                self.service.get_transfer,
+                ident(request.transfer_id, "transfer_id"),
+                optional_ident(request.prefill_engine_id, "prefill_engine_id"),
+            )
+            heavy = sum(len(g) for g in transfer.block_ids) > OFFLOAD_BLOCK_IDS
+            now = self.service.clock.now_ms()
+            return await self.pure(heavy, convert.transfer_to_proto, transfer, now)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a status
+            await abort(context, exc)
+
+    @_unary(_operator)
+    def ListTransfers(self, request: pb.ListTransfersRequest) -> pb.ListTransfersResponse:
+        return convert.listing_to_proto(
+            self.service.list_transfers(request.include_finished, request.limit)
+        )
+
+    async def WatchReleases(
+        self, request: pb.WatchReleasesRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ReleaseEvent]:
+        """Stream the rank's releases until the client cancels or the rank goes away
+        (deregistered, lease expired, re-registered): then the stream ends with OK."""
+        try:
+            self.authorize(context, _as_engine, request)
+            key = (ident(request.engine_id, "engine_id"), request.tp_rank)
+            lease_id = optional_ident(request.lease_id, "lease_id")
+            generation, cursor = self.service.feeds.start(*key, request.after_sequence, lease_id)
+        except Exception as exc:  # noqa: BLE001
+            await abort(context, exc)
+        wake = asyncio.Event()
+        self._wakeups.setdefault(key, set()).add(wake)
+        try:
+            while True:
+                wake.clear()
+                events = self.service.feeds.after(key, generation, cursor)
+                if events is None:
+                    return
+                for event in events:
+                    heavy = sum(len(g) for g in event.block_ids) > OFFLOAD_BLOCK_IDS
+                    yield await self.pure(heavy, convert.release_to_proto, event)
+                    cursor = event.sequence
+                    self.service.feeds.delivered(key, cursor)
+                if not events:
+                    await wake.wait()
+        except Exception as exc:  # noqa: BLE001 - events dropped meanwhile, store unavailable
+            await abort(context, exc)
+        finally:
+            waiters = self._wakeups[key]
+            waiters.discard(wake)
+            if not waiters:
+                del self._wakeups[key]
+
+    async def parsed(self, request: Any) -> Any:
+        """The request message, parsed on the worker thread if it came unparsed (large)."""
+        if isinstance(request, Unparsed):
+            return await self.offload(request.parse)
+        return request
+
+
+def _serialized_plan(plan: PlanResult) -> bytes:
+    return convert.plan_to_proto(plan).SerializeToString()
+
+
+class Refused(Exception):
+    """A request refused before its handler looks at it: ``code`` and ``detail`` say why."""
+
+    def __init__(self, code: grpc.StatusCode, detail: str) -> None:
+        super().__init__(detail)
+        self.code, self.detail = code, detail
+
+
+class Unparsed:
+    """A large request, parsed by its handler on the worker thread (:meth:`BrokerServicer.parsed`)."""
+
+    def __init__(self, parse: Callable[[], Any]) -> None:
+        self.parse = parse

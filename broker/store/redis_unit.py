@@ -1,0 +1,119 @@
+"""What one unit of work of :class:`~broker.store.redis.RedisStateStore` holds (its pending
+writes, :class:`Unit`), how records are named in Redis keys, and the decoded plans kept
+across units (:class:`PlanBlobs`)."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+from typing import Any
+
+import redis
+
+from broker.planner import RankPlan
+from broker.records import RankKey, RankRecord, TransferKey, TransferRecord
+from broker.store import codec
+
+
+class Unit:
+    """One attempt of :meth:`RedisStateStore.transact`: the watching connection, the writes
+    queued for ``EXEC`` (by record, so a record written twice is written once) and this
+    attempt's own records, which its reads must see."""
+
+    def __init__(self, pipe: redis.client.Pipeline) -> None:
+        self.pipe = pipe
+        self.watched: set[bytes] = set()
+        self.ops: dict[object, Callable[[Any], Any]] = {}
+        self.ranks: dict[RankKey, RankRecord | None] = {}
+        self.transfers: dict[TransferKey, TransferRecord | None] = {}
+        self.contacts: set[tuple[RankKey, str]] = set()
+        #: Plans blobs this unit writes, by plan object id, and what to remember of them
+        #: once it committed.
+        self.plan_tokens: dict[int, str] = {}
+        self.plan_blobs: dict[str, bytes] = {}
+        self.on_commit: list[Callable[[], None]] = []
+
+    def queue(self, op: Callable[[Any], Any], record: object = None) -> None:
+        """Queue ``op``; one naming ``record`` replaces that record's earlier write."""
+        slot = object() if record is None else record
+        self.ops.pop(slot, None)
+        self.ops[slot] = op
+
+
+def transfer_member(key: TransferKey) -> str:
+    engine_id, transfer_id = key
+    return f"{len(engine_id)}:{engine_id}:{transfer_id}"
+
+
+def parse_transfer(member: bytes | str) -> TransferKey:
+    text = member.decode() if isinstance(member, bytes) else member
+    size, rest = text.split(":", 1)
+    return rest[: int(size)], rest[int(size) + 1 :]
+
+
+def rank_member(key: RankKey) -> str:
+    return f"{key[1]}:{key[0]}"
+
+
+def parse_rank(member: bytes | str) -> RankKey:
+    text = member.decode() if isinstance(member, bytes) else member
+    tp_rank, engine_id = text.split(":", 1)
+    return engine_id, int(tp_rank)
+
+
+class PlanBlobs:
+    """Decoded plans by the token of the blob they were stored as, the newest ``max_runs``
+    runs (32 bytes each), and the token of each cached plan object (by id: the cache keeps
+    the object alive, so the id stays its own). A transfer written again with plans already
+    stored writes only their token."""
+
+    def __init__(self, max_runs: int = 4_000_000) -> None:
+        self.max_runs = max_runs
+        self._plans: dict[str, dict[int, RankPlan]] = {}
+        self._tokens: dict[int, str] = {}
+        self._runs = 0
+
+    def get(self, token: str) -> dict[int, RankPlan] | None:
+        return self._plans.get(token)
+
+    def token_of(self, record: TransferRecord, unit: Unit | None) -> tuple[str, bytes]:
+        """The token of the record's rank plans and, when they changed since they were last
+        stored or read here, their blob (else ``b""``)."""
+        plans = {p.decode_rank: p.rank_plan for p in record.plans}
+        if not plans:
+            return "", b""
+        pending = {} if unit is None else unit.plan_tokens
+        tokens = {pending.get(id(p), self._tokens.get(id(p))) for p in plans.values()}
+        if len(tokens) == 1 and None not in tokens:
+            token = tokens.pop()
+            assert token is not None
+            if unit is not None and token in unit.plan_blobs:  # written again in this unit
+                return token, unit.plan_blobs[token]
+            cached = self._plans.get(token)
+            if (
+                cached is not None
+                and cached.keys() == plans.keys()
+                and all(cached[d] is p for d, p in plans.items())
+            ):
+                return token, b""
+        token, blob = secrets.token_hex(8), codec.encode_plans(plans)
+        if unit is None:
+            self.remember(token, plans)
+        else:  # remembered only once written: a unit that does not commit writes no blob
+            unit.plan_tokens.update((id(p), token) for p in plans.values())
+            unit.plan_blobs[token] = blob
+            unit.on_commit.append(lambda: self.remember(token, plans))
+        return token, blob
+
+    def remember(self, token: str, plans: dict[int, RankPlan]) -> None:
+        """Remember decoded plans by token; the oldest go once more than
+        ``max_runs`` runs are cached."""
+        self._plans[token] = plans
+        self._runs += sum(p.num_descriptors for p in plans.values())
+        for plan in plans.values():
+            self._tokens[id(plan)] = token
+        while self._runs > self.max_runs and len(self._plans) > 1:
+            old = self._plans.pop(next(iter(self._plans)))
+            self._runs -= sum(p.num_descriptors for p in old.values())
+            for plan in old.values():
+                self._tokens.pop(id(plan), None)
