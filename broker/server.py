@@ -10,7 +10,7 @@ block ids it is the costly part of a call: those run on a worker thread
 (:meth:`BrokerServicer.offload`), so the event loop keeps answering health checks and
 keep-alives meanwhile; calls into the service stay on the loop, one at a time.
 
-Security (:class:`~broker.security.ServerSecurity`): the port speaks TLS or, when asked,
+Security (:class:`~broker.server_security.ServerSecurity`): the port speaks TLS or, when asked,
 plaintext. When callers are identified (client certificates, tokens), a call whose metadata
 cannot authenticate it is refused UNAUTHENTICATED before its request is received
 (:class:`_AuthenticateFirst`), and every Broker call then passes its rule of
@@ -58,7 +58,7 @@ from broker.errors import (
 )
 from broker.limits import LIMITS, max_request_bytes_of
 from broker.records import RankKey
-from broker.security import ServerSecurity
+from broker.server_security import ServerSecurity
 from broker.service import BrokerService
 from broker.v1 import broker_pb2 as pb
 from broker.v1 import broker_pb2_grpc as pb_grpc

@@ -25,11 +25,11 @@ import numpy as np
 from opentelemetry.trace import Span
 
 from broker import tracing
+from broker.client_security import PLAINTEXT, ChannelSecurity
 from broker.errors import InvalidFieldError
 from broker.layout import EngineLayout
 from broker.limits import LIMITS
 from broker.logs import transfer_fields
-from broker.security import PLAINTEXT, ChannelSecurity
 from broker.v1 import broker_pb2 as pb
 from broker.wire import MEMORY_KIND
 from clients.nixl_transport import (

@@ -38,9 +38,9 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from broker.client_security import PLAINTEXT, ChannelSecurity
 from broker.layout import EngineLayout
 from broker.models import ModelSpec, build_engine_layout, hma_block_size
-from broker.security import PLAINTEXT, ChannelSecurity
 from broker.tracing import configure_tracing
 from clients.session import broker_addresses
 

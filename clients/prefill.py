@@ -26,10 +26,10 @@ from dataclasses import dataclass
 import grpc
 
 from broker import tracing
+from broker.client_security import PLAINTEXT, ChannelSecurity
 from broker.errors import COMPACTED_THROUGH_KEY
 from broker.layout import EngineLayout
 from broker.logs import transfer_fields
-from broker.security import PLAINTEXT, ChannelSecurity
 from broker.v1 import broker_pb2 as pb
 from broker.wire import RELEASE_REASON, BlockIds, ReleaseReason
 from clients.session import (

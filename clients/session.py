@@ -21,8 +21,8 @@ import grpc
 from opentelemetry import context as otel_context
 
 from broker import tracing
+from broker.client_security import PLAINTEXT, ChannelSecurity
 from broker.layout import EngineLayout, RankLayout
-from broker.security import PLAINTEXT, ChannelSecurity
 from broker.v1 import broker_pb2 as pb
 from broker.v1 import broker_pb2_grpc as pb_grpc
 from broker.wire import MEMORY_KIND, MemoryKind, rank_layout_to_proto

@@ -20,7 +20,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from test_security import Pki, pki, tls_flags  # noqa: F401 - pki: a fixture
 
-from broker.security import PLAINTEXT, ChannelSecurity
+from broker.client_security import PLAINTEXT, ChannelSecurity
 from clients.loopback import BrokerProcess
 from clients.session import open_channel
 

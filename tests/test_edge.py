@@ -16,8 +16,8 @@ import test_security
 from fuzz_support import LiveBroker
 from test_security import Pki, register, stub, tls_flags
 
+from broker.client_security import ChannelSecurity
 from broker.limits import LIMITS, MAX_SMALL_REQUEST_BYTES, max_request_bytes_of
-from broker.security import ChannelSecurity
 from broker.v1 import broker_pb2 as pb
 from clients.loopback import BrokerProcess
 

@@ -29,8 +29,8 @@ from broker_helpers import hybrid, register_request
 from test_e2e import MAMBA2
 from test_e2e import hybrid as e2e_model
 
+from broker.client_security import PLAINTEXT
 from broker.scenarios import build_scenario
-from broker.security import PLAINTEXT
 from broker.v1 import broker_pb2 as pb
 from broker.v1 import broker_pb2_grpc as pb_grpc
 from clients.loopback import BrokerProcess, PairSpec, engine_main

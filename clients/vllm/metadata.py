@@ -16,7 +16,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from broker.security import ChannelSecurity
+from broker.client_security import ChannelSecurity
 
 #: Set by the proxy on the prefill leg: run the prompt here, keep the state for a decode engine.
 DO_REMOTE_DECODE = "do_remote_decode"
@@ -70,7 +70,7 @@ class ConnectorSettings:
     served model name), prefixed to the layout digest in the model fingerprint.
     ``progress_interval_s``: how often a prefill rank polls its NIXL agent (readers' wire-up
     and their notifications need it). ``tls_ca``, ``tls_cert``, ``tls_key``, ``token_file``:
-    the broker connection's :class:`~broker.security.ChannelSecurity` (files; plaintext when
+    the broker connection's :class:`~broker.client_security.ChannelSecurity` (files; plaintext when
     ``tls_ca`` is empty); a client certificate or token must name the engine's ``engine_id``.
     """
 
