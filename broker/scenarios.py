@@ -5,7 +5,6 @@ Used by the CLI, the demo and the benchmarks; tests use it to build realistic re
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from broker.layout import EngineLayout
@@ -19,15 +18,6 @@ class Scenario:
     prefill: EngineLayout
     decode: EngineLayout
     request: TransferRequest
-
-
-def with_kv_dtype(model: ModelSpec, kv_dtype: str | None) -> ModelSpec:
-    """``model`` with its KV cache stored in ``kv_dtype`` (e.g. ``fp8``)."""
-    if not kv_dtype or model.attention is None:
-        return model
-    return dataclasses.replace(
-        model, attention=dataclasses.replace(model.attention, dtype=kv_dtype)
-    )
 
 
 def fresh_block_ids(

@@ -270,8 +270,8 @@ def _emit(args: argparse.Namespace, name: str, result: dict, table: str) -> None
 
 def run_bytes(args: argparse.Namespace) -> int:
     """All decode ranks of a homogeneous pair: naive whole padded pages vs the plan's bytes."""
+    from broker.models import with_kv_dtype
     from broker.presets import resolve_model
-    from broker.scenarios import with_kv_dtype
 
     series = []
     for name, preset, tp, kv_dtype in BYTES_MODELS:

@@ -8,8 +8,9 @@ from pathlib import Path
 
 from broker.cases import load_case
 from broker.errors import LayoutError
+from broker.models import with_kv_dtype
 from broker.planner import PairPlanner, TransferPlan
-from broker.scenarios import build_scenario, with_kv_dtype
+from broker.scenarios import build_scenario
 
 
 def register(sub: argparse._SubParsersAction) -> None:
