@@ -21,11 +21,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from broker import convert
 from broker.presets import resolve_model
-from broker.scenarios import build_scenario
 from broker.server import BrokerServicer
 from broker.service import BrokerService, ServiceConfig
 from broker.v1 import broker_pb2 as pb
-from clients.control_plane_bench import DECODE_ADDR, PREFILL_ADDR, registrations
+from harness.control_plane_bench import DECODE_ADDR, PREFILL_ADDR, registrations
+from harness.scenarios import build_scenario
 
 
 def main() -> int:

@@ -9,7 +9,7 @@ clients, client *c* is decode rank ``c % decode_tp``). Prints plans/s, the laten
 percentiles of single calls measured at the client, and CPU time per call of the broker and
 of the clients. ``--baseline`` then times as many ``ListEngines`` calls the same way: what
 Python gRPC alone costs on this machine at that moment, the ceiling for any RPC. The
-machinery is :mod:`clients.control_plane_bench`; ``pdbroker bench control-plane`` sweeps
+machinery is :mod:`harness.control_plane_bench`; ``pdbroker bench control-plane`` sweeps
 client counts with it.
 
     .venv/bin/python benchmarks/plan_throughput.py --clients 4 --plans 20000 --baseline
@@ -29,10 +29,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from broker.presets import resolve_model
-from broker.scenarios import build_scenario
 from broker.v1 import broker_pb2 as pb
 from broker.v1 import broker_pb2_grpc as pb_grpc
-from clients.control_plane_bench import (
+from harness.control_plane_bench import (
     DECODE_ADDR,
     PREFILL_ADDR,
     TARGET_P99_MS,
@@ -45,6 +44,7 @@ from clients.control_plane_bench import (
     start_broker,
     stop_broker,
 )
+from harness.scenarios import build_scenario
 
 #: tracing_overhead.py and span_cost.py import these from here.
 __all__ = ["cpu_seconds", "register"]

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from plan_throughput import cpu_seconds
 
 from broker import tracing
-from clients.trace_receiver import TraceReceiver
+from harness.trace_receiver import TraceReceiver
 
 
 def thread_cpu_seconds(native_id: int) -> float:

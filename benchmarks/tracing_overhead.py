@@ -42,11 +42,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from plan_throughput import cpu_seconds, register
 
 from broker.presets import resolve_model
-from broker.scenarios import Scenario, build_scenario
 from broker.v1 import broker_pb2 as pb
 from broker.v1 import broker_pb2_grpc as pb_grpc
-from clients.loopback import BrokerProcess
-from clients.trace_receiver import TraceReceiver
+from harness.brokers import BrokerProcess
+from harness.scenarios import Scenario, build_scenario
+from harness.trace_receiver import TraceReceiver
 
 #: The largest throughput loss tracing may cost.
 MAX_LOSS = 0.10

@@ -25,11 +25,11 @@ from broker.api import PlanQuery, Publication, Report
 from broker.errors import StoreUnavailableError
 from broker.records import ReleaseEvent, TransferRecord
 from broker.redis_store import REDELIVER_MS, RedisStateStore
-from broker.scenarios import Scenario, build_scenario
 from broker.service import BrokerService, ServiceConfig
 from broker.v1 import broker_pb2 as pb
 from broker.v1 import broker_pb2_grpc as pb_grpc
 from broker.wire import ReleaseReason, ReportStatus, Role
+from harness.scenarios import Scenario, build_scenario
 
 #: Release backlog budgets that never drop an event (rank, total).
 UNBOUNDED = (1 << 40, 1 << 40)

@@ -41,7 +41,7 @@ from broker.trace_export import (
     unpack_span,
 )
 from broker.tracing import context_from_traceparent
-from clients.trace_receiver import TraceReceiver
+from harness.trace_receiver import TraceReceiver
 
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 RESOURCE = Resource({"service.name": "unit", "host.cores": 2})

@@ -43,8 +43,8 @@ from vllm.v1.request import RequestStatus
 
 from broker.v1 import broker_pb2 as pb
 from broker.v1 import broker_pb2_grpc as pb_grpc
-from clients.loopback import BrokerProcess
 from clients.vllm.metadata import BROKER, DO_REMOTE_PREFILL, PREFILL_ENGINE, TRANSFER_ID
+from harness.brokers import BrokerProcess
 
 NUM_BLOCKS = 12
 #: Seconds a request may take on one engine (loads and releases travel in the background).

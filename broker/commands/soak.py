@@ -1,6 +1,6 @@
 """``pdbroker soak``: a bounded load run against a real ``pdbroker serve`` process.
 
-Prefill and decode engines (fake memory, no NIXL: :mod:`clients.soak`) spread over worker
+Prefill and decode engines (fake memory, no NIXL: :mod:`harness.soak`) spread over worker
 processes push transfers through publish, plan, report and release for ``--seconds``, mostly
 on the happy path, some failed, reported twice, aborted or left to expire. Then the run
 drains and checks that every published transfer was released exactly once by every prefill
@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from clients.loopback import BrokerProcess
-    from clients.soak import Fleet, WorkerResult
+    from harness.brokers import BrokerProcess
+    from harness.soak import Fleet, WorkerResult
 
 #: Broker retention of finished transfers (ms): short, so its steady state comes in the warm-up.
 RETENTION_MS = 5_000
@@ -71,8 +71,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from clients.loopback import BrokerProcess
-    from clients.soak import Fleet
+    from harness.brokers import BrokerProcess
+    from harness.soak import Fleet
 
     if args.prefill_ranks % args.prefill_tp or args.decode_ranks % args.decode_tp:
         raise SystemExit("pdbroker soak: error: ranks must be multiples of the engines' TP")
@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _soak(broker: BrokerProcess, fleet: Fleet, seconds: float, seed: int) -> dict:
     """Start the workers, run the load, sample the broker's RSS, collect and check."""
-    from clients.soak import worker_main
+    from harness.soak import worker_main
 
     ctx = mp.get_context("spawn")
     conns: list[Connection] = []

@@ -1,6 +1,8 @@
-"""Ready-made planning scenarios: a model at two TP sizes and a request with fresh block ids.
+"""Ready-made planning scenarios: a model at two TP sizes and a request with fresh block ids,
+and the blocks a request takes per group.
 
-Used by the CLI, the demo and the benchmarks; tests use it to build realistic requests.
+Used by ``pdbroker plan`` and ``bench``, the fleet, the soak and the benchmarks; tests use it
+to build realistic requests.
 """
 
 from __future__ import annotations
@@ -32,6 +34,14 @@ def fresh_block_ids(
         ids.append(tuple(range(nxt, nxt + count * stride, stride)))
         nxt += count * stride
     return tuple(ids)
+
+
+def block_counts(layout: EngineLayout, num_tokens: int, mamba_blocks: int = 1) -> list[int]:
+    """Blocks a request takes per group: its pages for attention, ``mamba_blocks`` state
+    blocks for Mamba."""
+    return [
+        -(-num_tokens // g.block_size) if g.is_attention else mamba_blocks for g in layout.groups
+    ]
 
 
 def blocks_needed(layout: EngineLayout, num_tokens: int, stride: int = 1) -> int:

@@ -28,12 +28,11 @@ import grpc
 from broker.layout import EngineLayout
 from broker.models import build_engine_layout, hma_block_size
 from broker.presets import resolve_model
-from broker.scenarios import fresh_block_ids
 from broker.v1 import broker_pb2 as pb
 from broker.v1 import broker_pb2_grpc as pb_grpc
 from broker.wire import rank_layout_to_proto
-from clients.loopback import block_counts
 from clients.session import BrokerCallError, call, open_channel
+from harness.scenarios import block_counts, fresh_block_ids
 
 #: Transfer paths and their weights: the happy path, a decode rank reporting FAILED, every
 #: report sent twice, an abort (before or after the plans) and a transfer nobody reads

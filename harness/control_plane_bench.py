@@ -37,10 +37,10 @@ import grpc
 import numpy as np
 
 from broker.layout import EngineLayout
-from broker.scenarios import Scenario
 from broker.v1 import broker_pb2 as pb
 from broker.v1 import broker_pb2_grpc as pb_grpc
 from broker.wire import rank_layout_to_proto
+from harness.scenarios import Scenario
 
 TARGET_PLANS_PER_S = 2_000
 TARGET_P99_MS = 5.0
