@@ -32,13 +32,6 @@ from broker.limits import LIMITS
 from broker.logs import transfer_fields
 from broker.v1 import broker_pb2 as pb
 from broker.wire import MEMORY_KIND
-from clients.nixl_transport import (
-    Region,
-    Transfer,
-    TransferError,
-    descriptor_array,
-    inside,
-)
 from clients.session import (
     AsyncEngineClient,
     BlockingEngineClient,
@@ -46,6 +39,7 @@ from clients.session import (
     RankSession,
     call,
 )
+from clients.transport import Read, Region, TransferError, Transport, descriptor_array, inside
 
 log = logging.getLogger(__name__)
 
@@ -185,9 +179,16 @@ class AsyncDecodeClient(AsyncEngineClient):
         read_timeout_s: float = 30.0,
         call_timeout_s: float = 10.0,
         security: ChannelSecurity = PLAINTEXT,
+        transport: Transport | None = None,
     ) -> None:
         super().__init__(
-            target, engine_id, layout, memory, call_timeout_s=call_timeout_s, security=security
+            target,
+            engine_id,
+            layout,
+            memory,
+            call_timeout_s=call_timeout_s,
+            security=security,
+            transport=transport,
         )
         self.read_timeout_s = read_timeout_s
 
@@ -321,7 +322,7 @@ class AsyncDecodeClient(AsyncEngineClient):
         :class:`TransferError`. Each read is a ``decode.nixl_read`` span, from posting to the
         end of its wait."""
         reads = check_plan(plan, session.regions, session.tp_rank)
-        transfers: list[Transfer] = []
+        transfers: list[Read] = []
         spans: dict[int, Span] = {}  # open read spans by source index
         try:
             for read in reads:
@@ -361,7 +362,7 @@ class AsyncDecodeClient(AsyncEngineClient):
                 transfer.release()
 
     @staticmethod
-    async def _wait(transfers: Sequence[Transfer], spans: dict[int, Span], deadline: float) -> None:
+    async def _wait(transfers: Sequence[Read], spans: dict[int, Span], deadline: float) -> None:
         """Wait for every posted read (polling one progresses them all), ending each one's
         span as it completes."""
         for i, transfer in enumerate(transfers):
@@ -384,6 +385,7 @@ class DecodeClient(BlockingEngineClient):
         read_timeout_s: float = 30.0,
         call_timeout_s: float = 10.0,
         security: ChannelSecurity = PLAINTEXT,
+        transport: Transport | None = None,
     ) -> None:
         super().__init__(
             AsyncDecodeClient(
@@ -394,6 +396,7 @@ class DecodeClient(BlockingEngineClient):
                 read_timeout_s=read_timeout_s,
                 call_timeout_s=call_timeout_s,
                 security=security,
+                transport=transport,
             )
         )
 

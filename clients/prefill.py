@@ -40,6 +40,7 @@ from clients.session import (
     RankSession,
     call,
 )
+from clients.transport import Transport
 
 log = logging.getLogger(__name__)
 #: How many recent (transfer, rank) releases a client remembers to never free blocks twice.
@@ -117,9 +118,16 @@ class AsyncPrefillClient(AsyncEngineClient):
         idle_interval_s: float = 0.05,
         call_timeout_s: float = 10.0,
         security: ChannelSecurity = PLAINTEXT,
+        transport: Transport | None = None,
     ) -> None:
         super().__init__(
-            target, engine_id, layout, memory, call_timeout_s=call_timeout_s, security=security
+            target,
+            engine_id,
+            layout,
+            memory,
+            call_timeout_s=call_timeout_s,
+            security=security,
+            transport=transport,
         )
         self.on_release = on_release
         self.on_notification = on_notification
@@ -461,6 +469,7 @@ class PrefillClient(BlockingEngineClient):
         idle_interval_s: float = 0.05,
         call_timeout_s: float = 10.0,
         security: ChannelSecurity = PLAINTEXT,
+        transport: Transport | None = None,
     ) -> None:
         super().__init__(
             AsyncPrefillClient(
@@ -474,6 +483,7 @@ class PrefillClient(BlockingEngineClient):
                 idle_interval_s=idle_interval_s,
                 call_timeout_s=call_timeout_s,
                 security=security,
+                transport=transport,
             )
         )
 

@@ -1,9 +1,10 @@
 """What the prefill and decode clients share: the broker channel, one registered rank (its
-NIXL agent, regions and lease), the base engine client, and the event-loop thread behind the
-blocking clients.
+transport agent, regions and lease), the base engine client, and the event-loop thread behind
+the blocking clients.
 
 An engine client hosts some ranks of one engine (all of them, or the one of a worker process);
-each hosted rank gets its own NIXL agent, registration and lease. Protobuf layouts come from
+each hosted rank gets its own agent (NIXL by default: :mod:`clients.transport`), registration
+and lease. Protobuf layouts come from
 :func:`broker.wire.rank_layout_to_proto`, the codec the broker shares.
 """
 
@@ -26,7 +27,8 @@ from broker.layout import EngineLayout, RankLayout
 from broker.v1 import broker_pb2 as pb
 from broker.v1 import broker_pb2_grpc as pb_grpc
 from broker.wire import MEMORY_KIND, MemoryKind, rank_layout_to_proto
-from clients.nixl_transport import NixlAgent, Region, describe_region
+from clients.nixl_transport import NixlTransport
+from clients.transport import Agent, Region, Transport, describe_region
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -198,8 +200,8 @@ class FailoverStub:
 
 
 class RankSession:
-    """One hosted rank: its NIXL agent and registered regions, its broker registration and
-    lease. Region *i* holds layer *i* of every group, as the layout declares."""
+    """One hosted rank: its transport agent and registered regions, its broker registration
+    and lease. Region *i* holds layer *i* of every group, as the layout declares."""
 
     def __init__(
         self,
@@ -209,7 +211,7 @@ class RankSession:
         tp_size: int,
         layout: RankLayout,
         fingerprint: str,
-        agent: NixlAgent,
+        agent: Agent,
         regions: tuple[Region, ...],
     ) -> None:
         self.stub = stub
@@ -340,11 +342,12 @@ class AsyncEngineClient:
     """Base of the async clients: hosts ``memory``'s ranks of one engine.
 
     ``memory[tp_rank]`` lists that rank's regions (tensors, arrays or
-    :class:`~clients.nixl_transport.Region`), one per ``layout`` region, each at least
+    :class:`~clients.transport.Region`), one per ``layout`` region, each at least
     ``num_blocks * page_bytes`` long; the caller keeps them alive until :meth:`close`.
-    :meth:`start` creates one NIXL agent per rank, registers the memory with it and the rank
-    with the broker at ``target`` (``HOST:PORT``, or replicas sharing a store as
-    ``HOST:PORT,HOST:PORT``: see :class:`FailoverStub`), and keeps the leases alive.
+    :meth:`start` creates one agent of ``transport`` per rank (NIXL by default; with
+    :class:`~clients.transport.NoMemoryTransport` no memory is touched), registers the memory
+    with it and the rank with the broker at ``target`` (``HOST:PORT``, or replicas sharing a
+    store as ``HOST:PORT,HOST:PORT``: see :class:`FailoverStub`), and keeps the leases alive.
     ``security``: TLS and this engine's credentials (client certificate or token naming
     ``engine_id``); plaintext by default.
     """
@@ -360,6 +363,7 @@ class AsyncEngineClient:
         *,
         call_timeout_s: float = 10.0,
         security: ChannelSecurity = PLAINTEXT,
+        transport: Transport | None = None,
     ) -> None:
         if not memory:
             raise ValueError("memory: host at least one rank")
@@ -376,6 +380,7 @@ class AsyncEngineClient:
         self.layout = layout
         self.call_timeout_s = call_timeout_s
         self.security = security
+        self.transport: Transport = transport or NixlTransport()
         self._memory = {r: tuple(memory[r]) for r in sorted(memory)}
         self._stub: FailoverStub | None = None
         self.sessions: dict[int, RankSession] = {}
@@ -406,7 +411,9 @@ class AsyncEngineClient:
                             f"memory[{tp_rank}][{i}]: {region.length_bytes} bytes, the "
                             f"layout needs {rank_layout.region_bytes}"
                         )
-                agent = NixlAgent(f"{self.engine_id}.rank{tp_rank}.{secrets.token_hex(4)}")
+                agent = self.transport.agent(
+                    f"{self.engine_id}.rank{tp_rank}.{secrets.token_hex(4)}"
+                )
                 self.sessions[tp_rank] = RankSession(
                     self._stub,
                     self.engine_id,

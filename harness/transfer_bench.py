@@ -29,7 +29,8 @@ import numpy as np
 
 from broker.layout import EngineLayout
 from broker.planner import PairPlanner, RankPlan
-from clients.nixl_transport import DRAM, VRAM, NixlAgent
+from clients.nixl_transport import NixlAgent
+from clients.transport import DRAM, VRAM
 from harness.pattern import POISON, Contents, check_decode, decode_limits, fill_prefill
 from harness.scenarios import Scenario
 

@@ -18,7 +18,7 @@ from broker.limits import LIMITS
 from broker.v1 import broker_pb2 as pb
 from broker.wire import pack
 from clients.decode import PlanRejected, check_plan
-from clients.nixl_transport import DRAM, VRAM, Region
+from clients.transport import DRAM, VRAM, Region
 
 REGIONS = (Region(1 << 20, 4096), Region(2 << 20, 4096), Region(1 << 20, 4096, 1, VRAM))
 
