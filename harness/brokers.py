@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import grpc
 
 from broker.client_security import PLAINTEXT, ChannelSecurity
-from clients.session import broker_addresses
+from clients.protocol import broker_addresses
 
 
 class BrokerProcess:

@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from test_security import Pki, pki, tls_flags  # noqa: F401 - pki: a fixture
 
 from broker.client_security import PLAINTEXT, ChannelSecurity
-from clients.session import open_channel
+from clients.protocol import open_channel
 from harness.brokers import BrokerProcess
 
 HANDSHAKE_MS = 1500

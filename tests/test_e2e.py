@@ -204,7 +204,7 @@ def test_async_clients_and_expiry() -> None:
     real bytes; a transfer nobody reads is released EXPIRED and then refused."""
     from clients.decode import AsyncDecodeClient, FetchError
     from clients.prefill import AsyncPrefillClient, Release
-    from clients.session import BrokerCallError
+    from clients.protocol import BrokerCallError
 
     spec = PAIRS[3]  # FA+GDN P2 -> D1
     prefill, decode = spec.layouts(inflight=2)

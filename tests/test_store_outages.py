@@ -28,7 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from broker.v1 import broker_pb2 as pb
 from broker.v1 import broker_pb2_grpc as pb_grpc
-from clients.session import FailoverStub
+from clients.protocol import FailoverStub
 from harness.brokers import BrokerProcess
 from harness.scenarios import build_scenario
 
