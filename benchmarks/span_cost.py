@@ -26,9 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from plan_throughput import cpu_seconds
-
 from broker import tracing
+from harness.control_plane_bench import cpu_seconds
 from harness.trace_receiver import TraceReceiver
 
 

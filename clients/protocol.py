@@ -191,6 +191,7 @@ class FailoverStub:
                         await asyncio.sleep(delay)
                         delay = min(2 * delay, MAX_RETRY_DELAY_S)
 
+        setattr(self, method, unary)  # found without __getattr__ from now on
         return unary
 
     async def close(self) -> None:
