@@ -32,7 +32,7 @@ from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
 from broker.layout import EngineLayout
 from clients.decode import AsyncDecodeClient, FetchError
 from clients.prefill import AsyncPrefillClient, Release
-from clients.protocol import BrokerCallError
+from clients.protocol import BrokerCallError, broker_addresses
 from clients.session import AsyncEngineClient, LoopThread
 from clients.vllm.layout import ModelFacts, derive_rank_memory, model_fingerprint
 from clients.vllm.metadata import ConnectorSettings, LoadSpec, PdBrokerMetadata
@@ -195,7 +195,7 @@ class WorkerHalf:
         """Check, plan, read and report one transfer; raises :class:`LoadError` if unusable."""
         client = self.client
         assert isinstance(client, AsyncDecodeClient)
-        if spec.broker != self.settings.broker:
+        if set(broker_addresses(spec.broker)) != set(broker_addresses(self.settings.broker)):
             raise LoadError(
                 f"transfer {spec.transfer_id} waits at broker {spec.broker}, this "
                 f"engine is registered with {self.settings.broker}"
