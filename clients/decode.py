@@ -1,11 +1,13 @@
-"""Decode side: ask for a transfer's plan, read it with NIXL, report.
+"""Decode side: ask for a transfer's plan, read it through the transport (NIXL), report.
 
 For each hosted rank :meth:`AsyncDecodeClient.fetch` runs ``GetTransferPlan``, checks the
 whole plan (:func:`check_plan`: every write inside the rank's registered regions, none twice,
 descriptors adding up to the plan's byte counts) before any NIXL call, loads the metadata of
 prefill agents it meets for the first time, posts one READ per source prefill rank (all
 sources at once), polls them to completion within the timeout and reports DONE or FAILED
-with the bytes moved and the read time. Hosted ranks fetch concurrently.
+with the bytes moved and the read time. Hosted ranks fetch concurrently. :meth:`plan` and
+:meth:`report` are those steps alone, for callers that execute plans their own way (load
+generators over :class:`~clients.transport.NoMemoryTransport`).
 
 Tracing: the plan carries a ``traceparent`` of the transfer's trace; each source's read is a
 span ``decode.nixl_read`` (bytes, descriptors; its status says whether it failed) and the

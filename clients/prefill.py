@@ -1,9 +1,9 @@
 """Prefill side: register ranks, publish a request's blocks, free them when the broker says so.
 
 Per hosted rank the client keeps its lease alive, consumes ``WatchReleases`` and hands each
-release to ``on_release`` (which frees the blocks), and polls its NIXL agent so readers can
-connect and their completion notifications arrive (``on_notification``): every
-``progress_interval_s`` while some published transfer awaits a release, every
+release to ``on_release`` (which frees the blocks), and polls its agent (readers of a NIXL
+agent need that to connect), collecting their completion notifications (``on_notification``):
+every ``progress_interval_s`` while some published transfer awaits a release, every
 ``idle_interval_s`` otherwise (an idle poll every millisecond would cost ~7% of a core). A
 client hosting ranks of an engine whose transfers another process publishes (one process per
 rank) does not see them coming: give it ``idle_interval_s=progress_interval_s``.

@@ -117,7 +117,7 @@ class FailoverStub:
 
     Every broker call is safe to repeat (plans, reports, keep-alives, aborts are
     idempotent); a ``PublishBlocks`` whose reply was lost with its replica comes back
-    ALREADY_EXISTS, which :class:`~clients.prefill.AsyncPrefillClient` checks and accepts.
+    ALREADY_EXISTS, which :func:`publish` checks and accepts.
     """
 
     def __init__(self, target: str | Sequence[str], security: ChannelSecurity = PLAINTEXT) -> None:
