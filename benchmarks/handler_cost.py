@@ -22,11 +22,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from broker import convert
 from broker.config import ServiceConfig
 from broker.presets import resolve_model
-from broker.scenarios import build_scenario
 from broker.service import BrokerService
 from broker.servicer import BrokerServicer
 from broker.v1 import broker_pb2 as pb
-from clients.control_plane_bench import DECODE_ADDR, PREFILL_ADDR, registrations
+from broker.wire import Role
+from harness.control_plane_bench import DECODE_ADDR, PREFILL_ADDR, registrations
+from harness.scenarios import build_scenario
 
 
 def main() -> int:
@@ -41,8 +42,8 @@ def main() -> int:
     total = args.transfers * (args.trials + 1)
     service = BrokerService(config=ServiceConfig(max_transfers=total, default_ttl_ms=3_600_000))
     servicer = BrokerServicer(service)
-    for request in registrations(sc.prefill, "P", pb.ROLE_PREFILL, PREFILL_ADDR) + registrations(
-        sc.decode, "D", pb.ROLE_DECODE, DECODE_ADDR
+    for request in registrations(sc.prefill, "P", Role.PREFILL, PREFILL_ADDR) + registrations(
+        sc.decode, "D", Role.DECODE, DECODE_ADDR
     ):
         service.register_rank(convert.registration_from_proto(request))
     published = [pb.BlockIds(ids=g) for g in sc.request.prefill_block_ids]

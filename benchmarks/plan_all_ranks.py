@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from broker.planner import PairPlanner
 from broker.presets import resolve_model
-from broker.scenarios import build_scenario
+from harness.scenarios import build_scenario
 
 SCENARIOS = (
     ("nemotron-3-nano-30b-a3b", 1, 1, 32768),

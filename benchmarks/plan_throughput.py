@@ -3,13 +3,14 @@
 Starts ``pdbroker serve`` as its own process, registers a prefill and a decode engine of a
 Nemotron-3-Nano-like model (fake addresses: the broker never touches memory), publishes
 ``--plans / decode_tp`` transfers of ``--tokens`` tokens, then runs ``--clients`` concurrent
-decode clients (asyncio gRPC stubs spread over ``--client-procs`` processes), which ask for
-every transfer's plan once per decode rank, as in serving (with a multiple of ``decode_tp``
-clients, client *c* is decode rank ``c % decode_tp``). Prints plans/s, the latency
+decode clients (each on its own channel, spread over ``--client-procs`` processes), which ask
+for every transfer's plan once per decode rank, as in serving (with a multiple of
+``decode_tp`` clients, client *c* is rank ``c % decode_tp`` of its own decode engine). Prints plans/s, the latency
 percentiles of single calls measured at the client, and CPU time per call of the broker and
 of the clients. ``--baseline`` then times as many ``ListEngines`` calls the same way: what
-Python gRPC alone costs on this machine at that moment, the ceiling for any RPC. The
-machinery is :mod:`clients.control_plane_bench`; ``pdbroker bench control-plane`` sweeps
+Python gRPC alone costs on this machine at that moment, the ceiling for any RPC. Every
+engine and client is the client library over a transport that moves no memory; the
+machinery is :mod:`harness.control_plane_bench`; ``pdbroker bench control-plane`` sweeps
 client counts with it.
 
     .venv/bin/python benchmarks/plan_throughput.py --clients 4 --plans 20000 --baseline
@@ -23,31 +24,22 @@ import os
 import sys
 from pathlib import Path
 
-import grpc
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from broker.presets import resolve_model
-from broker.scenarios import build_scenario
-from broker.v1 import broker_pb2 as pb
-from broker.v1 import broker_pb2_grpc as pb_grpc
-from clients.control_plane_bench import (
-    DECODE_ADDR,
-    PREFILL_ADDR,
+from harness.control_plane_bench import (
     TARGET_P99_MS,
     TARGET_PLANS_PER_S,
-    assign,
-    cpu_seconds,
-    publish,
-    register,
+    BenchEngines,
+    client_specs,
     run_clients,
     start_broker,
     stop_broker,
+    warm_transfers,
 )
-
-#: tracing_overhead.py and span_cost.py import these from here.
-__all__ = ["cpu_seconds", "register"]
+from harness.scenarios import build_scenario
 
 
 def main() -> int:
@@ -69,30 +61,29 @@ def main() -> int:
     args = parser.parse_args()
 
     sc = build_scenario(resolve_model(args.model), args.prefill_tp, args.decode_tp, args.tokens)
-    proc, address = start_broker(args.plans + args.warmup + 1000)
+    per_rank = -(-args.plans // args.decode_tp)
+    warm = -(-args.warmup // args.decode_tp)
+    transfer_ids = [f"t{i}" for i in range(per_rank)]
+    specs = client_specs("timed", transfer_ids, args.decode_tp, args.clients, warm=True)
+    decode_ids = [list(g) for g in sc.request.decode_block_ids]
+    proc, address = start_broker(per_rank + warm + len(specs) + 1000)
     try:
-        per_rank = -(-args.plans // args.decode_tp)
-        warm = -(-args.warmup // args.decode_tp)
-        d_ids = [pb.BlockIds(ids=g) for g in sc.request.decode_block_ids]
-        with grpc.insecure_channel(address) as channel:
-            stub = pb_grpc.BrokerStub(channel)
-            register(stub, sc.prefill, "P", pb.ROLE_PREFILL, PREFILL_ADDR)
-            register(stub, sc.decode, "D", pb.ROLE_DECODE, DECODE_ADDR)
-            publish(address, sc, [f"t{i}" for i in range(warm + per_rank)])
-            sample = None
-            for i in range(warm):
-                for d in range(args.decode_tp):
-                    sample = stub.GetTransferPlan(
-                        pb.GetTransferPlanRequest(
-                            transfer_id=f"t{i}", engine_id="D", tp_rank=d, block_ids=d_ids
-                        )
-                    )
-        jobs = assign([f"t{i}" for i in range(warm, warm + per_rank)], args.decode_tp, args.clients)
-        decode_ids = [list(g) for g in sc.request.decode_block_ids]
-        plans = run_clients(proc.pid, address, jobs, decode_ids, args.client_procs, False)
-        floor = None
-        if args.baseline:
-            floor = run_clients(proc.pid, address, jobs, decode_ids, args.client_procs, True)
+        engines = BenchEngines(address, sc)
+        try:
+            warmup = [f"warm-{i}" for i in range(warm)]
+            engines.publish(warmup + transfer_ids + warm_transfers(specs))
+            sample = engines.plan(warmup) if warmup else None
+            plans = run_clients(
+                proc.pid, address, specs, sc.decode, decode_ids, args.client_procs, False
+            )
+            floor = None
+            if args.baseline:
+                specs = client_specs("floor", transfer_ids, args.decode_tp, args.clients, False)
+                floor = run_clients(
+                    proc.pid, address, specs, sc.decode, decode_ids, args.client_procs, True
+                )
+        finally:
+            engines.close()
     finally:
         stop_broker(proc)
 

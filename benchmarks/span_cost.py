@@ -26,11 +26,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from plan_throughput import cpu_seconds
-
 from broker import tracing
 from broker.span_tracer import install_broker_tracing
-from clients.trace_receiver import TraceReceiver
+from harness.control_plane_bench import cpu_seconds
+from harness.trace_receiver import TraceReceiver
 
 
 def thread_cpu_seconds(native_id: int) -> float:

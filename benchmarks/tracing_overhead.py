@@ -39,14 +39,14 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from plan_throughput import cpu_seconds, register
-
 from broker.presets import resolve_model
-from broker.scenarios import Scenario, build_scenario
 from broker.v1 import broker_pb2 as pb
 from broker.v1 import broker_pb2_grpc as pb_grpc
-from clients.loopback import BrokerProcess
-from clients.trace_receiver import TraceReceiver
+from broker.wire import Role
+from harness.brokers import BrokerProcess
+from harness.control_plane_bench import DECODE_ADDR, PREFILL_ADDR, cpu_seconds, register
+from harness.scenarios import Scenario, build_scenario
+from harness.trace_receiver import TraceReceiver
 
 #: The largest throughput loss tracing may cost.
 MAX_LOSS = 0.10
@@ -154,8 +154,8 @@ def prepare(broker: BrokerProcess, sc: Scenario, count: int) -> list[str]:
     """Register both engines and publish ``count`` transfers, each with a traceparent."""
     with grpc.insecure_channel(broker.address) as channel:
         stub = pb_grpc.BrokerStub(channel)
-        register(stub, sc.prefill, "P", pb.ROLE_PREFILL, 0x7F00_0000_0000)
-        register(stub, sc.decode, "D", pb.ROLE_DECODE, 0x7E00_0000_0000)
+        register(stub, sc.prefill, "P", Role.PREFILL, PREFILL_ADDR)
+        register(stub, sc.decode, "D", Role.DECODE, DECODE_ADDR)
         p_ids = [pb.BlockIds(ids=g) for g in sc.request.prefill_block_ids]
         names = [f"t{i}" for i in range(count)]
         for name in names:

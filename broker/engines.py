@@ -15,7 +15,6 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from itertools import chain
 
 import numpy as np
 
@@ -32,6 +31,9 @@ from broker.planner import PairPlanner
 from broker.records import RankRecord, RankRegistration
 from broker.store.contract import StateStore
 from broker.wire import BlockIds, Role
+
+#: Block ids checked by one numpy call (see :func:`check_published_blocks`).
+_IDS_PER_STEP = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -164,7 +166,14 @@ def check_published_blocks(layout: EngineLayout, block_ids: BlockIds, num_tokens
             "block_ids", f"expected {len(layout.groups)} groups, got {len(block_ids)}"
         )
     limit = layout.ranks[0].num_blocks
-    ids = np.fromiter(chain.from_iterable(block_ids), dtype=np.int64)
+    ids = np.concatenate(
+        [np.zeros(0, dtype=np.int64)]
+        + [  # a slice at a time: a huge request lets other threads run meanwhile
+            np.fromiter(g[start : start + _IDS_PER_STEP], dtype=np.int64)
+            for g in block_ids
+            for start in range(0, len(g), _IDS_PER_STEP)
+        ]
+    )
     if ids.size and (
         int(ids.min()) < 0 or int(ids.max()) >= limit or np.unique(ids).size != ids.size
     ):

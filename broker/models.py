@@ -10,7 +10,7 @@ Every region's page is the attention page at that rank's TP (HMA makes the pages
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from broker.errors import LayoutError
 from broker.layout import (
@@ -89,6 +89,14 @@ class ModelSpec:
         """Identifies the model's state shapes; prefill and decode must agree on it."""
         digest = hashlib.sha256(repr((self.groups, self.attention, self.mamba)).encode())
         return f"{self.name}:{digest.hexdigest()[:12]}"
+
+
+def with_kv_dtype(model: ModelSpec, kv_dtype: str | None) -> ModelSpec:
+    """``model`` with its KV cache stored in ``kv_dtype`` (e.g. ``fp8``); unchanged for None
+    or a model without attention."""
+    if not kv_dtype or model.attention is None:
+        return model
+    return replace(model, attention=replace(model.attention, dtype=kv_dtype))
 
 
 def split_evenly(total: int, tp: int, rank: int, field_name: str) -> tuple[int, int]:

@@ -5,8 +5,8 @@ bounds, and a background task that reaps expired leases and transfers.
 The gate: each method refuses a request larger than it can need
 (:func:`~broker.limits.max_request_bytes_of`) before parsing it, answers one that does not
 parse INVALID_ARGUMENT (not UNKNOWN), and leaves large ones for their handler to parse on the
-worker thread. Security (:class:`~broker.security.ServerSecurity`): the port speaks TLS or,
-when asked, plaintext. When callers are identified (client certificates, tokens), a call
+worker thread. Security (:class:`~broker.server_security.ServerSecurity`): the port speaks TLS
+or, when asked, plaintext. When callers are identified (client certificates, tokens), a call
 whose metadata cannot authenticate it is refused UNAUTHENTICATED before its request is
 received (:class:`_AuthenticateFirst`), and every Broker call then passes its rule of
 :class:`~broker.auth.AccessGuard` (UNAUTHENTICATED, PERMISSION_DENIED); health and reflection
@@ -31,7 +31,7 @@ from broker.errors import (
     StoreUnavailableError,
 )
 from broker.limits import LIMITS, max_request_bytes_of
-from broker.security import ServerSecurity
+from broker.server_security import ServerSecurity
 from broker.service import BrokerService
 from broker.servicer import (
     OFFLOAD_REQUEST_BYTES,

@@ -256,14 +256,17 @@ class BrokerServicer(pb_grpc.BrokerServicer):
 
     async def StreamTransferPlan(
         self, request: Any, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.GetTransferPlanResponse]:
+    ) -> AsyncIterator[bytes]:
         """GetTransferPlan of any size, in messages of at most ``max_plan_chunk_bytes`` of
-        descriptors: the loop sends one while the next waits for flow control."""
+        descriptors, each encoded on the worker thread (large plans) and sent as it is: the
+        loop sends one while the next waits for flow control."""
         try:
             plan = await self._plan(request, context, None)
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status
             await abort(context, exc)
-        for chunk in convert.plan_chunks(plan, LIMITS.max_plan_chunk_bytes):
+        chunks = convert.plan_chunks(plan, LIMITS.max_plan_chunk_bytes)
+        heavy = plan.num_descriptors > OFFLOAD_DESCRIPTORS
+        while (chunk := await self.pure(heavy, next, chunks, None)) is not None:
             yield chunk
 
     async def _plan(

@@ -153,17 +153,38 @@ def check_count(items: Sequence[object], limit: int, field: str) -> None:
 # --------------------------------------------------------------------------- block ids
 
 
+#: Ids converted by one call: a conversion of more is split, so that a thread translating a
+#: huge request lets the event loop's thread run every few milliseconds (one C call over a
+#: million ids would hold the interpreter for tens of them).
+_IDS_PER_STEP = 1 << 16
+
+
+def _ids_of(repeated: Sequence[int]) -> tuple[int, ...]:
+    if len(repeated) <= _IDS_PER_STEP:
+        return tuple(repeated)
+    ids: list[int] = []
+    for start in range(0, len(repeated), _IDS_PER_STEP):
+        ids += repeated[start : start + _IDS_PER_STEP]
+    return tuple(ids)
+
+
 def block_ids_from_proto(groups: Sequence[pb.BlockIds], field: str = "block_ids") -> BlockIds:
     """Per-group block ids; at most ``max_groups`` groups and ``max_block_ids`` ids in all."""
     check_count(groups, LIMITS.max_groups, field)
     total = sum(len(g.ids) for g in groups)
     if total > LIMITS.max_block_ids:
         raise LimitExceededError(field, f"{total} block ids, at most {LIMITS.max_block_ids}")
-    return tuple(tuple(g.ids) for g in groups)
+    return tuple(_ids_of(g.ids) for g in groups)
 
 
 def block_ids_to_proto(ids: Sequence[Sequence[int]]) -> list[pb.BlockIds]:
-    return [pb.BlockIds(ids=g) for g in ids]
+    groups = []
+    for group in ids:
+        message = pb.BlockIds()
+        for start in range(0, len(group), _IDS_PER_STEP):
+            message.ids.extend(group[start : start + _IDS_PER_STEP])
+        groups.append(message)
+    return groups
 
 
 def count_block_ids(groups: Sequence[pb.BlockIds]) -> int:

@@ -1,11 +1,13 @@
-"""Decode side: ask for a transfer's plan, read it with NIXL, report.
+"""Decode side: ask for a transfer's plan, read it through the transport (NIXL), report.
 
 For each hosted rank :meth:`AsyncDecodeClient.fetch` runs ``GetTransferPlan``, checks the
 whole plan (:func:`check_plan`: every write inside the rank's registered regions, none twice,
 descriptors adding up to the plan's byte counts) before any NIXL call, loads the metadata of
 prefill agents it meets for the first time, posts one READ per source prefill rank (all
 sources at once), polls them to completion within the timeout and reports DONE or FAILED
-with the bytes moved and the read time. Hosted ranks fetch concurrently.
+with the bytes moved and the read time. Hosted ranks fetch concurrently. :meth:`plan` and
+:meth:`report` are those steps alone, for callers that execute plans their own way (load
+generators over :class:`~clients.transport.NoMemoryTransport`).
 
 Tracing: the plan carries a ``traceparent`` of the transfer's trace; each source's read is a
 span ``decode.nixl_read`` (bytes, descriptors; its status says whether it failed) and the
@@ -25,27 +27,16 @@ import numpy as np
 from opentelemetry.trace import Span
 
 from broker import tracing
+from broker.client_security import PLAINTEXT, ChannelSecurity
 from broker.errors import InvalidFieldError
 from broker.layout import EngineLayout
 from broker.limits import LIMITS
 from broker.logs import transfer_fields
-from broker.security import PLAINTEXT, ChannelSecurity
 from broker.v1 import broker_pb2 as pb
-from broker.wire import MEMORY_KIND
-from clients.nixl_transport import (
-    Region,
-    Transfer,
-    TransferError,
-    descriptor_array,
-    inside,
-)
-from clients.session import (
-    AsyncEngineClient,
-    BlockingEngineClient,
-    BrokerCallError,
-    RankSession,
-    call,
-)
+from broker.wire import MEMORY_KIND, Role, block_ids_to_proto
+from clients.protocol import BrokerCallError, call
+from clients.session import AsyncEngineClient, BlockingEngineClient, RankSession
+from clients.transport import Read, Region, TransferError, Transport, descriptor_array, inside
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +164,7 @@ class AsyncDecodeClient(AsyncEngineClient):
     """Hosts decode ranks of one engine (see :class:`~clients.session.AsyncEngineClient` for
     ``memory``). Use as ``async with AsyncDecodeClient(...) as client``."""
 
-    role = pb.ROLE_DECODE
+    role = Role.DECODE
 
     def __init__(
         self,
@@ -185,9 +176,16 @@ class AsyncDecodeClient(AsyncEngineClient):
         read_timeout_s: float = 30.0,
         call_timeout_s: float = 10.0,
         security: ChannelSecurity = PLAINTEXT,
+        transport: Transport | None = None,
     ) -> None:
         super().__init__(
-            target, engine_id, layout, memory, call_timeout_s=call_timeout_s, security=security
+            target,
+            engine_id,
+            layout,
+            memory,
+            call_timeout_s=call_timeout_s,
+            security=security,
+            transport=transport,
         )
         self.read_timeout_s = read_timeout_s
 
@@ -204,7 +202,7 @@ class AsyncDecodeClient(AsyncEngineClient):
         ``prefill_engine_id``, only that engine's transfer of this id is read (another's is
         NOT_FOUND)."""
         deadline = time.monotonic() + (timeout_s or self.read_timeout_s)
-        ids = [pb.BlockIds(ids=list(g)) for g in block_ids]
+        ids = block_ids_to_proto(block_ids)
         sessions = list(self.sessions.values())
         results = await asyncio.gather(
             *(self._fetch_rank(s, transfer_id, ids, deadline, prefill_engine_id) for s in sessions),
@@ -215,15 +213,68 @@ class AsyncDecodeClient(AsyncEngineClient):
             raise FetchError(transfer_id, errors)
         return Fetch(transfer_id, tuple(r for r in results if isinstance(r, RankFetch)))
 
-    async def _fetch_rank(
+    async def plan(
+        self,
+        tp_rank: int,
+        transfer_id: str,
+        block_ids: Sequence[Sequence[int]],
+        *,
+        prefill_engine_id: str = "",
+    ) -> pb.GetTransferPlanResponse:
+        """Hosted rank ``tp_rank``'s plan of ``transfer_id`` into ``block_ids`` (per group),
+        the first step of :meth:`fetch`; the prefill agents' metadata it carries is loaded
+        into the rank's agent. Executing it is the caller's business (then :meth:`report`)."""
+        session = self._session(tp_rank)
+        plan = await self._plan(
+            session, transfer_id, block_ids_to_proto(block_ids), prefill_engine_id
+        )
+        for source in plan.sources:
+            _load_agent(session, source)
+        return plan
+
+    async def report(
+        self,
+        tp_rank: int,
+        plan_id: str,
+        *,
+        nbytes: int = 0,
+        duration_s: float = 0.0,
+        error: str = "",
+    ) -> pb.ReportTransferResponse:
+        """Report hosted rank ``tp_rank``'s plan ``plan_id``: DONE with ``nbytes`` moved in
+        ``duration_s``, or FAILED with ``error`` when one is given. Idempotent at the broker
+        (a repeat is answered ``duplicate``); ABORTED for DONE about a transfer that ended
+        while the rank read (:class:`~clients.protocol.BrokerCallError`)."""
+        return await call(
+            self.stub,
+            "ReportTransfer",
+            pb.ReportTransferRequest(
+                plan_id=plan_id,
+                engine_id=self.engine_id,
+                tp_rank=self._session(tp_rank).tp_rank,
+                status=pb.REPORT_STATUS_FAILED if error else pb.REPORT_STATUS_DONE,
+                bytes_moved=0 if error else nbytes,
+                duration_us=int(duration_s * 1e6),
+                error=error[: LIMITS.max_text_chars],
+            ),
+            self.call_timeout_s,
+        )
+
+    def _session(self, tp_rank: int) -> RankSession:
+        try:
+            return self.sessions[tp_rank]
+        except KeyError:
+            raise ValueError(f"tp_rank: rank {tp_rank} is not hosted here") from None
+
+    async def _plan(
         self,
         session: RankSession,
         transfer_id: str,
         block_ids: list[pb.BlockIds],
-        deadline: float,
         prefill_engine_id: str,
-    ) -> RankFetch:
-        started = time.perf_counter()
+    ) -> pb.GetTransferPlanResponse:
+        """``GetTransferPlan``, asked again with every agent's metadata when this process lost
+        agents the broker thinks it knows."""
         request = pb.GetTransferPlanRequest(
             transfer_id=transfer_id,
             engine_id=self.engine_id,
@@ -235,9 +286,21 @@ class AsyncDecodeClient(AsyncEngineClient):
         if any(
             not s.remote_agent_metadata and not session.agent.knows(s.remote_agent_name)
             for s in plan.sources
-        ):  # this process lost agents the broker thinks it knows
+        ):
             request.want_agent_metadata = True
             plan = await call(self.stub, "GetTransferPlan", request, self.call_timeout_s)
+        return plan
+
+    async def _fetch_rank(
+        self,
+        session: RankSession,
+        transfer_id: str,
+        block_ids: list[pb.BlockIds],
+        deadline: float,
+        prefill_engine_id: str,
+    ) -> RankFetch:
+        started = time.perf_counter()
+        plan = await self._plan(session, transfer_id, block_ids, prefill_engine_id)
         planned = time.perf_counter()
         fields = transfer_fields(transfer_id, plan.traceparent)
         error, failure = "", None
@@ -260,19 +323,12 @@ class AsyncDecodeClient(AsyncEngineClient):
             },
         ) as span:
             try:
-                outcome = await call(
-                    self.stub,
-                    "ReportTransfer",
-                    pb.ReportTransferRequest(
-                        plan_id=plan.plan_id,
-                        engine_id=self.engine_id,
-                        tp_rank=session.tp_rank,
-                        status=status,
-                        bytes_moved=0 if error else plan.total_bytes,
-                        duration_us=int((read - planned) * 1e6),
-                        error=error[: LIMITS.max_text_chars],
-                    ),
-                    self.call_timeout_s,
+                outcome = await self.report(
+                    session.tp_rank,
+                    plan.plan_id,
+                    nbytes=plan.total_bytes,
+                    duration_s=read - planned,
+                    error=error,
                 )
             except BrokerCallError as exc:
                 if exc.code is not grpc.StatusCode.ABORTED:
@@ -321,13 +377,12 @@ class AsyncDecodeClient(AsyncEngineClient):
         :class:`TransferError`. Each read is a ``decode.nixl_read`` span, from posting to the
         end of its wait."""
         reads = check_plan(plan, session.regions, session.tp_rank)
-        transfers: list[Transfer] = []
+        transfers: list[Read] = []
         spans: dict[int, Span] = {}  # open read spans by source index
         try:
             for read in reads:
                 source = read.source
-                if source.remote_agent_metadata:
-                    session.agent.add_remote(source.remote_agent_name, source.remote_agent_metadata)
+                _load_agent(session, source)
                 span = tracing.start_span(
                     "decode.nixl_read",
                     plan.traceparent,
@@ -361,12 +416,18 @@ class AsyncDecodeClient(AsyncEngineClient):
                 transfer.release()
 
     @staticmethod
-    async def _wait(transfers: Sequence[Transfer], spans: dict[int, Span], deadline: float) -> None:
+    async def _wait(transfers: Sequence[Read], spans: dict[int, Span], deadline: float) -> None:
         """Wait for every posted read (polling one progresses them all), ending each one's
         span as it completes."""
         for i, transfer in enumerate(transfers):
             await transfer.wait_async(max(0.0, deadline - time.monotonic()))
             tracing.end_span(spans.pop(i, None))
+
+
+def _load_agent(session: RankSession, source: pb.SourcePlan) -> None:
+    """Load the metadata of ``source``'s prefill agent when the plan carries it."""
+    if source.remote_agent_metadata:
+        session.agent.add_remote(source.remote_agent_name, source.remote_agent_metadata)
 
 
 class DecodeClient(BlockingEngineClient):
@@ -384,6 +445,7 @@ class DecodeClient(BlockingEngineClient):
         read_timeout_s: float = 30.0,
         call_timeout_s: float = 10.0,
         security: ChannelSecurity = PLAINTEXT,
+        transport: Transport | None = None,
     ) -> None:
         super().__init__(
             AsyncDecodeClient(
@@ -394,6 +456,7 @@ class DecodeClient(BlockingEngineClient):
                 read_timeout_s=read_timeout_s,
                 call_timeout_s=call_timeout_s,
                 security=security,
+                transport=transport,
             )
         )
 

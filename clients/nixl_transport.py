@@ -1,9 +1,9 @@
-"""The only module that touches NIXL: one agent per rank, its registered memory, and reads.
+"""The only module that touches NIXL: the :class:`~clients.transport.Transport` of engines,
+one agent per rank, its registered memory, and reads.
 
-Descriptors travel as the broker packs them: bytes of little-endian int64 ``(addr, len,
-dev_id)`` triples. :func:`descriptor_array` views them as an ``(n, 3)`` array without copying
-and NIXL builds its descriptor list from that array in C++, so no Python loop runs per
-descriptor.
+The broker's packed descriptors are viewed as ``(n, 3)`` arrays
+(:func:`~clients.transport.descriptor_array`) and NIXL builds its descriptor list from that
+array in C++, so no Python loop runs per descriptor.
 
 Measured on a 2-core loopback host (NIXL 1.5.1, UCX picks ``cma`` for remote reads and
 ``tcp/lo`` for wire-up and notifications; no ``UCX_*`` variable is needed):
@@ -28,94 +28,21 @@ import logging
 import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
+from clients.transport import (
+    DRAM,
+    Region,
+    TransferError,
+    TransferTimeout,
+    describe_region,
+    read_rows,
+)
+
 log = logging.getLogger(__name__)
-#: Memory kinds NIXL registers and transfers: host memory and device memory.
-DRAM = "DRAM"
-VRAM = "VRAM"
-_DESCRIPTOR_DTYPE = np.dtype("<i8")
 #: Polls that only yield before :meth:`Transfer.wait_async` starts sleeping between polls.
 _SPIN_POLLS = 64
-
-
-class TransferError(RuntimeError):
-    """NIXL reported an error for a transfer, or refused to create it."""
-
-
-class TransferTimeout(TransferError):
-    """A transfer did not complete within its timeout (it was cancelled)."""
-
-
-@dataclass(frozen=True)
-class Region:
-    """A contiguous memory range: ``length_bytes`` from ``base_addr`` on ``device_id``
-    (0 for DRAM), of ``kind`` :data:`DRAM` or :data:`VRAM`."""
-
-    base_addr: int
-    length_bytes: int
-    device_id: int = 0
-    kind: str = DRAM
-
-    def __post_init__(self) -> None:
-        if self.kind not in (DRAM, VRAM):
-            raise ValueError(f"kind must be {DRAM!r} or {VRAM!r}, got {self.kind!r}")
-        if self.base_addr <= 0 or self.length_bytes <= 0:
-            raise ValueError("a region needs a positive base address and length")
-
-
-def describe_region(memory: object) -> Region:
-    """The :class:`Region` of a contiguous torch tensor, a C-contiguous numpy array, or a
-    :class:`Region` (returned as is). torch is never imported here: a tensor can only exist
-    if its caller already imported it."""
-    if isinstance(memory, Region):
-        return memory
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(memory, torch.Tensor):
-        if not memory.is_contiguous():
-            raise ValueError("tensor regions must be contiguous")
-        device = memory.get_device()
-        return Region(
-            memory.data_ptr(),
-            memory.numel() * memory.element_size(),
-            max(device, 0),
-            DRAM if device < 0 else VRAM,
-        )
-    if isinstance(memory, np.ndarray):
-        if not memory.flags.c_contiguous:
-            raise ValueError("numpy regions must be C-contiguous")
-        return Region(memory.ctypes.data, memory.nbytes)
-    raise TypeError(f"cannot register {type(memory).__name__}: pass a tensor, an array or a Region")
-
-
-def descriptor_array(packed: bytes | np.ndarray) -> np.ndarray:
-    """``(n, 3)`` int64 ``(addr, len, dev_id)`` rows; packed bytes are viewed, not copied."""
-    if isinstance(packed, np.ndarray):
-        return np.asarray(packed, dtype=np.int64).reshape(-1, 3)
-    if len(packed) % (3 * _DESCRIPTOR_DTYPE.itemsize):
-        raise ValueError(f"{len(packed)} bytes is not a whole number of 24-byte descriptors")
-    return np.frombuffer(packed, dtype=_DESCRIPTOR_DTYPE).reshape(-1, 3)
-
-
-def inside(descriptors: np.ndarray, regions: Sequence[Region]) -> bool:
-    """Whether every descriptor lies inside one of ``regions`` on the descriptor's device."""
-    if not len(descriptors):
-        return True
-    addr, length, device = descriptors[:, 0], descriptors[:, 1], descriptors[:, 2]
-    if (length <= 0).any():
-        return False
-    placed = np.zeros(len(descriptors), dtype=bool)
-    for device_id in {r.device_id for r in regions}:
-        mine = sorted((r for r in regions if r.device_id == device_id), key=lambda r: r.base_addr)
-        starts = np.array([r.base_addr for r in mine], dtype=np.int64)
-        ends = starts + np.array([r.length_bytes for r in mine], dtype=np.int64)
-        on = (device == device_id).nonzero()[0]
-        index = np.searchsorted(starts, addr[on], side="right") - 1
-        # ends - addr cannot wrap (addr >= its region's start > 0); addr + length could.
-        placed[on] = (index >= 0) & (length[on] <= ends[np.maximum(index, 0)] - addr[on])
-    return bool(placed.all())
 
 
 class Transfer:
@@ -284,15 +211,7 @@ class NixlAgent:
     ) -> Transfer:
         """Post one READ filling ``local`` descriptor *i* from ``remote`` descriptor *i* of
         ``remote_agent``; NIXL sends ``notification`` to that agent when it is done."""
-        local_rows, remote_rows = descriptor_array(local), descriptor_array(remote)
-        if local_rows.shape != remote_rows.shape:
-            raise TransferError(
-                f"{len(local_rows)} local descriptors for {len(remote_rows)} remote"
-            )
-        if not len(local_rows):
-            raise TransferError("nothing to read")
-        if not np.array_equal(local_rows[:, 1], remote_rows[:, 1]):
-            raise TransferError("local and remote descriptor lengths differ")
+        local_rows, remote_rows = read_rows(local, remote)
         if remote_agent not in self._remotes:
             raise TransferError(f"unknown remote agent {remote_agent!r}: add its metadata first")
         try:
@@ -334,3 +253,19 @@ class NixlAgent:
             nixl.deregister_memory(descs)
         self._registered.clear()
         del self._nixl
+
+
+class NixlTransport:
+    """The engines' :class:`~clients.transport.Transport`: a :class:`NixlAgent` per rank, with
+    ``backends`` and ``backend_params`` (see :class:`NixlAgent`)."""
+
+    def __init__(
+        self,
+        backends: Sequence[str] = ("UCX",),
+        backend_params: Mapping[str, str] | None = None,
+    ) -> None:
+        self.backends = tuple(backends)
+        self.backend_params = backend_params
+
+    def agent(self, name: str) -> NixlAgent:
+        return NixlAgent(name, self.backends, self.backend_params)

@@ -1,9 +1,9 @@
 """Prefill side: register ranks, publish a request's blocks, free them when the broker says so.
 
 Per hosted rank the client keeps its lease alive, consumes ``WatchReleases`` and hands each
-release to ``on_release`` (which frees the blocks), and polls its NIXL agent so readers can
-connect and their completion notifications arrive (``on_notification``): every
-``progress_interval_s`` while some published transfer awaits a release, every
+release to ``on_release`` (which frees the blocks), and polls its agent (readers of a NIXL
+agent need that to connect), collecting their completion notifications (``on_notification``):
+every ``progress_interval_s`` while some published transfer awaits a release, every
 ``idle_interval_s`` otherwise (an idle poll every millisecond would cost ~7% of a core). A
 client hosting ranks of an engine whose transfers another process publishes (one process per
 rank) does not see them coming: give it ``idle_interval_s=progress_interval_s``.
@@ -26,20 +26,16 @@ from dataclasses import dataclass
 import grpc
 
 from broker import tracing
+from broker.client_security import PLAINTEXT, ChannelSecurity
 from broker.errors import COMPACTED_THROUGH_KEY
 from broker.layout import EngineLayout
 from broker.logs import transfer_fields
-from broker.security import PLAINTEXT, ChannelSecurity
 from broker.v1 import broker_pb2 as pb
-from broker.wire import RELEASE_REASON, BlockIds, ReleaseReason
-from clients.session import (
-    RETRY_DELAY_S,
-    AsyncEngineClient,
-    BlockingEngineClient,
-    BrokerCallError,
-    RankSession,
-    call,
-)
+from broker.wire import RELEASE_REASON, BlockIds, ReleaseReason, Role
+from clients import protocol
+from clients.protocol import RETRY_DELAY_S, BrokerCallError
+from clients.session import AsyncEngineClient, BlockingEngineClient, RankSession
+from clients.transport import Transport
 
 log = logging.getLogger(__name__)
 #: How many recent (transfer, rank) releases a client remembers to never free blocks twice.
@@ -102,7 +98,7 @@ class AsyncPrefillClient(AsyncEngineClient):
     """Hosts prefill ranks of one engine (see :class:`~clients.session.AsyncEngineClient` for
     ``memory``). Use as ``async with AsyncPrefillClient(...) as client``."""
 
-    role = pb.ROLE_PREFILL
+    role = Role.PREFILL
 
     def __init__(
         self,
@@ -117,9 +113,16 @@ class AsyncPrefillClient(AsyncEngineClient):
         idle_interval_s: float = 0.05,
         call_timeout_s: float = 10.0,
         security: ChannelSecurity = PLAINTEXT,
+        transport: Transport | None = None,
     ) -> None:
         super().__init__(
-            target, engine_id, layout, memory, call_timeout_s=call_timeout_s, security=security
+            target,
+            engine_id,
+            layout,
+            memory,
+            call_timeout_s=call_timeout_s,
+            security=security,
+            transport=transport,
         )
         self.on_release = on_release
         self.on_notification = on_notification
@@ -129,6 +132,9 @@ class AsyncPrefillClient(AsyncEngineClient):
         self._blocks: dict[str, BlockIds] = {}  # and its block ids
         self._freed: OrderedDict[tuple[str, int], None] = OrderedDict()  # recent releases
         self._publishing: set[str] = set()  # transfers whose PublishBlocks has not answered
+        #: Releases of a (transfer, rank) already freed, not handed to ``on_release``: the
+        #: broker's own release after a local free (the registration was lost), or a fault.
+        self.repeated_releases = 0
         self._busy = asyncio.Event()
 
     def _started(self) -> None:
@@ -189,13 +195,13 @@ class AsyncPrefillClient(AsyncEngineClient):
         self._blocks[transfer_id] = tuple(tuple(g) for g in block_ids)
         self._publishing.add(transfer_id)
         self._busy.set()
-        request = pb.PublishBlocksRequest(
-            transfer_id=transfer_id,
-            engine_id=self.engine_id,
-            block_ids=[pb.BlockIds(ids=list(g)) for g in block_ids],
-            num_tokens=num_tokens,
+        request = protocol.publication(
+            transfer_id,
+            self.engine_id,
+            block_ids,
+            num_tokens,
             ttl_ms=ttl_ms,
-            allowed_decode_engines=list(allowed_decode_engines),
+            allowed_decode_engines=allowed_decode_engines,
         )
         try:
             with tracing.root_span(
@@ -209,7 +215,7 @@ class AsyncPrefillClient(AsyncEngineClient):
             ):
                 leases = self._leases()
                 try:
-                    expires_at_ms = await self._publish_once(request)
+                    expires_at_ms = await protocol.publish(self.stub, request, self.call_timeout_s)
                 except BrokerCallError as exc:
                     if exc.field != "engine_id" or exc.code not in _ENGINE_UNKNOWN:
                         raise
@@ -220,7 +226,7 @@ class AsyncPrefillClient(AsyncEngineClient):
                     )
                     await self._known_again(exc)
                     leases = self._leases()
-                    expires_at_ms = await self._publish_once(request)
+                    expires_at_ms = await protocol.publish(self.stub, request, self.call_timeout_s)
                 log.debug("published %d tokens", num_tokens, extra=transfer_fields(transfer_id))
         except BaseException:
             self._publishing.discard(transfer_id)
@@ -231,18 +237,6 @@ class AsyncPrefillClient(AsyncEngineClient):
         if self._leases() != leases:
             await self._free_if_forgotten(transfer_id)
         return expires_at_ms
-
-    async def _publish_once(self, request: pb.PublishBlocksRequest) -> int:
-        failovers = self.stub.failovers
-        try:
-            response = await call(self.stub, "PublishBlocks", request, self.call_timeout_s)
-        except BrokerCallError as exc:
-            if exc.code is not grpc.StatusCode.ALREADY_EXISTS or self.stub.failovers == failovers:
-                raise
-            return await self._published_before_failover(
-                request.transfer_id, request.num_tokens, exc
-            )
-        return response.expires_at_ms
 
     async def _known_again(self, exc: BrokerCallError) -> None:
         """Wait until the broker holds every hosted rank (renewed or registered again), at
@@ -259,32 +253,12 @@ class AsyncPrefillClient(AsyncEngineClient):
         """A rank registered again while ``transfer_id`` was published: free it (reason
         ``aborted``) unless the broker still knows it."""
         try:
-            await call(
-                self.stub,
-                "GetTransfer",
-                pb.GetTransferRequest(transfer_id=transfer_id),
-                self.call_timeout_s,
-            )
+            await self.transfer(transfer_id)
         except BrokerCallError as exc:
             if exc.code is not grpc.StatusCode.NOT_FOUND:
                 raise
             for tp_rank in sorted(self._awaiting.get(transfer_id, ())):
                 self._free_lost(transfer_id, tp_rank)
-
-    async def _published_before_failover(
-        self, transfer_id: str, num_tokens: int, exc: BrokerCallError
-    ) -> int:
-        """A publish retried on another replica found the transfer: it is ours (the first
-        replica committed it, then its reply was lost) when engine and size match."""
-        info = await call(
-            self.stub,
-            "GetTransfer",
-            pb.GetTransferRequest(transfer_id=transfer_id),
-            self.call_timeout_s,
-        )
-        if info.prefill_engine_id != self.engine_id or info.num_tokens != num_tokens:
-            raise exc
-        return info.expires_at_ms
 
     async def _watch(self, session: RankSession) -> None:
         """Stream the rank's releases for the client's lifetime, resuming after the last one
@@ -359,12 +333,7 @@ class AsyncPrefillClient(AsyncEngineClient):
             if session.tp_rank in ranks and t not in self._publishing
         ]:
             try:
-                info = await call(
-                    self.stub,
-                    "GetTransfer",
-                    pb.GetTransferRequest(transfer_id=transfer_id),
-                    self.call_timeout_s,
-                )
+                info = await self.transfer(transfer_id)
             except BrokerCallError as exc:
                 if exc.code is not grpc.StatusCode.NOT_FOUND:
                     return False
@@ -394,6 +363,7 @@ class AsyncPrefillClient(AsyncEngineClient):
         waiting = self._awaiting.get(release.transfer_id)
         key = (release.transfer_id, release.tp_rank)
         if key in self._freed:  # freed already (locally, when the registration was lost)
+            self.repeated_releases += 1
             return
         self._freed[key] = None
         if len(self._freed) > FREED_MEMORY:
@@ -461,6 +431,7 @@ class PrefillClient(BlockingEngineClient):
         idle_interval_s: float = 0.05,
         call_timeout_s: float = 10.0,
         security: ChannelSecurity = PLAINTEXT,
+        transport: Transport | None = None,
     ) -> None:
         super().__init__(
             AsyncPrefillClient(
@@ -474,6 +445,7 @@ class PrefillClient(BlockingEngineClient):
                 idle_interval_s=idle_interval_s,
                 call_timeout_s=call_timeout_s,
                 security=security,
+                transport=transport,
             )
         )
 

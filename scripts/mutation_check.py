@@ -57,7 +57,7 @@ MUTATIONS = (
     ),
     Mutation(
         "byte checker always reports 0 mismatches",
-        "clients/pattern.py",
+        "harness/pattern.py",
         "return mismatches, expected_state",
         "return 0, expected_state",
         ("tests/test_pattern.py",),

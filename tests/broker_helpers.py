@@ -11,7 +11,9 @@ from broker.models import AttentionParams, MambaParams, ModelSpec
 from broker.records import MemoryRegion, RankRegistration
 from broker.service import BrokerService
 from broker.v1 import broker_pb2 as pb
-from broker.wire import MemoryKind, Role, rank_layout_to_proto
+from broker.wire import ROLE, MemoryKind, Role
+from clients import protocol
+from clients.transport import Region
 
 MAMBA2 = MambaParams(
     "mamba2",
@@ -100,24 +102,18 @@ def register_engine(
 def register_request(
     layout: EngineLayout, engine_id: str, role: int, tp_rank: int, engine_index: int = 0
 ) -> pb.RegisterRankRequest:
-    """The protobuf form of :func:`registration`."""
-    return pb.RegisterRankRequest(
-        engine_id=engine_id,
-        role=role,
-        tp_size=layout.tp_size,
-        tp_rank=tp_rank,
-        agent_name=f"{engine_id}-agent{tp_rank}",
-        agent_metadata=f"metadata of {engine_id} rank {tp_rank}".encode(),
-        regions=[
-            pb.Region(
-                base_addr=r.base_addr,
-                length_bytes=r.length_bytes,
-                device_id=r.device_id,
-                memory_kind=pb.MEMORY_KIND_DRAM,
-            )
+    """The protobuf form of :func:`registration`, built by the clients' builder."""
+    return protocol.registration(
+        layout.ranks[tp_rank],
+        [
+            Region(r.base_addr, r.length_bytes, r.device_id, r.memory_kind.name)
             for r in fake_regions(layout, engine_index, tp_rank)
         ],
-        layout=rank_layout_to_proto(layout.ranks[tp_rank]),
+        engine_id=engine_id,
+        role=ROLE.from_proto(role, "role"),
+        tp_size=layout.tp_size,
+        agent_name=f"{engine_id}-agent{tp_rank}",
+        agent_metadata=f"metadata of {engine_id} rank {tp_rank}".encode(),
         model_fingerprint=layout.model,
     )
 

@@ -20,11 +20,11 @@ import grpc
 import numpy as np
 from broker_helpers import FakeClock, hybrid, register_request
 
-from broker.scenarios import Scenario, build_scenario
 from broker.server import BrokerServer
 from broker.service import BrokerService
 from broker.v1 import broker_pb2 as pb
 from broker.wire import DESCRIPTOR_BYTES, join_plan_chunks, unpack
+from harness.scenarios import Scenario, build_scenario
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Broker"]
 #: Method name → (request type, response type, server streaming).

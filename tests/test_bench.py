@@ -10,7 +10,7 @@ from prerequisites import require_module
 from broker.cli import main
 from broker.planner import PairPlanner
 from broker.presets import resolve_model
-from broker.scenarios import build_scenario
+from harness.scenarios import build_scenario
 
 
 def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:

@@ -20,9 +20,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from test_security import Pki, pki, tls_flags  # noqa: F401 - pki: a fixture
 
-from broker.security import PLAINTEXT, ChannelSecurity
-from clients.loopback import BrokerProcess
-from clients.session import open_channel
+from broker.client_security import PLAINTEXT, ChannelSecurity
+from clients.protocol import open_channel
+from harness.brokers import BrokerProcess
 
 HANDSHAKE_MS = 1500
 #: Idle sockets opened at once: a few hundred, far below the default cap and the fd limit.

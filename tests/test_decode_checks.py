@@ -18,7 +18,7 @@ from broker.limits import LIMITS
 from broker.v1 import broker_pb2 as pb
 from broker.wire import pack
 from clients.decode import PlanRejected, check_plan
-from clients.nixl_transport import DRAM, VRAM, Region
+from clients.transport import DRAM, VRAM, Region
 
 REGIONS = (Region(1 << 20, 4096), Region(2 << 20, 4096), Region(1 << 20, 4096, 1, VRAM))
 
@@ -225,7 +225,7 @@ def nixl_agent_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
 @pytest.fixture
 def broker() -> Iterator[str]:
     require_module("nixl", "engine")
-    from clients.loopback import BrokerProcess
+    from harness.brokers import BrokerProcess
 
     process = BrokerProcess()
     try:
@@ -259,9 +259,9 @@ def test_a_tampered_plan_is_refused_before_nixl_and_reported_failed(
     from test_e2e import PAIRS
 
     from clients.decode import AsyncDecodeClient, FetchError
-    from clients.loopback import block_counts
-    from clients.pattern import POISON, Contents, check_decode, decode_limits, fill_prefill
     from clients.prefill import AsyncPrefillClient
+    from harness.pattern import POISON, Contents, check_decode, decode_limits, fill_prefill
+    from harness.scenarios import block_counts
 
     prefill, decode = PAIRS[1].layouts(inflight=1)  # FA+Mamba2 P1 -> D2
     p_mem = {

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import sys
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -178,3 +179,26 @@ def test_dockerfile_is_multi_stage_non_root_and_control_plane_only() -> None:
     pyproject = (DEPLOY.parent / "pyproject.toml").read_text()
     base = pyproject.split("dependencies = [", 1)[1].split("]", 1)[0]
     assert not any(pkg in base for pkg in ENGINE_PACKAGES)
+
+
+def test_image_holds_the_broker_alone() -> None:
+    """The image copies ``broker/`` and nothing of the client library or the harness, and
+    what its build step imports, and ``pdbroker``'s command line, work without them."""
+    text = (DEPLOY / "Dockerfile").read_text()
+    copied = re.findall(r"^COPY\s+(?!--from)(.+?)\s+\S+$", text, re.MULTILINE)
+    assert copied == ["pyproject.toml README.md", "broker"]
+    ignore = (DEPLOY / "Dockerfile.dockerignore").read_text().split()
+    assert [e for e in ignore if e.startswith("!")] == ["!pyproject.toml", "!README.md", "!broker/"]
+    hidden = (
+        "import sys\n"
+        "class Absent:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('clients', 'harness'):\n"
+        "            raise ModuleNotFoundError(name)\n"
+        "sys.meta_path.insert(0, Absent())\n"
+        "import broker.server, broker.store.redis, broker.cli\n"
+        "broker.cli.build_parser()\n"
+    )
+    subprocess.run(
+        [sys.executable, "-c", hidden], check=True, cwd=DEPLOY.parent, capture_output=True
+    )

@@ -1,7 +1,7 @@
 """End to end with real processes: a ``pdbroker serve`` process, prefill and decode engine
 processes whose ranks each own a NIXL agent (UCX over loopback, DRAM), requests moved by real
 reads. Every byte of decode memory is compared with what decode's own layout says the request
-must have left there (:mod:`clients.pattern`, independent of the plan); every prefill rank
+must have left there (:mod:`harness.pattern`, independent of the plan); every prefill rank
 must receive its release, strictly after every decode rank that read it reported; nothing may
 stay registered. Pairs where prefill keeps several Mamba state blocks per group (distinct
 snapshots) prove decode receives the newest ones, in order. Nothing is mocked."""
@@ -23,8 +23,10 @@ require_module("nixl", "engine")
 from broker.layout import GroupKind
 from broker.models import AttentionParams, MambaParams, ModelSpec
 from broker.wire import ReleaseReason
-from clients.loopback import BrokerProcess, FleetReport, PairSpec, block_counts, run_fleet
-from clients.pattern import POISON, Contents, check_decode, decode_limits, fill_prefill
+from harness.brokers import BrokerProcess
+from harness.fleet import FleetReport, PairSpec, run_fleet
+from harness.pattern import POISON, Contents, check_decode, decode_limits, fill_prefill
+from harness.scenarios import block_counts
 
 REQUESTS_PER_PAIR = 3
 MAMBA2 = MambaParams(
@@ -202,7 +204,7 @@ def test_async_clients_and_expiry() -> None:
     real bytes; a transfer nobody reads is released EXPIRED and then refused."""
     from clients.decode import AsyncDecodeClient, FetchError
     from clients.prefill import AsyncPrefillClient, Release
-    from clients.session import BrokerCallError
+    from clients.protocol import BrokerCallError
 
     spec = PAIRS[3]  # FA+GDN P2 -> D1
     prefill, decode = spec.layouts(inflight=2)

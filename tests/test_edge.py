@@ -16,10 +16,10 @@ import test_security
 from fuzz_support import LiveBroker
 from test_security import Pki, register, stub, tls_flags
 
+from broker.client_security import ChannelSecurity
 from broker.limits import LIMITS, MAX_SMALL_REQUEST_BYTES, max_request_bytes_of
-from broker.security import ChannelSecurity
 from broker.v1 import broker_pb2 as pb
-from clients.loopback import BrokerProcess
+from harness.brokers import BrokerProcess
 
 pki = test_security.pki  # the module's certificates and tokens, as a fixture here
 UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED

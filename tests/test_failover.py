@@ -21,7 +21,8 @@ redis = require_module("redis", "dev")
 from conftest import RedisServer
 from test_e2e import MAMBA2, hybrid
 
-from clients.loopback import BrokerProcess, FleetReport, PairSpec, RunningBrokers, run_fleet
+from harness.brokers import BrokerProcess, RunningBrokers
+from harness.fleet import FleetReport, PairSpec, run_fleet
 
 REQUESTS = 40
 KILL_AFTER = 10  # requests fully released before replica A dies

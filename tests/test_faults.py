@@ -1,5 +1,5 @@
 """Faults survived, with real processes: a ``pdbroker serve`` process, and prefill and decode
-engines as processes with NIXL agents moving real bytes (``clients.loopback.engine_main``,
+engines as processes with NIXL agents moving real bytes (``harness.engines.engine_main``,
 driven here command by command). SIGKILL stands for a crash.
 
 After each fault: no transfer left unfinished in the broker, no prefill rank released twice
@@ -29,11 +29,13 @@ from broker_helpers import hybrid, register_request
 from test_e2e import MAMBA2
 from test_e2e import hybrid as e2e_model
 
-from broker.scenarios import build_scenario
-from broker.security import PLAINTEXT
+from broker.client_security import PLAINTEXT
 from broker.v1 import broker_pb2 as pb
 from broker.v1 import broker_pb2_grpc as pb_grpc
-from clients.loopback import BrokerProcess, PairSpec, engine_main
+from harness.brokers import BrokerProcess
+from harness.engines import engine_main
+from harness.fleet import PairSpec
+from harness.scenarios import build_scenario
 
 LEASE_MS = 1000
 WAIT_S = 30.0

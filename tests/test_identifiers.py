@@ -13,9 +13,9 @@ from fuzz_support import LiveBroker
 from broker import convert, wire
 from broker.auth import Authenticator
 from broker.errors import InvalidFieldError, UnauthenticatedError
-from broker.scenarios import build_scenario
 from broker.v1 import broker_pb2 as pb
 from broker.v1 import broker_pb2_grpc as pb_grpc
+from harness.scenarios import build_scenario
 
 SCENARIO = build_scenario(hybrid(), 1, 1, 100)
 BAD = grpc.StatusCode.INVALID_ARGUMENT

@@ -21,9 +21,9 @@ from broker.errors import LimitExceededError
 from broker.limits import LIMITS
 from broker.models import build_engine_layout
 from broker.planner import PairPlanner
-from broker.scenarios import build_scenario, fresh_block_ids
 from broker.v1 import broker_pb2 as pb
 from broker.v1 import broker_pb2_grpc as pb_grpc
+from harness.scenarios import build_scenario, fresh_block_ids
 
 codes = grpc.StatusCode
 TOO_MANY, BAD = codes.RESOURCE_EXHAUSTED, codes.INVALID_ARGUMENT

@@ -1,7 +1,7 @@
 """Cross-host on one machine: the broker, a prefill host and a decode host each in a network
 namespace of their own, joined by veth pairs to a bridge in a fourth ("switch") namespace,
 addresses 10.200.0.0/24 that exist only inside those namespaces. The engines are
-:func:`clients.loopback.engine_main` processes started with ``ip netns exec``; NIXL moves the
+:func:`harness.engines.engine_main` processes started with ``ip netns exec``; NIXL moves the
 bytes with UCX over TCP (``UCX_TLS=tcp``) across the veths, and decode compares every byte.
 Taking the decode host's link down must end in clean, bounded failures, and bringing it back
 in working transfers again. Needs root and ``ip netns``; skips with the reason otherwise."""
@@ -26,7 +26,8 @@ require_module("nixl", "engine")
 
 from broker_helpers import hybrid
 
-from clients.loopback import PairSpec, engine_main
+from harness.engines import engine_main
+from harness.fleet import PairSpec
 
 ROOT = Path(__file__).parent.parent
 SUBNET = "10.200.0"

@@ -18,14 +18,8 @@ require_module("nixl", "engine")
 import torch
 
 from broker.wire import pack
-from clients.nixl_transport import (
-    NixlAgent,
-    Region,
-    TransferError,
-    describe_region,
-    descriptor_array,
-    inside,
-)
+from clients.nixl_transport import NixlAgent, NixlTransport
+from clients.transport import Region, TransferError, describe_region
 
 SIZE = 4 << 20
 WAIT_S = 30.0
@@ -142,7 +136,7 @@ def test_read_moves_real_bytes_between_processes(target: Target) -> None:
 
 
 def test_async_read_into_a_torch_tensor(target: Target) -> None:
-    agent = NixlAgent(f"reader-{os.getpid()}-async")
+    agent = NixlTransport().agent(f"reader-{os.getpid()}-async")
     try:
         dst = torch.zeros(SIZE, dtype=torch.uint8)
         (region,) = agent.register([dst])
@@ -199,16 +193,3 @@ def test_refusals(target: Target) -> None:
             agent.read(target.name, b"", b"")
     finally:
         agent.close()
-
-
-def test_descriptor_arrays() -> None:
-    rows = np.array([[4096, 100, 0], [8192, 8, 1]], dtype=np.int64)
-    view = descriptor_array(pack(rows))
-    assert np.array_equal(view, rows) and not view.flags.writeable  # a view, not a copy
-    with pytest.raises(ValueError, match="24-byte"):
-        descriptor_array(b"x" * 25)
-    regions = [Region(4096, 200, 0), Region(8192, 8, 1)]
-    assert inside(rows, regions)
-    assert not inside(rows + np.array([[0, 101, 0], [0, 0, 0]]), regions)  # runs past its region
-    assert not inside(rows + np.array([[0, 0, 0], [0, 0, 1]]), regions)  # wrong device
-    assert not inside(np.array([[100, 1, 0]]), regions)  # before every region

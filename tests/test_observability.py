@@ -30,15 +30,16 @@ from prometheus_client.parser import text_string_to_metric_families
 from broker.api import PlanQuery, Publication, Report
 from broker.config import ServiceConfig
 from broker.metrics import BrokerMetrics
-from broker.scenarios import build_scenario
 from broker.service import BrokerService
 from broker.span_tracer import OffloadTracerProvider
 from broker.tracing import context_from_traceparent, trace_id_of
 from broker.v1 import broker_pb2 as pb
 from broker.v1 import broker_pb2_grpc as pb_grpc
 from broker.wire import ReportStatus, Role
-from clients.loopback import BrokerProcess, FleetReport, PairSpec, run_fleet
-from clients.trace_receiver import ReceivedSpan, TraceReceiver, span_tree
+from harness.brokers import BrokerProcess
+from harness.fleet import FleetReport, PairSpec, run_fleet
+from harness.scenarios import build_scenario
+from harness.trace_receiver import ReceivedSpan, TraceReceiver, span_tree
 
 #: Each decode rank reads from two prefill ranks: two plans, four reads, four releases.
 PAIR = PairSpec("P4->D2", hybrid(kv_heads=4), 4, 2, 40, 300)

@@ -1,4 +1,4 @@
-"""The byte checker the end-to-end tests rely on (:func:`clients.pattern.check_decode`) sees
+"""The byte checker the end-to-end tests rely on (:func:`harness.pattern.check_decode`) sees
 what it must: a correct transfer checks clean, and one corrupted byte, one dropped run, a stale
 Mamba snapshot, snapshots out of order and a write where nothing may be written are each
 counted, byte for byte. Transfers are applied as memcpy of the planner's runs, in numpy."""
@@ -13,7 +13,7 @@ from broker_helpers import hybrid
 
 from broker.models import build_engine_layout
 from broker.planner import PairPlanner, RankPlan, TransferRequest
-from clients.pattern import POISON, Contents, check_decode, decode_limits, fill_prefill
+from harness.pattern import POISON, Contents, check_decode, decode_limits, fill_prefill
 
 TOKENS, BLOCK_SIZE, NUM_BLOCKS, SALT = 70, 32, 24, 77
 MODEL = hybrid()  # groups: Mamba (m0, m2), attention (a1, a3), Mamba (m4, m5)

@@ -18,7 +18,7 @@ from broker.layout import (
 )
 from broker.models import AttentionParams, MambaParams, ModelSpec, build_engine_layout
 from broker.planner import PairPlanner, TransferRequest
-from broker.scenarios import build_scenario
+from harness.scenarios import build_scenario
 
 MAMBA2 = MambaParams(
     "mamba2",

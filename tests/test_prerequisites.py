@@ -42,9 +42,9 @@ def test_an_installed_package_that_does_not_import_fails_everywhere(
     monkeypatch.setitem(sys.modules, "grpc", None)  # `import grpc` now raises ImportError
     with pytest.raises(FAILED, match=r"^grpc is installed but does not import"):
         require_module("grpc", "engine", distribution="grpcio")
-    monkeypatch.setitem(sys.modules, "clients.vllm.cpu_engine", None)
-    with pytest.raises(FAILED, match=r"^clients\.vllm\.cpu_engine is installed but"):
-        require_module("clients.vllm.cpu_engine", "vllm", distribution="grpcio")
+    monkeypatch.setitem(sys.modules, "harness.vllm.cpu_engine", None)
+    with pytest.raises(FAILED, match=r"^harness\.vllm\.cpu_engine is installed but"):
+        require_module("harness.vllm.cpu_engine", "vllm", distribution="grpcio")
 
 
 def test_an_importable_package_is_returned() -> None:

@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 
-from broker.cases import model_from_case
 from broker.errors import LayoutError
 from broker.layout import GroupKind
 from broker.models import build_engine_layout, hma_block_size, mamba_state_bytes
@@ -21,6 +20,7 @@ from broker.presets import (
     resolve_model,
     vllm_kv_cache_groups,
 )
+from harness.cases import model_from_case
 
 CASES = sorted((Path(__file__).parent / "data" / "testvectors" / "cases").glob("*.json"))
 

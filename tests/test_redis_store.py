@@ -25,13 +25,13 @@ from broker.api import PlanQuery, Publication, Report
 from broker.config import ServiceConfig
 from broker.errors import StoreUnavailableError
 from broker.records import ReleaseEvent, TransferRecord
-from broker.scenarios import Scenario, build_scenario
 from broker.service import BrokerService
 from broker.store.contract import REDELIVER_MS
 from broker.store.redis import RedisStateStore
 from broker.v1 import broker_pb2 as pb
 from broker.v1 import broker_pb2_grpc as pb_grpc
 from broker.wire import ReleaseReason, ReportStatus, Role
+from harness.scenarios import Scenario, build_scenario
 
 #: The transfer every fleet publishes: id t1 of prefill engine P.
 T1 = ("P", "t1")

@@ -23,8 +23,8 @@ from broker.models import build_engine_layout
 from broker.v1 import broker_pb2 as pb
 from broker.v1 import broker_pb2_grpc as pb_grpc
 from broker.wire import ReleaseReason
-from clients.loopback import BrokerProcess
 from clients.prefill import AsyncPrefillClient, Release
+from harness.brokers import BrokerProcess
 
 TRANSFERS = 40
 BACKLOG_BYTES = 2048  # about 15 of the events below

@@ -28,13 +28,14 @@ from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prerequisites import require_module
 
+from broker.client_security import ChannelSecurity
 from broker.layout import GroupKind
 from broker.models import AttentionParams, ModelSpec
-from broker.scenarios import Scenario, build_scenario
-from broker.security import ChannelSecurity
 from broker.v1 import broker_pb2 as pb
 from broker.v1 import broker_pb2_grpc as pb_grpc
-from clients.loopback import BrokerProcess, PairSpec, run_fleet
+from harness.brokers import BrokerProcess
+from harness.fleet import PairSpec, run_fleet
+from harness.scenarios import Scenario, build_scenario
 
 WAIT_S = 10.0
 #: Callers with a certificate and a token: two engines of each role and an operator.

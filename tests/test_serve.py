@@ -14,9 +14,9 @@ import grpc
 from broker_helpers import hybrid, register_request
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from broker.scenarios import build_scenario
 from broker.v1 import broker_pb2 as pb
 from broker.v1 import broker_pb2_grpc as pb_grpc
+from harness.scenarios import build_scenario
 
 
 def serve(*flags: str, **env: str) -> subprocess.Popen:

@@ -30,9 +30,9 @@ from broker.errors import (
     RequestError,
 )
 from broker.planner import PairPlanner
-from broker.scenarios import Scenario, build_scenario
 from broker.service import BrokerService
 from broker.wire import ReleaseReason, ReportStatus, Role, TransferState
+from harness.scenarios import Scenario, build_scenario
 
 #: Every test runs against the in-memory store and against Redis (tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("default_store")

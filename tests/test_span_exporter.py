@@ -23,7 +23,7 @@ from broker.span_exporter import (
     accept_encoded_requests,
     unpack_span,
 )
-from clients.trace_receiver import TraceReceiver
+from harness.trace_receiver import TraceReceiver
 
 
 @pytest.mark.parametrize("module_name", OTLP_EXPORTER_MODULES)

@@ -26,11 +26,11 @@ from broker_helpers import hybrid, register_request
 from conftest import RedisServer, free_port, start_redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from broker.scenarios import build_scenario
 from broker.v1 import broker_pb2 as pb
 from broker.v1 import broker_pb2_grpc as pb_grpc
-from clients.loopback import BrokerProcess
-from clients.session import FailoverStub
+from clients.protocol import FailoverStub
+from harness.brokers import BrokerProcess
+from harness.scenarios import build_scenario
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from broker.cases import load_case
 from broker.cli import main
 from broker.planner import PairPlanner
+from harness.cases import load_case
 
 VECTORS = Path(__file__).parent / "data" / "testvectors"
 CASES = sorted((VECTORS / "cases").glob("*.json"))

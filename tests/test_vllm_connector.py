@@ -43,8 +43,8 @@ from vllm.v1.request import RequestStatus
 
 from broker.v1 import broker_pb2 as pb
 from broker.v1 import broker_pb2_grpc as pb_grpc
-from clients.loopback import BrokerProcess
 from clients.vllm.metadata import BROKER, DO_REMOTE_PREFILL, PREFILL_ENGINE, TRANSFER_ID
+from harness.brokers import BrokerProcess
 
 NUM_BLOCKS = 12
 #: Seconds a request may take on one engine (loads and releases travel in the background).
@@ -331,6 +331,32 @@ def test_prompt_state_moves_between_vllm_engines(
         )
         assert transfer_state(broker, params[TRANSFER_ID]) == "TRANSFER_STATE_COMPLETED"
         assert producer.free_blocks == free  # the release freed the prefill blocks
+    finally:
+        consumer.close()
+        producer.close()
+
+
+def test_engines_fail_over_from_a_broker_address_that_does_not_answer(
+    broker: BrokerProcess, tmp_path: Path
+) -> None:
+    """Both engines list a dead address before the live broker: the scheduler's publish and
+    the workers' registrations, plans and releases move on to the live one."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    brokers = f"{dead},{broker.address}"
+    model = write_model("qwen3.5-0.8b", tmp_path / "m")
+    producer = make_engine(model, 1, "kv_producer", "prefill-0", brokers)
+    consumer = make_engine(model, 1, "kv_consumer", "decode-0", brokers)
+    try:
+        free = producer.free_blocks
+        prompt = list(range(1, 801))
+        params = prefill(producer, "r1", prompt)
+        assert params is not None and params[BROKER] == brokers
+        seen = decode(consumer, "r1", prompt, params, producer)
+        assert seen["scheduled"] == [1, 1, 1]
+        assert transfer_state(broker, params[TRANSFER_ID]) == "TRANSFER_STATE_COMPLETED"
+        assert producer.free_blocks == free
     finally:
         consumer.close()
         producer.close()

@@ -1,9 +1,9 @@
 """vLLM 0.33 engines on CPU for the connector tests, built from vLLM's own pieces
-(:mod:`clients.vllm.cpu_engine`: config, KV-cache groups, cache tensors). An :class:`Engine`
+(:mod:`harness.vllm.cpu_engine`: config, KV-cache groups, cache tensors). An :class:`Engine`
 runs vLLM's ``Scheduler`` (which builds the scheduler-side connector itself) with one
 worker-side connector per TP rank.
 
-Importing this module configures vLLM for CPU (see :mod:`clients.vllm.cpu_engine`); where vLLM
+Importing this module configures vLLM for CPU (see :mod:`harness.vllm.cpu_engine`); where vLLM
 cannot be imported it skips the importing test module, saying why, or fails it under CI and
 when vLLM is installed but broken (:mod:`prerequisites`).
 """
@@ -17,7 +17,7 @@ from typing import Any
 from prerequisites import require_module
 
 # Before any other vLLM import: the module sets vLLM's environment for CPU.
-cpu_engine = require_module("clients.vllm.cpu_engine", "vllm", distribution="vllm")
+cpu_engine = require_module("harness.vllm.cpu_engine", "vllm", distribution="vllm")
 allocate, kv_cache_config = cpu_engine.allocate, cpu_engine.kv_cache_config
 vllm_config, write_model = cpu_engine.vllm_config, cpu_engine.write_model
 

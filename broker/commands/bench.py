@@ -12,9 +12,12 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from broker.planner import PairPlanner
-from broker.scenarios import Scenario, build_scenario
+
+if TYPE_CHECKING:
+    from harness.scenarios import Scenario
 
 #: (name, preset, prefill tp, decode tp, tokens, kernel block size; 0 = logical block size)
 PLANNER_SCENARIOS = (
@@ -185,10 +188,11 @@ def lowest_medians_us(
 def run_planner(args: argparse.Namespace) -> int:
     """Our planner's per-request time next to vLLM's connector for the same request."""
     from broker.presets import resolve_model
+    from harness.scenarios import build_scenario
 
     vllm = None
     if not args.no_vllm and importlib.util.find_spec("vllm") is not None:
-        from clients.vllm import nixl_reference as vllm
+        from harness.vllm import nixl_reference as vllm
 
     results = []
     for name, preset, p_tp, d_tp, tokens, kbs in PLANNER_SCENARIOS:
@@ -270,8 +274,9 @@ def _emit(args: argparse.Namespace, name: str, result: dict, table: str) -> None
 
 def run_bytes(args: argparse.Namespace) -> int:
     """All decode ranks of a homogeneous pair: naive whole padded pages vs the plan's bytes."""
+    from broker.models import with_kv_dtype
     from broker.presets import resolve_model
-    from broker.scenarios import with_kv_dtype
+    from harness.scenarios import build_scenario
 
     series = []
     for name, preset, tp, kv_dtype in BYTES_MODELS:
@@ -353,6 +358,7 @@ def _plot_bytes(series: list[dict], path: Path) -> None:
 def run_descriptors(args: argparse.Namespace) -> int:
     """Descriptors per request (all decode ranks), contiguous and fragmented block ids."""
     from broker.presets import resolve_model
+    from harness.scenarios import build_scenario
 
     rows = []
     for name, preset, p_tp, d_tp in DESCRIPTOR_PAIRS:
@@ -381,7 +387,8 @@ def run_descriptors(args: argparse.Namespace) -> int:
 def run_transfer(args: argparse.Namespace) -> int:
     """Real plans through NIXL vs per-block descriptors, one descriptor and memcpy."""
     from broker.presets import resolve_model
-    from clients.transfer_bench import run_transfer_bench
+    from harness.scenarios import build_scenario
+    from harness.transfer_bench import run_transfer_bench
 
     sc = build_scenario(
         resolve_model(args.model),
@@ -417,7 +424,8 @@ def run_transfer(args: argparse.Namespace) -> int:
 def run_control_plane(args: argparse.Namespace) -> int:
     """``GetTransferPlan`` over gRPC per client count, then first contact of new pairs."""
     from broker.presets import resolve_model
-    from clients.control_plane_bench import TARGET_P99_MS, TARGET_PLANS_PER_S, control_plane
+    from harness.control_plane_bench import TARGET_P99_MS, TARGET_PLANS_PER_S, control_plane
+    from harness.scenarios import build_scenario
 
     sc = build_scenario(resolve_model(args.model), args.prefill_tp, args.decode_tp, args.tokens)
     r = control_plane(

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from clients.loopback import FleetReport
-    from clients.trace_receiver import ReceivedSpan
+    from harness.fleet import FleetReport
+    from harness.trace_receiver import ReceivedSpan
 
 #: (label, preset, prefill TP, decode TP, fewest tokens, most tokens) of the demo's engine pairs.
 PAIRS = (
@@ -67,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
     if args.requests <= 0 or args.inflight <= 0:
         raise SystemExit("pdbroker demo: error: --requests and --inflight must be positive")
     from broker.presets import resolve_model
-    from clients.loopback import PairSpec, RunningBrokers, run_fleet
+    from harness.brokers import RunningBrokers
+    from harness.fleet import PairSpec, run_fleet
 
     pairs = [
         PairSpec(label, resolve_model(name), p_tp, d_tp, lo, hi)
@@ -76,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     brokers = RunningBrokers(args.broker) if args.broker else None
     spans: list[ReceivedSpan] = []
     if args.trace:
-        from clients.trace_receiver import TraceReceiver
+        from harness.trace_receiver import TraceReceiver
 
         with TraceReceiver() as receiver:
             os.environ.update(receiver.environment())  # inherited by every process of the fleet
@@ -115,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
 
 def format_trace(spans: list[ReceivedSpan], transfer_id: str) -> str:
     """A heading and the span tree of ``transfer_id``'s trace (found by its publish span)."""
-    from clients.trace_receiver import span_tree
+    from harness.trace_receiver import span_tree
 
     roots = [
         s

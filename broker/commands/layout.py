@@ -7,9 +7,8 @@ import json
 from pathlib import Path
 
 from broker.layout import EngineLayout, GroupLayout, RankLayout
-from broker.models import build_engine_layout, hma_block_size
+from broker.models import build_engine_layout, hma_block_size, with_kv_dtype
 from broker.presets import model_from_hf_file, preset_names, resolve_model
-from broker.scenarios import with_kv_dtype
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -6,10 +6,9 @@ import argparse
 import json
 from pathlib import Path
 
-from broker.cases import load_case
 from broker.errors import LayoutError
+from broker.models import with_kv_dtype
 from broker.planner import PairPlanner, TransferPlan
-from broker.scenarios import build_scenario, with_kv_dtype
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -29,6 +28,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.case:
+        from harness.cases import load_case
+
         try:
             raw = json.loads(args.case.read_text())
         except (OSError, json.JSONDecodeError) as exc:
@@ -37,6 +38,7 @@ def run(args: argparse.Namespace) -> int:
         prefill, decode, request = case.prefill, case.decode, case.request
     else:
         from broker.presets import resolve_model
+        from harness.scenarios import build_scenario
 
         model = with_kv_dtype(resolve_model(args.model), args.kv_dtype)
         sc = build_scenario(

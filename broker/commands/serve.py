@@ -3,7 +3,7 @@ SIGINT/SIGTERM.
 
 The port speaks TLS (``--tls-cert``/``--tls-key``), with client certificates
 (``--tls-client-ca``) and/or bearer tokens (``--auth-tokens``) identifying and authorizing
-callers; plaintext only with ``--insecure``, which logs a warning (:mod:`broker.security`).
+callers; plaintext only with ``--insecure``, which logs a warning (:mod:`broker.server_security`).
 
 A configuration that cannot work ends the command before it serves, with one line
 ``pdbroker serve: error: --flag: why`` on stderr and exit status 1: an unreadable or non-PEM
@@ -32,8 +32,8 @@ from broker.service import BrokerService
 from broker.store.contract import StateStore
 
 if TYPE_CHECKING:
-    from broker.security import ServerSecurity
     from broker.server import BrokerServer
+    from broker.server_security import ServerSecurity
 
 log = logging.getLogger("broker.serve")
 
@@ -270,7 +270,7 @@ def _resolve(args: argparse.Namespace) -> None:
 def _security(args: argparse.Namespace) -> ServerSecurity:
     """The port's security from the flags, else the environment; exits naming the flag of a
     missing or contradictory setting."""
-    from broker.security import ServerSecurity
+    from broker.server_security import ServerSecurity
 
     files = {}
     for flag, env, _ in _SECURITY_FILES:

@@ -1,8 +1,9 @@
 """``pdbroker soak``: a bounded load run against a real ``pdbroker serve`` process.
 
-Prefill and decode engines (fake memory, no NIXL: :mod:`clients.soak`) spread over worker
-processes push transfers through publish, plan, report and release for ``--seconds``, mostly
-on the happy path, some failed, reported twice, aborted or left to expire. Then the run
+Prefill and decode engines (the client library over a transport that moves no memory:
+:mod:`harness.soak`) spread over worker processes push transfers through publish, plan,
+report and release for ``--seconds``, mostly on the happy path, some failed, reported twice,
+aborted or left to expire. Then the run
 drains and checks that every published transfer was released exactly once by every prefill
 rank and that the broker holds no unfinished transfer. Broker RSS is sampled every second;
 its growth is the end of the load against the end of a warm-up (once planner caches,
@@ -24,8 +25,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from clients.loopback import BrokerProcess
-    from clients.soak import Fleet, WorkerResult
+    from harness.brokers import BrokerProcess
+    from harness.soak import Fleet, WorkerResult
 
 #: Broker retention of finished transfers (ms): short, so its steady state comes in the warm-up.
 RETENTION_MS = 5_000
@@ -60,7 +61,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default="qwen3.5-0.8b", help="a preset name")
     p.add_argument("--min-tokens", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=8192)
-    p.add_argument("--workers", type=int, default=2, help="client processes")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=2,
+        help="client processes (at most one per prefill and per decode engine)",
+    )
     p.add_argument("--lanes", type=int, default=16, help="concurrent transfers per worker")
     p.add_argument(
         "--rate", type=float, default=DEFAULT_RATE, help="transfers started a second; 0: no limit"
@@ -71,14 +77,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from clients.loopback import BrokerProcess
-    from clients.soak import Fleet
+    from harness.brokers import BrokerProcess
+    from harness.soak import Fleet
 
     if args.prefill_ranks % args.prefill_tp or args.decode_ranks % args.decode_tp:
         raise SystemExit("pdbroker soak: error: ranks must be multiples of the engines' TP")
     if min(args.seconds, args.lanes, args.workers, args.min_tokens) <= 0 or args.rate < 0:
         raise SystemExit("pdbroker soak: error: durations, counts and the rate must be positive")
     prefill_engines = args.prefill_ranks // args.prefill_tp
+    decode_engines = args.decode_ranks // args.decode_tp
     broker = BrokerProcess("--retention-ms", str(RETENTION_MS), "--log-level", "ERROR")
     try:
         fleet = Fleet(
@@ -86,11 +93,11 @@ def run(args: argparse.Namespace) -> int:
             args.model,
             prefill_engines,
             args.prefill_tp,
-            args.decode_ranks // args.decode_tp,
+            decode_engines,
             args.decode_tp,
             args.min_tokens,
             max(args.min_tokens, args.max_tokens),
-            min(args.workers, prefill_engines),
+            min(args.workers, prefill_engines, decode_engines),
             args.lanes,
             args.rate,
         )
@@ -117,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _soak(broker: BrokerProcess, fleet: Fleet, seconds: float, seed: int) -> dict:
     """Start the workers, run the load, sample the broker's RSS, collect and check."""
-    from clients.soak import worker_main
+    from harness.soak import worker_main
 
     ctx = mp.get_context("spawn")
     conns: list[Connection] = []

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from broker.tracing import trace_id_of
 
 if TYPE_CHECKING:
-    from broker.security import ChannelSecurity
+    from broker.client_security import ChannelSecurity
     from broker.v1 import broker_pb2 as pb
 
 DEFAULT_BROKER = "127.0.0.1:50151"
@@ -61,7 +61,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def _security(args: argparse.Namespace) -> ChannelSecurity:
     """How to connect, from the flags, else the environment; exits naming a bad option."""
-    from broker.security import ChannelSecurity
+    from broker.client_security import ChannelSecurity
 
     files = {}
     for flag, env, _ in _SECURITY_FILES:
@@ -77,7 +77,7 @@ def _security(args: argparse.Namespace) -> ChannelSecurity:
 
 def _security_error(args: argparse.Namespace, exc: ValueError) -> SystemExit:
     """``exc`` as the command's error, naming the flag of the field it names (the flags are
-    the :class:`~broker.security.ChannelSecurity` fields)."""
+    the :class:`~broker.client_security.ChannelSecurity` fields)."""
     field, _, detail = str(exc).partition(": ")
     return SystemExit(f"pdbroker {args.command}: error: --{field.replace('_', '-')}: {detail}")
 

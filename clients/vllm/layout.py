@@ -36,7 +36,7 @@ from vllm.v1.kv_cache_interface import (
 from broker.errors import LayoutError
 from broker.layout import GroupKind, GroupLayout, RankLayout, Segment, contiguous_strides
 from broker.models import split_evenly, split_or_replicate
-from clients.nixl_transport import DRAM, VRAM, Region
+from clients.transport import DRAM, VRAM, Region
 
 #: KV-cache quantisations whose page is one dense ``[heads, kbs, K|V]`` array (no scales).
 _DENSE_QUANT = (KVQuantMode.NONE, KVQuantMode.FP8_PER_TENSOR)

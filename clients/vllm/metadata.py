@@ -16,7 +16,8 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from broker.security import ChannelSecurity
+from broker.client_security import ChannelSecurity
+from clients.protocol import broker_addresses
 
 #: Set by the proxy on the prefill leg: run the prompt here, keep the state for a decode engine.
 DO_REMOTE_DECODE = "do_remote_decode"
@@ -64,13 +65,14 @@ def pending_transfer(params: Mapping[str, Any] | None) -> PendingTransfer | None
 class ConnectorSettings:
     """``kv_connector_extra_config`` of the connector. Durations in seconds, TTL in ms.
 
-    ``broker``: ``HOST:PORT`` of ``pdbroker serve`` (required). ``publish_ttl_ms``: how long a
+    ``broker``: ``HOST:PORT`` of ``pdbroker serve`` (required), or of replicas sharing a
+    store, comma-separated (calls fail over between them). ``publish_ttl_ms``: how long a
     published request's blocks wait for a decode engine (0: the broker's default).
     ``model_name``: what prefill and decode engines of one model both call it (default: the
     served model name), prefixed to the layout digest in the model fingerprint.
     ``progress_interval_s``: how often a prefill rank polls its NIXL agent (readers' wire-up
     and their notifications need it). ``tls_ca``, ``tls_cert``, ``tls_key``, ``token_file``:
-    the broker connection's :class:`~broker.security.ChannelSecurity` (files; plaintext when
+    the broker connection's :class:`~broker.client_security.ChannelSecurity` (files; plaintext when
     ``tls_ca`` is empty); a client certificate or token must name the engine's ``engine_id``.
     """
 
@@ -94,9 +96,15 @@ class ConnectorSettings:
             raise ValueError(
                 f"kv_connector_extra_config: unknown keys {sorted(unknown)}; known: {sorted(known)}"
             )
-        if not isinstance(extra.get("broker"), str) or ":" not in extra["broker"]:
+        broker = extra.get("broker")
+        if (
+            not isinstance(broker, str)
+            or not broker.strip(", ")
+            or not all(":" in a for a in broker_addresses(broker))
+        ):
             raise ValueError(
-                'kv_connector_extra_config.broker: required, "HOST:PORT" of the broker'
+                'kv_connector_extra_config.broker: required, "HOST:PORT" of the broker '
+                '(or "HOST:PORT,HOST:PORT" of replicas sharing a store)'
             )
         # Every other field has a default whose type the value is converted to.
         settings = cls(

@@ -13,26 +13,28 @@ tokens, :meth:`update_state_after_alloc` records the blocks vLLM allocated for t
 (finished before its load, or a full local prefix-cache hit) has its transfer aborted so the
 prefill engine frees the blocks at once rather than at expiry.
 
-Broker calls from the scheduler process use a blocking gRPC channel: a publish (one RPC, on
-the scheduler thread, as the answer decides the request's output) and aborts (on a background
-thread, fire and forget).
+Broker calls from the scheduler process go through the same client code as the workers'
+(:mod:`clients.protocol` on a :class:`~clients.session.LoopThread`): a
+:class:`~clients.protocol.FailoverStub` over the ``broker`` addresses, a publish whose reply
+was lost with its replica reconciled. A publish blocks the scheduler thread (its answer
+decides the request's output) for at most ``call_timeout_s``; aborts are fire and forget.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import secrets
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-import grpc
 from vllm.v1.kv_cache_interface import KVCacheConfig, MambaSpec, iter_layer_specs
 from vllm.v1.request import RequestStatus
 
 from broker import tracing
-from broker.v1 import broker_pb2 as pb
-from broker.v1 import broker_pb2_grpc as pb_grpc
+from clients import protocol
+from clients.protocol import BrokerCallError, FailoverStub
+from clients.session import LoopThread
 from clients.vllm.metadata import (
     DO_REMOTE_DECODE,
     DO_REMOTE_PREFILL,
@@ -74,9 +76,9 @@ class SchedulerHalf:
         self._scratch = [_scratch_blocks(g.kv_cache_spec) for g in kv_cache_config.transfer_groups]
         self._loads: dict[str, LoadSpec] = {}
         self._sends: dict[str, str] = {}
-        self._channel: grpc.Channel | None = None
-        self._stub: pb_grpc.BrokerStub | None = None
-        self._aborter = ThreadPoolExecutor(1, thread_name_prefix="pdbroker-abort")
+        self._loop: LoopThread | None = None
+        self._stub: FailoverStub | None = None
+        self._aborts: set[concurrent.futures.Future[None]] = set()  # not finished yet
 
     # ---------------------------------------------------------------- prefill leg
 
@@ -125,14 +127,14 @@ class SchedulerHalf:
         transfer_id = f"{self.engine_id}:{request.request_id}:{secrets.token_hex(4)}"
         try:
             self._publish(transfer_id, groups, request.num_computed_tokens)
-        except grpc.RpcError as exc:
+        except BrokerCallError as exc:
             log.warning(
                 "cannot publish %s to the broker at %s (%s: %s); the decode engine will "
                 "compute the prompt itself",
                 request.request_id,
                 self.settings.broker,
-                exc.code().name,
-                exc.details(),
+                exc.code.name,
+                exc.details,
             )
             return False, None
         self._sends[transfer_id] = request.request_id
@@ -200,22 +202,33 @@ class SchedulerHalf:
         return meta
 
     def shutdown(self) -> None:
-        self._aborter.shutdown(wait=True)
-        if self._channel is not None:
-            self._channel.close()
-            self._channel = self._stub = None
+        """Let pending aborts finish, close the broker channels, stop the loop thread."""
+        loop, self._loop = self._loop, None
+        if loop is None:
+            return
+        try:
+            concurrent.futures.wait(list(self._aborts))
+            if self._stub is not None:
+                loop.run(self._stub.close())
+        finally:
+            self._stub = None
+            loop.close()
 
     # ---------------------------------------------------------------- broker calls
 
-    def _broker(self) -> pb_grpc.BrokerStub:
-        if self._stub is None:
-            self._channel = self.settings.channel_security().channel(self.settings.broker)
-            self._stub = pb_grpc.BrokerStub(self._channel)
-        return self._stub
+    def _broker(self) -> tuple[LoopThread, FailoverStub]:
+        if self._loop is None or self._stub is None:
+            self._loop = LoopThread(f"pdbroker-{self.engine_id}-scheduler")
+            self._stub = FailoverStub(self.settings.broker, self.settings.channel_security())
+        return self._loop, self._stub
 
     def _publish(
         self, transfer_id: str, block_ids: tuple[tuple[int, ...], ...], num_tokens: int
     ) -> None:
+        loop, stub = self._broker()
+        request = protocol.publication(
+            transfer_id, self.engine_id, block_ids, num_tokens, ttl_ms=self.settings.publish_ttl_ms
+        )
         with tracing.root_span(
             "prefill.publish",
             {
@@ -224,36 +237,26 @@ class SchedulerHalf:
                 "pdbroker.num_tokens": num_tokens,
             },
         ):
-            self._broker().PublishBlocks(
-                pb.PublishBlocksRequest(
-                    transfer_id=transfer_id,
-                    engine_id=self.engine_id,
-                    block_ids=[pb.BlockIds(ids=list(g)) for g in block_ids],
-                    num_tokens=num_tokens,
-                    ttl_ms=self.settings.publish_ttl_ms,
-                ),
-                timeout=self.settings.call_timeout_s,
-                metadata=tracing.grpc_metadata() or None,
-            )
+            loop.run(protocol.publish(stub, request, self.settings.call_timeout_s))
 
     def _abort(self, transfer_id: str, reason: str) -> None:
         """Tell the broker (in the background) that nobody will read ``transfer_id``."""
-        stub, timeout = self._broker(), self.settings.call_timeout_s
+        loop, stub = self._broker()
 
-        def abort() -> None:
+        async def abort() -> None:
             try:
-                stub.AbortTransfer(
-                    pb.AbortTransferRequest(transfer_id=transfer_id, reason=reason), timeout=timeout
-                )
-            except grpc.RpcError as exc:
+                await protocol.abort(stub, transfer_id, reason, self.settings.call_timeout_s)
+            except BrokerCallError as exc:
                 log.warning(
                     "cannot abort transfer %s (%s: %s); it expires at the broker",
                     transfer_id,
-                    exc.code().name,
-                    exc.details(),
+                    exc.code.name,
+                    exc.details,
                 )
 
-        self._aborter.submit(abort)
+        future = loop.submit(abort())
+        self._aborts.add(future)
+        future.add_done_callback(self._aborts.discard)
 
 
 def _scratch_blocks(spec: object) -> int | None:

@@ -19,7 +19,6 @@ aborted) becomes a finished send of the request that published it, and vLLM free
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 from collections.abc import Coroutine
@@ -31,10 +30,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
 
 from broker.layout import EngineLayout
-from broker.v1 import broker_pb2 as pb
 from clients.decode import AsyncDecodeClient, FetchError
 from clients.prefill import AsyncPrefillClient, Release
-from clients.session import AsyncEngineClient, BrokerCallError, LoopThread, call
+from clients.protocol import BrokerCallError, broker_addresses
+from clients.session import AsyncEngineClient, LoopThread
 from clients.vllm.layout import ModelFacts, derive_rank_memory, model_fingerprint
 from clients.vllm.metadata import ConnectorSettings, LoadSpec, PdBrokerMetadata
 
@@ -186,7 +185,7 @@ class WorkerHalf:
 
     def _submit(self, coro: Coroutine[Any, Any, None]) -> Future[None]:
         assert self._loop is not None, "register_kv_caches() first"
-        return asyncio.run_coroutine_threadsafe(coro, self._loop.loop)
+        return self._loop.submit(coro)
 
     def _on_release(self, release: Release) -> None:
         with self._released_lock:
@@ -196,18 +195,13 @@ class WorkerHalf:
         """Check, plan, read and report one transfer; raises :class:`LoadError` if unusable."""
         client = self.client
         assert isinstance(client, AsyncDecodeClient)
-        if spec.broker != self.settings.broker:
+        if set(broker_addresses(spec.broker)) != set(broker_addresses(self.settings.broker)):
             raise LoadError(
                 f"transfer {spec.transfer_id} waits at broker {spec.broker}, this "
                 f"engine is registered with {self.settings.broker}"
             )
         try:
-            info = await call(
-                client.stub,
-                "GetTransfer",
-                pb.GetTransferRequest(transfer_id=spec.transfer_id),
-                self.settings.call_timeout_s,
-            )
+            info = await client.transfer(spec.transfer_id)
         except BrokerCallError as exc:
             raise LoadError(str(exc)) from None
         if spec.prefill_engine and info.prefill_engine_id != spec.prefill_engine:
@@ -242,12 +236,7 @@ class WorkerHalf:
 
     async def _abort(self, client: AsyncDecodeClient, transfer_id: str, reason: str) -> None:
         try:
-            await call(
-                client.stub,
-                "AbortTransfer",
-                pb.AbortTransferRequest(transfer_id=transfer_id, reason=reason),
-                self.settings.call_timeout_s,
-            )
+            await client.abort(transfer_id, reason)
         except BrokerCallError as exc:
             log.warning("cannot abort transfer %s: %s", transfer_id, exc)
 

@@ -1,8 +1,8 @@
 """vLLM 0.33's own NIXL connector (pull mode) driven on CPU: its decode-side work for one
 request, the side-by-side figure of ``pdbroker bench planner``.
 
-For a scenario (:class:`broker.scenarios.Scenario`: model, TP sizes, block ids of one request)
-:class:`VllmDecodeSide` builds, from vLLM's own objects (:mod:`clients.vllm.cpu_engine`), the
+For a scenario (:class:`harness.scenarios.Scenario`: model, TP sizes, block ids of one request)
+:class:`VllmDecodeSide` builds, from vLLM's own objects (:mod:`harness.vllm.cpu_engine`), the
 decode engine's rank 0 and the prefill ranks it reads from as ``NixlPullConnectorWorker``
 objects registering CPU caches shaped as vLLM allocates them for that model and TP size
 (FlashAttention pages, or FlashInfer's 16-token kernel blocks). vLLM's code runs unchanged;
@@ -41,7 +41,7 @@ os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 # cpu_engine first: it configures vLLM for CPU before vLLM is imported.
-from clients.vllm.cpu_engine import (
+from harness.vllm.cpu_engine import (
     MAMBA_TYPES,
     allocate,
     kv_cache_config,
@@ -69,7 +69,7 @@ from vllm.v1.attention.selector import get_mamba_attn_backend
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec, MambaSpec
 
 from broker.layout import EngineLayout
-from broker.scenarios import Scenario
+from harness.scenarios import Scenario
 
 PREFILL_ID, DECODE_ID = "prefill", "decode"
 HOST = "127.0.0.1"

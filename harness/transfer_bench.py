@@ -1,7 +1,7 @@
 """Transfer throughput through NIXL between two processes, measured side by side in one run.
 
 A prefill process holds one prefill rank's regions (DRAM, or VRAM on a chosen GPU) holding the
-request's state as :mod:`clients.pattern` derives it from the prefill layout; this process is
+request's state as :mod:`harness.pattern` derives it from the prefill layout; this process is
 decode rank 0 and reads, through NIXL over UCX:
 
 - ``coalesced``: the broker's plan for a real request (runs merged where contiguous);
@@ -11,7 +11,7 @@ decode rank 0 and reads, through NIXL over UCX:
   machine's limit).
 
 After every read of a plan each byte of decode rank 0's regions is compared with what its own
-layout says the request must leave there (:func:`clients.pattern.check_decode`, which never
+layout says the request must leave there (:func:`harness.pattern.check_decode`, which never
 looks at the plan). Throughput is the median of ``repeats`` reads, each timed from posting the
 descriptors to completion.
 """
@@ -29,9 +29,10 @@ import numpy as np
 
 from broker.layout import EngineLayout
 from broker.planner import PairPlanner, RankPlan
-from broker.scenarios import Scenario
-from clients.nixl_transport import DRAM, VRAM, NixlAgent
-from clients.pattern import POISON, Contents, check_decode, decode_limits, fill_prefill
+from clients.nixl_transport import NixlAgent
+from clients.transport import DRAM, VRAM
+from harness.pattern import POISON, Contents, check_decode, decode_limits, fill_prefill
+from harness.scenarios import Scenario
 
 #: Salt of the benchmark's request in the pattern.
 SALT = 29

@@ -1,11 +1,12 @@
-"""Ready-made planning scenarios: a model at two TP sizes and a request with fresh block ids.
+"""Ready-made planning scenarios: a model at two TP sizes and a request with fresh block ids,
+and the blocks a request takes per group.
 
-Used by the CLI, the demo and the benchmarks; tests use it to build realistic requests.
+Used by ``pdbroker plan`` and ``bench``, the fleet, the soak and the benchmarks; tests use it
+to build realistic requests.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from broker.layout import EngineLayout
@@ -21,15 +22,6 @@ class Scenario:
     request: TransferRequest
 
 
-def with_kv_dtype(model: ModelSpec, kv_dtype: str | None) -> ModelSpec:
-    """``model`` with its KV cache stored in ``kv_dtype`` (e.g. ``fp8``)."""
-    if not kv_dtype or model.attention is None:
-        return model
-    return dataclasses.replace(
-        model, attention=dataclasses.replace(model.attention, dtype=kv_dtype)
-    )
-
-
 def fresh_block_ids(
     layout: EngineLayout, num_tokens: int, first_block: int = 0, stride: int = 1
 ) -> tuple[tuple[int, ...], ...]:
@@ -42,6 +34,14 @@ def fresh_block_ids(
         ids.append(tuple(range(nxt, nxt + count * stride, stride)))
         nxt += count * stride
     return tuple(ids)
+
+
+def block_counts(layout: EngineLayout, num_tokens: int, mamba_blocks: int = 1) -> list[int]:
+    """Blocks a request takes per group: its pages for attention, ``mamba_blocks`` state
+    blocks for Mamba."""
+    return [
+        -(-num_tokens // g.block_size) if g.is_attention else mamba_blocks for g in layout.groups
+    ]
 
 
 def blocks_needed(layout: EngineLayout, num_tokens: int, stride: int = 1) -> int:

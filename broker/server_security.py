@@ -1,7 +1,7 @@
-"""Transport security of the broker's gRPC port: what the server demands
-(:class:`ServerSecurity`, the ``pdbroker serve`` flags) and how clients connect
-(:class:`ChannelSecurity`). Certificates and keys are PEM files; who may do what once a caller
-is identified is :mod:`broker.auth`.
+"""What the broker's gRPC port demands (:class:`ServerSecurity`, the ``pdbroker serve``
+flags): TLS credentials checked at start-up and the authorization guard of the servicer.
+Certificates and keys are PEM files; who may do what once a caller is identified is
+:mod:`broker.auth`; how clients connect is :mod:`broker.client_security`.
 
 Server modes: TLS (``tls_cert`` + ``tls_key``); mutual TLS (also ``tls_client_ca``: every
 client must present a certificate it signed, whose names identify the caller); bearer tokens
@@ -12,22 +12,14 @@ certificates or tokens are on; TLS alone only encrypts.
 
 from __future__ import annotations
 
-import ipaddress
-import logging
 import ssl
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 
 import grpc
 
 from broker.auth import AccessGuard, Authenticator, TokenTable
+from broker.client_security import read_file
 from broker.store.contract import StateStore
-
-log = logging.getLogger(__name__)
-
-#: Channel options: ``(name, value)`` pairs as gRPC takes them.
-Options = Sequence[tuple[str, int | str]]
 
 
 @dataclass(frozen=True)
@@ -82,9 +74,9 @@ class ServerSecurity:
         the certificate's: gRPC itself would only fail when the port opens."""
         if self.insecure:
             return None
-        chain = _read("--tls-cert", self.tls_cert)
-        key = _read("--tls-key", self.tls_key)
-        client_ca = _read("--tls-client-ca", self.tls_client_ca) if self.tls_client_ca else None
+        chain = read_file("--tls-cert", self.tls_cert)
+        key = read_file("--tls-key", self.tls_key)
+        client_ca = read_file("--tls-client-ca", self.tls_client_ca) if self.tls_client_ca else None
         _check_certificates("--tls-cert", self.tls_cert, chain)
         if client_ca is not None:
             _check_certificates("--tls-client-ca", self.tls_client_ca, client_ca)
@@ -128,111 +120,6 @@ class ServerSecurity:
         if not how:
             return "TLS without client authentication: any caller may act as any engine"
         return f"TLS, callers identified by {how}"
-
-
-@dataclass(frozen=True)
-class ChannelSecurity:
-    """How a client connects to the broker; the fields are the ``pdbroker status`` flags and
-    the vLLM connector's settings of the same names.
-
-    TLS when ``tls_ca`` is set: the broker's certificate must chain to it and name the
-    target's host. ``tls_cert`` + ``tls_key`` add this client's certificate (mutual TLS);
-    ``token`` is sent on every call as ``authorization: Bearer TOKEN``. The default is
-    plaintext, which logs a warning unless the target is a loopback address.
-    """
-
-    tls_ca: str = ""
-    tls_cert: str = ""
-    tls_key: str = ""
-    token: str = field(default="", repr=False)
-
-    def __post_init__(self) -> None:
-        if not self.tls_ca and (self.tls_cert or self.tls_key or self.token):
-            raise ValueError(
-                "tls_ca: a client certificate or token needs TLS, which needs the CA that "
-                "signed the broker's certificate"
-            )
-        if bool(self.tls_cert) != bool(self.tls_key):
-            raise ValueError("tls_cert: a client certificate needs both tls_cert and tls_key")
-
-    @classmethod
-    def from_files(
-        cls, tls_ca: str = "", tls_cert: str = "", tls_key: str = "", token_file: str = ""
-    ) -> ChannelSecurity:
-        """Like the constructor, with the token read from ``token_file`` (its only line)."""
-        token = _read("token_file", token_file).decode().strip() if token_file else ""
-        return cls(tls_ca, tls_cert, tls_key, token)
-
-    @property
-    def tls(self) -> bool:
-        return bool(self.tls_ca)
-
-    def credentials(self) -> grpc.ChannelCredentials | None:
-        """TLS (and token) credentials from the files; None for plaintext."""
-        if not self.tls:
-            return None
-        credentials = grpc.ssl_channel_credentials(
-            _read("tls_ca", self.tls_ca),
-            _read("tls_key", self.tls_key) if self.tls_key else None,
-            _read("tls_cert", self.tls_cert) if self.tls_cert else None,
-        )
-        if self.token:
-            credentials = grpc.composite_channel_credentials(
-                credentials, grpc.access_token_call_credentials(self.token)
-            )
-        return credentials
-
-    def channel(self, target: str, options: Options = ()) -> grpc.Channel:
-        """A blocking channel to ``target``."""
-        credentials = self._credentials_for(target)
-        if credentials is None:
-            return grpc.insecure_channel(target, options=options)
-        return grpc.secure_channel(target, credentials, options=options)
-
-    def aio_channel(self, target: str, options: Options = ()) -> grpc.aio.Channel:
-        """An asyncio channel to ``target``."""
-        credentials = self._credentials_for(target)
-        if credentials is None:
-            return grpc.aio.insecure_channel(target, options=options)
-        return grpc.aio.secure_channel(target, credentials, options=options)
-
-    def _credentials_for(self, target: str) -> grpc.ChannelCredentials | None:
-        credentials = self.credentials()
-        if credentials is None and not is_loopback(target):
-            log.warning(
-                "connecting to the broker at %s without TLS: traffic is readable and "
-                "unauthenticated (set tls_ca to use TLS)",
-                target,
-            )
-        return credentials
-
-
-#: The default of clients: plaintext, as before TLS existed (a warning unless on loopback).
-PLAINTEXT = ChannelSecurity()
-
-
-def is_loopback(target: str) -> bool:
-    """Whether a gRPC target (``HOST:PORT``, ``dns:///HOST:PORT``, ``ipv4:``/``ipv6:``,
-    ``unix:``) stays on this machine."""
-    if target.startswith(("unix:", "unix-abstract:")):
-        return True
-    for scheme in ("dns:///", "dns:", "ipv4:", "ipv6:"):
-        target = target.removeprefix(scheme)
-    host = target.rsplit(":", 1)[0] if target.count(":") == 1 or "]:" in target else target
-    host = host.strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def _read(field_name: str, path: str) -> bytes:
-    try:
-        return Path(path).read_bytes()
-    except OSError as exc:
-        raise ValueError(f"{field_name}: cannot read {path}: {exc.strerror}") from None
 
 
 def _tls_context() -> ssl.SSLContext:

@@ -1,0 +1,106 @@
+"""Brokers for the harness: a ``pdbroker serve`` process on a loopback port, or replicas
+already running, as :func:`harness.fleet.run_fleet` and the tests use them."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import threading
+from collections.abc import Sequence
+
+import grpc
+
+from broker.client_security import PLAINTEXT, ChannelSecurity
+from clients.protocol import broker_addresses
+
+
+class BrokerProcess:
+    """``pdbroker serve`` on an ephemeral loopback port; ``flags`` are more ``serve`` options
+    (``--metrics-port 0`` sets :attr:`metrics_url`); without ``--tls-cert`` among them it
+    serves plaintext (``--insecure``). ``security``: how :meth:`list_engines` connects (an
+    operator's credentials when the broker authorizes callers). What it prints after starting
+    goes to this process's stdout."""
+
+    def __init__(self, *flags: str, security: ChannelSecurity = PLAINTEXT) -> None:
+        self.security = security
+        plaintext = () if "--tls-cert" in flags else ("--insecure",)
+        self.process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "broker.cli",
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--log-level",
+                "WARNING",
+                *plaintext,
+                *flags,
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.process.stdout is not None
+        self.address = self.metrics_url = ""
+        while not self.address and (line := self.process.stdout.readline()):
+            if "metrics on" in line:
+                self.metrics_url = line.rsplit(" ", 1)[1].strip()
+            elif "listening on" in line:
+                self.address = line.rsplit(" ", 1)[1].strip()
+        if not self.address:
+            self.stop()
+            raise RuntimeError(f"the broker did not start (exit code {self.process.poll()})")
+        # Keep its stdout flowing (a console span exporter writes there).
+        threading.Thread(
+            target=shutil.copyfileobj, args=(self.process.stdout, sys.stdout), daemon=True
+        ).start()
+
+    def list_engines(self) -> tuple[str, ...]:
+        from broker.v1 import broker_pb2 as pb
+        from broker.v1 import broker_pb2_grpc as pb_grpc
+
+        with self.security.channel(self.address) as channel:
+            response = pb_grpc.BrokerStub(channel).ListEngines(pb.ListEnginesRequest(), timeout=10)
+        return tuple(e.engine_id for e in response.engines)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+class RunningBrokers:
+    """Brokers already running (replicas sharing a store), for :func:`run_fleet` in place of
+    a :class:`BrokerProcess`: engines get every address and fail over between them."""
+
+    def __init__(
+        self, addresses: str | Sequence[str], security: ChannelSecurity = PLAINTEXT
+    ) -> None:
+        self.addresses = broker_addresses(addresses)
+        self.address = ",".join(self.addresses)
+        self.security = security
+
+    def list_engines(self) -> tuple[str, ...]:
+        """The engines registered, from the first replica that answers."""
+        from broker.v1 import broker_pb2 as pb
+        from broker.v1 import broker_pb2_grpc as pb_grpc
+
+        error: grpc.RpcError | None = None
+        for address in self.addresses:
+            try:
+                with self.security.channel(address) as channel:
+                    response = pb_grpc.BrokerStub(channel).ListEngines(
+                        pb.ListEnginesRequest(), timeout=10
+                    )
+                return tuple(e.engine_id for e in response.engines)
+            except grpc.RpcError as exc:
+                error = exc
+        raise RuntimeError(f"no broker of {self.address} answered: {error}")
+
+    def stop(self) -> None:
+        """Nothing: they were running before and keep running."""
