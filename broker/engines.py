@@ -30,10 +30,7 @@ from broker.layout import EngineLayout
 from broker.planner import PairPlanner
 from broker.records import RankRecord, RankRegistration
 from broker.store.contract import StateStore
-from broker.wire import BlockIds, Role
-
-#: Block ids checked by one numpy call (see :func:`check_published_blocks`).
-_IDS_PER_STEP = 1 << 16
+from broker.wire import BlockIds, Role, ids_array
 
 
 @dataclass(frozen=True)
@@ -166,14 +163,7 @@ def check_published_blocks(layout: EngineLayout, block_ids: BlockIds, num_tokens
             "block_ids", f"expected {len(layout.groups)} groups, got {len(block_ids)}"
         )
     limit = layout.ranks[0].num_blocks
-    ids = np.concatenate(
-        [np.zeros(0, dtype=np.int64)]
-        + [  # a slice at a time: a huge request lets other threads run meanwhile
-            np.fromiter(g[start : start + _IDS_PER_STEP], dtype=np.int64)
-            for g in block_ids
-            for start in range(0, len(g), _IDS_PER_STEP)
-        ]
-    )
+    ids = np.concatenate([np.zeros(0, dtype=np.int64)] + [ids_array(g) for g in block_ids])
     if ids.size and (
         int(ids.min()) < 0 or int(ids.max()) >= limit or np.unique(ids).size != ids.size
     ):

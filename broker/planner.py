@@ -19,6 +19,7 @@ bytes equal the unpadded state the decode rank needs. Pure: no I/O, no clocks, n
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import chain, pairwise
@@ -155,6 +156,47 @@ class TransferPlan:
         return np.concatenate(parts) if parts else np.zeros((0, 7), dtype=_I64)
 
 
+#: Python ints a request's lists may hold before they are converted to numpy a slice at a
+#: time: one numpy call over a million Python ints would hold the interpreter for tens of
+#: milliseconds, and a huge request is planned on a thread beside the server's event loop.
+_VALUES_PER_STEP = 1 << 16
+
+
+def _large(values: list[int]) -> list[int] | np.ndarray:
+    """``values`` as they are, or converted to int64 a slice at a time when there are many
+    (see :data:`_VALUES_PER_STEP`)."""
+    if len(values) <= _VALUES_PER_STEP:
+        return values
+    return np.concatenate(
+        [
+            np.fromiter(values[i : i + _VALUES_PER_STEP], dtype=_I64)
+            for i in range(0, len(values), _VALUES_PER_STEP)
+        ]
+    )
+
+
+def _outside(ids: list[int] | np.ndarray, limit: int) -> bool:
+    """Whether an id lies outside ``[0, limit)``."""
+    if isinstance(ids, np.ndarray):
+        return bool(ids.size) and (int(ids.min()) < 0 or int(ids.max()) >= limit)
+    return bool(ids) and (min(ids) < 0 or max(ids) >= limit)
+
+
+def _ids(groups: Sequence[Sequence[int]]) -> list[int] | np.ndarray:
+    """All block ids of a request's groups (see :func:`_large`); groups given as int64
+    buffers (``array('q')``) are read without a copy."""
+    if not any(isinstance(g, array) for g in groups):
+        return _large(list(chain.from_iterable(groups)))
+    return np.concatenate(
+        [
+            np.frombuffer(g, dtype=_I64)
+            if isinstance(g, array)
+            else np.asarray(_large(list(g)), dtype=_I64)
+            for g in groups
+        ]
+    )
+
+
 # --------------------------------------------------------------------------- pair planner
 
 
@@ -248,7 +290,7 @@ class PairPlanner:
                 tids += [self._template_id(d, g, chunk)] * count
         if not slots:
             return tuple(RankPlan(d, (), naive_pages * self._d_page, 0) for d in ranks)
-        start, size, units, starts_pages, ends_pages = table.meta.take(tids, axis=1)
+        start, size, units, starts_pages, ends_pages = table.meta.take(_large(tids), axis=1)
         ends = size.cumsum()
         rank_ends = ends[slots - 1 :: slots].tolist()
         for d, (lo, hi) in zip(ranks, pairwise([0, *rank_ends])):
@@ -268,7 +310,12 @@ class PairPlanner:
         runs = table.runs.take(
             np.arange(total, dtype=_I64) + (start - ends + size).repeat(size), axis=1
         )
-        block_offsets = np.array((slot_d * len(ranks), slot_p * len(ranks)), dtype=_I64)
+        block_offsets = np.array(
+            [np.tile(_large(side), len(ranks)) for side in (slot_d, slot_p)]
+            if len(slot_p) > _VALUES_PER_STEP
+            else (slot_d * len(ranks), slot_p * len(ranks)),
+            dtype=_I64,
+        )
         block_offsets *= self._page_column
         runs[LOCAL : REMOTE + 1] += block_offsets.repeat(size, axis=1)
         # A rank's runs merge only if one of its block pairs ends where another could start;
@@ -363,14 +410,12 @@ class PairPlanner:
         ):
             if len(ids) != num_groups:
                 raise RequestError(side, f"expected {num_groups} groups, got {len(ids)}")
-        p_all = list(chain.from_iterable(request.prefill_block_ids))
-        d_all = list(chain.from_iterable(request.decode_block_ids))
+        p_all = _ids(request.prefill_block_ids)
+        d_all = _ids(request.decode_block_ids)
         p_limit, d_limit = self.prefill.ranks[0].num_blocks, self.decode.ranks[0].num_blocks
-        if (p_all and (min(p_all) < 0 or max(p_all) >= p_limit)) or (
-            d_all and (min(d_all) < 0 or max(d_all) >= d_limit)
-        ):
+        if _outside(p_all, p_limit) or _outside(d_all, d_limit):
             _raise_out_of_range(request, p_limit, d_limit)
-        if len(set(d_all)) != len(d_all):
+        if len(np.unique(d_all) if isinstance(d_all, np.ndarray) else set(d_all)) != len(d_all):
             raise RequestError(
                 "decode_block_ids",
                 "a decode block id appears twice; two groups would write the same page",

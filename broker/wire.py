@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import unicodedata
+from array import array
 from collections.abc import Iterable, Sequence
 from enum import Enum
 from typing import Generic, TypeVar
@@ -23,8 +24,9 @@ from broker.layout import GroupKind, GroupLayout, RankLayout, Segment
 from broker.limits import LIMITS
 from broker.v1 import broker_pb2 as pb
 
-#: Block ids per KV-cache group, in request order.
-BlockIds = tuple[tuple[int, ...], ...]
+#: Block ids per KV-cache group, in request order: each group a tuple, or an ``array('q')``
+#: when longer than :data:`LONG_GROUP` (see :func:`group_ids`).
+BlockIds = tuple[Sequence[int], ...]
 E = TypeVar("E", bound=Enum)
 #: A generated protobuf enum: a class in the type stubs, plain ints at run time.
 P = TypeVar("P", bound=int)
@@ -157,15 +159,35 @@ def check_count(items: Sequence[object], limit: int, field: str) -> None:
 #: huge request lets the event loop's thread run every few milliseconds (one C call over a
 #: million ids would hold the interpreter for tens of them).
 _IDS_PER_STEP = 1 << 16
+#: Groups longer than this are kept as ``array('q')``: 8 bytes an id instead of a Python int
+#: each, and compared, copied and handed to numpy at C speed (release events share them).
+LONG_GROUP = _IDS_PER_STEP
 
 
-def _ids_of(repeated: Sequence[int]) -> tuple[int, ...]:
-    if len(repeated) <= _IDS_PER_STEP:
-        return tuple(repeated)
-    ids: list[int] = []
-    for start in range(0, len(repeated), _IDS_PER_STEP):
-        ids += repeated[start : start + _IDS_PER_STEP]
-    return tuple(ids)
+def group_ids(ids: Sequence[int]) -> Sequence[int]:
+    """One group's block ids as :data:`BlockIds` keeps them: a tuple, or an ``array('q')``
+    (copied a slice at a time) when longer than :data:`LONG_GROUP`."""
+    if len(ids) <= LONG_GROUP:
+        return tuple(ids)
+    if isinstance(ids, array) and ids.typecode == "q":
+        return ids
+    out = array("q")
+    for start in range(0, len(ids), _IDS_PER_STEP):
+        out.extend(ids[start : start + _IDS_PER_STEP])
+    return out
+
+
+def ids_array(ids: Sequence[int]) -> np.ndarray:
+    """One group's block ids as int64 numpy (no copy of an ``array('q')``)."""
+    if isinstance(ids, array):
+        return np.frombuffer(ids, dtype=np.int64)
+    return np.concatenate(
+        [np.zeros(0, dtype=np.int64)]
+        + [
+            np.fromiter(ids[start : start + _IDS_PER_STEP], dtype=np.int64)
+            for start in range(0, len(ids), _IDS_PER_STEP)
+        ]
+    )
 
 
 def block_ids_from_proto(groups: Sequence[pb.BlockIds], field: str = "block_ids") -> BlockIds:
@@ -174,7 +196,7 @@ def block_ids_from_proto(groups: Sequence[pb.BlockIds], field: str = "block_ids"
     total = sum(len(g.ids) for g in groups)
     if total > LIMITS.max_block_ids:
         raise LimitExceededError(field, f"{total} block ids, at most {LIMITS.max_block_ids}")
-    return tuple(_ids_of(g.ids) for g in groups)
+    return tuple(group_ids(g.ids) for g in groups)
 
 
 def block_ids_to_proto(ids: Sequence[Sequence[int]]) -> list[pb.BlockIds]:

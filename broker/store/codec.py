@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Callable
+from array import array
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -25,7 +26,15 @@ from broker.records import (
     TimelineEntry,
     TransferRecord,
 )
-from broker.wire import MemoryKind, ReleaseReason, ReportStatus, Role, TransferState
+from broker.wire import (
+    BlockIds,
+    MemoryKind,
+    ReleaseReason,
+    ReportStatus,
+    Role,
+    TransferState,
+    group_ids,
+)
 
 #: Version of the formats below.
 FORMAT = 1
@@ -145,8 +154,13 @@ def decode_registration(text: bytes | str, agent_metadata: bytes) -> RankRegistr
 # --------------------------------------------------------------------------- transfers
 
 
-def _ids(groups: list[list[int]]) -> tuple[tuple[int, ...], ...]:
-    return tuple(tuple(g) for g in groups)
+def _ids(groups: list[list[int]]) -> BlockIds:
+    return tuple(group_ids(g) for g in groups)
+
+
+def _plain(groups: BlockIds) -> list[Sequence[int]]:
+    """Block ids as JSON can hold them."""
+    return [g.tolist() if isinstance(g, array) else g for g in groups]
 
 
 def encode_transfer(t: TransferRecord, plans_token: str) -> str:
@@ -157,7 +171,7 @@ def encode_transfer(t: TransferRecord, plans_token: str) -> str:
             "id": t.transfer_id,
             "prefill": [t.prefill_engine_id, t.prefill_generation, t.prefill_tp_size],
             "tokens": t.num_tokens,
-            "ids": t.block_ids,
+            "ids": _plain(t.block_ids),
             "allowed": sorted(t.allowed_decode_engines),
             "times": [t.published_at_ms, t.expires_at_ms, t.deadline_ms, t.finished_at_ms],
             "state": t.state.value,
@@ -166,7 +180,7 @@ def encode_transfer(t: TransferRecord, plans_token: str) -> str:
                 [
                     p.plan_id,
                     p.decode_rank,
-                    p.block_ids,
+                    _plain(p.block_ids),
                     p.handed_out_at_ms,
                     None if p.status is None else p.status.value,
                     p.bytes_moved,
@@ -287,7 +301,7 @@ def encode_release(event: ReleaseEvent) -> str:
         {
             "v": FORMAT,
             "id": event.transfer_id,
-            "ids": event.block_ids,
+            "ids": _plain(event.block_ids),
             "reason": event.reason.value,
             "detail": event.detail,
             "at": event.released_at_ms,

@@ -279,8 +279,9 @@ class InMemoryStateStore(StateStore):
     def append_release(
         self, key: RankKey, event: ReleaseEvent, rank_bytes: int, total_bytes: int
     ) -> None:
-        # Block ids as arrays of int64: 8 bytes an id rather than a Python int each.
-        compact = tuple(array("q", g) for g in event.block_ids)
+        # Block ids as arrays of int64: 8 bytes an id rather than a Python int each (long
+        # groups already are, and are shared with the record they came from).
+        compact = tuple(g if isinstance(g, array) else array("q", g) for g in event.block_ids)
         self._write(self._releases, key)
         self._releases.setdefault(key, []).append(replace(event, block_ids=compact))
         self._add_bytes(key, event.nbytes)
