@@ -34,7 +34,7 @@ from broker.limits import LIMITS
 from broker.logs import transfer_fields
 from broker.v1 import broker_pb2 as pb
 from broker.wire import MEMORY_KIND, Role, block_ids_to_proto
-from clients.protocol import BrokerCallError, call
+from clients.protocol import BrokerCallError, call, get_plan
 from clients.session import AsyncEngineClient, BlockingEngineClient, RankSession
 from clients.transport import Read, Region, TransferError, Transport, descriptor_array, inside
 
@@ -282,13 +282,13 @@ class AsyncDecodeClient(AsyncEngineClient):
             block_ids=block_ids,
             prefill_engine_id=prefill_engine_id,
         )
-        plan = await call(self.stub, "GetTransferPlan", request, self.call_timeout_s)
+        plan = await get_plan(self.stub, request, self.call_timeout_s)
         if any(
             not s.remote_agent_metadata and not session.agent.knows(s.remote_agent_name)
             for s in plan.sources
         ):
             request.want_agent_metadata = True
-            plan = await call(self.stub, "GetTransferPlan", request, self.call_timeout_s)
+            plan = await get_plan(self.stub, request, self.call_timeout_s)
         return plan
 
     async def _fetch_rank(

@@ -253,7 +253,7 @@ class AsyncPrefillClient(AsyncEngineClient):
         """A rank registered again while ``transfer_id`` was published: free it (reason
         ``aborted``) unless the broker still knows it."""
         try:
-            await self.transfer(transfer_id)
+            await self.transfer(transfer_id, self.engine_id)
         except BrokerCallError as exc:
             if exc.code is not grpc.StatusCode.NOT_FOUND:
                 raise
@@ -333,7 +333,7 @@ class AsyncPrefillClient(AsyncEngineClient):
             if session.tp_rank in ranks and t not in self._publishing
         ]:
             try:
-                info = await self.transfer(transfer_id)
+                info = await self.transfer(transfer_id, self.engine_id)
             except BrokerCallError as exc:
                 if exc.code is not grpc.StatusCode.NOT_FOUND:
                     return False

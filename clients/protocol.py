@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
@@ -29,11 +29,13 @@ from broker.wire import (
     Role,
     TransferState,
     block_ids_to_proto,
+    join_plan_chunks,
     rank_layout_to_proto,
 )
 from clients.transport import Region
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 #: Pause before retrying a broken release stream or a failed lease renewal (seconds); it
 #: doubles while the broker stays unreachable, up to MAX_RETRY_DELAY_S.
@@ -46,6 +48,7 @@ REPEATABLE = frozenset(
     {
         "KeepAlive",
         "GetTransferPlan",
+        "StreamTransferPlan",
         "ReportTransfer",
         "AbortTransfer",
         "PublishBlocks",
@@ -164,35 +167,47 @@ class FailoverStub:
         if not method[:1].isupper():
             raise AttributeError(method)
 
-        repeatable = method in REPEATABLE
-        moving_on = _MOVING_ON_REPEATABLE if repeatable else _MOVING_ON
-
         async def unary(request: Any, *, timeout: float | None = None, **kwargs: Any) -> Any:
-            deadline = None if timeout is None else time.monotonic() + timeout
-            delay = RETRY_DELAY_S
-            tried = 0
-            while True:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and repeatable:  # a share for each replica left this round
-                    left /= len(self.addresses) - tried % len(self.addresses)
-                address = self.address
-                try:
-                    return await getattr(self._stub(), method)(request, timeout=left, **kwargs)
-                except grpc.aio.AioRpcError as exc:
-                    if exc.code() not in moving_on:
-                        raise
-                    self.fail_over(address)
-                    if deadline is not None and time.monotonic() >= deadline:
-                        raise
-                    tried += 1
-                    if tried % len(self.addresses) == 0:  # every replica refused: back off
-                        if deadline is not None and time.monotonic() + delay >= deadline:
-                            raise
-                        await asyncio.sleep(delay)
-                        delay = min(2 * delay, MAX_RETRY_DELAY_S)
+            async def attempt(stub: pb_grpc.BrokerStub, left: float | None) -> Any:
+                return await getattr(stub, method)(request, timeout=left, **kwargs)
+
+            return await self.repeat(attempt, timeout, method in REPEATABLE)
 
         setattr(self, method, unary)  # found without __getattr__ from now on
         return unary
+
+    async def repeat(
+        self,
+        attempt: Callable[[pb_grpc.BrokerStub, float | None], Awaitable[T]],
+        timeout: float | None,
+        repeatable: bool = True,
+    ) -> T:
+        """``attempt(stub, seconds left)`` on the current replica, moving on as the class
+        docstring says (``repeatable``: also on DEADLINE_EXCEEDED, with a share of the
+        time left for each replica)."""
+        moving_on = _MOVING_ON_REPEATABLE if repeatable else _MOVING_ON
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = RETRY_DELAY_S
+        tried = 0
+        while True:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and repeatable:  # a share for each replica left this round
+                left /= len(self.addresses) - tried % len(self.addresses)
+            address = self.address
+            try:
+                return await attempt(self._stub(), left)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in moving_on:
+                    raise
+                self.fail_over(address)
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
+                tried += 1
+                if tried % len(self.addresses) == 0:  # every replica refused: back off
+                    if deadline is not None and time.monotonic() + delay >= deadline:
+                        raise
+                    await asyncio.sleep(delay)
+                    delay = min(2 * delay, MAX_RETRY_DELAY_S)
 
     async def close(self) -> None:
         stubs, self._stubs = self._stubs, {}
@@ -257,39 +272,74 @@ def publication(
 async def publish(stub: FailoverStub, request: pb.PublishBlocksRequest, timeout_s: float) -> int:
     """Send ``request``; returns when the transfer expires (ms since the epoch, the broker's
     clock). A publish that moved on to another replica and found its transfer there
-    (ALREADY_EXISTS: the first replica committed it, then its reply was lost) is ours when
-    engine and token count match: it succeeds with the stored expiry."""
+    (ALREADY_EXISTS: the first replica committed it, then its reply was lost; ids are scoped
+    by their publisher, so it is this engine's) is ours when the token count matches: it
+    succeeds with the stored expiry."""
     failovers = stub.failovers
     try:
         response = await call(stub, "PublishBlocks", request, timeout_s)
     except BrokerCallError as exc:
         if exc.code is not grpc.StatusCode.ALREADY_EXISTS or stub.failovers == failovers:
             raise
-        info = await get_transfer(stub, request.transfer_id, timeout_s)
-        if info.prefill_engine_id != request.engine_id or info.num_tokens != request.num_tokens:
+        try:
+            info = await get_transfer(stub, request.transfer_id, timeout_s, request.engine_id)
+        except BrokerCallError:
+            raise exc from None
+        if info.num_tokens != request.num_tokens:
             raise exc from None
         return info.expires_at_ms
     return response.expires_at_ms
 
 
 async def abort(
-    stub: FailoverStub, transfer_id: str, reason: str, timeout_s: float
+    stub: FailoverStub,
+    transfer_id: str,
+    reason: str,
+    timeout_s: float,
+    prefill_engine_id: str = "",
 ) -> TransferState:
-    """Tell the broker nobody will read ``transfer_id`` (the prefill ranks are released
-    ABORTED); returns the transfer's state after the call (an ended transfer keeps its own)."""
-    response = await call(
-        stub,
-        "AbortTransfer",
-        pb.AbortTransferRequest(transfer_id=transfer_id, reason=reason),
-        timeout_s,
+    """Tell the broker nobody will read ``transfer_id`` of ``prefill_engine_id`` (its
+    publisher; '' when only one engine published that id); the prefill ranks are released
+    ABORTED. Returns the transfer's state after the call (an ended transfer keeps its own)."""
+    request = pb.AbortTransferRequest(
+        transfer_id=transfer_id, reason=reason, prefill_engine_id=prefill_engine_id
     )
+    response = await call(stub, "AbortTransfer", request, timeout_s)
     return TRANSFER_STATE.from_proto(response.state, "state")
 
 
 async def get_transfer(
-    stub: FailoverStub, transfer_id: str, timeout_s: float
+    stub: FailoverStub, transfer_id: str, timeout_s: float, prefill_engine_id: str = ""
 ) -> pb.GetTransferResponse:
-    """What the broker holds about ``transfer_id``; NOT_FOUND once it forgot it."""
-    return await call(
-        stub, "GetTransfer", pb.GetTransferRequest(transfer_id=transfer_id), timeout_s
-    )
+    """What the broker holds about ``transfer_id`` of ``prefill_engine_id`` (see
+    :func:`abort`); NOT_FOUND once it forgot it."""
+    request = pb.GetTransferRequest(transfer_id=transfer_id, prefill_engine_id=prefill_engine_id)
+    return await call(stub, "GetTransfer", request, timeout_s)
+
+
+async def get_plan(
+    stub: FailoverStub, request: pb.GetTransferPlanRequest, timeout_s: float
+) -> pb.GetTransferPlanResponse:
+    """The decode rank's plan: ``GetTransferPlan``, or, for a plan too large for one answer
+    (RESOURCE_EXHAUSTED naming ``plan``: nothing was handed out), ``StreamTransferPlan``
+    with its messages joined (:func:`~broker.wire.join_plan_chunks`)."""
+    try:
+        return await call(stub, "GetTransferPlan", request, timeout_s)
+    except BrokerCallError as exc:
+        if exc.code is not grpc.StatusCode.RESOURCE_EXHAUSTED or exc.field != "plan":
+            raise
+
+    async def streamed(
+        broker: pb_grpc.BrokerStub, left: float | None
+    ) -> pb.GetTransferPlanResponse:
+        stream = broker.StreamTransferPlan(
+            request, timeout=left, metadata=tracing.grpc_metadata() or None
+        )
+        return join_plan_chunks([chunk async for chunk in stream])
+
+    try:
+        return await stub.repeat(streamed, timeout_s)
+    except grpc.aio.AioRpcError as exc:
+        raise BrokerCallError("StreamTransferPlan", exc.code(), exc.details() or "") from None
+    except ValueError as exc:  # the stream ended before its first message
+        raise BrokerCallError("StreamTransferPlan", grpc.StatusCode.DATA_LOSS, str(exc)) from None

@@ -274,13 +274,22 @@ class AsyncEngineClient:
             await self.close()
             raise
 
-    async def abort(self, transfer_id: str, reason: str) -> TransferState:
-        """Abort ``transfer_id`` (see :func:`clients.protocol.abort`)."""
-        return await protocol.abort(self.stub, transfer_id, reason, self.call_timeout_s)
+    async def abort(
+        self, transfer_id: str, reason: str, prefill_engine_id: str = ""
+    ) -> TransferState:
+        """Abort ``transfer_id`` of ``prefill_engine_id`` (see :func:`clients.protocol.abort`)."""
+        return await protocol.abort(
+            self.stub, transfer_id, reason, self.call_timeout_s, prefill_engine_id
+        )
 
-    async def transfer(self, transfer_id: str) -> pb.GetTransferResponse:
-        """What the broker holds about ``transfer_id`` (NOT_FOUND once it forgot it)."""
-        return await protocol.get_transfer(self.stub, transfer_id, self.call_timeout_s)
+    async def transfer(
+        self, transfer_id: str, prefill_engine_id: str = ""
+    ) -> pb.GetTransferResponse:
+        """What the broker holds about ``transfer_id`` of ``prefill_engine_id`` ('': of the
+        one engine that published that id); NOT_FOUND once it forgot it."""
+        return await protocol.get_transfer(
+            self.stub, transfer_id, self.call_timeout_s, prefill_engine_id
+        )
 
     def _started(self) -> None:
         """Hook: start role-specific background tasks with :meth:`_spawn`."""

@@ -74,7 +74,10 @@ class _Replicas:
         raise _error(grpc.StatusCode.ALREADY_EXISTS, "transfer_id: already published")
 
     async def GetTransfer(self, request: pb.GetTransferRequest, **kwargs: Any) -> Any:
+        """As the broker: ids are scoped by their publisher."""
         assert request.transfer_id == self.stored.transfer_id
+        if request.prefill_engine_id != self.stored.prefill_engine_id:
+            raise _error(grpc.StatusCode.NOT_FOUND, "transfer_id: no transfer 't1'")
         return self.stored
 
 

@@ -307,6 +307,37 @@ def test_decode_may_name_the_prefill_engine_it_expects() -> None:
     assert service.get_plan(PlanQuery("t1", "D", 0, ids, prefill_engine_id="Q")).sources
 
 
+def test_a_transfer_id_belongs_to_the_engine_that_published_it() -> None:
+    """Q publishing the id P will use (squatting) neither stops P's publication nor tells Q
+    that P's exists; each is its own transfer, planned, released and aborted apart. A caller
+    that names no publisher gets the one transfer of that id, or is asked to name it."""
+    service, _ = make_service()
+    sc = build_scenario(hybrid(), 1, 1, 100)
+    register_engine(service, sc.prefill, "P", Role.PREFILL, 0)
+    register_engine(service, sc.prefill, "Q", Role.PREFILL, 1)
+    register_engine(service, sc.decode, "D", Role.DECODE, 2)
+    ids, tokens = sc.request.prefill_block_ids, sc.request.num_tokens
+    service.publish(Publication("t1", "Q", ids, tokens))  # squatted first
+    assert service.get_transfer("t1").prefill_engine_id == "Q"  # the one of that id
+    service.publish(Publication("t1", "P", ids, tokens))  # P's own, not ALREADY_EXISTS
+    with pytest.raises(AlreadyExistsError):
+        service.publish(Publication("t1", "P", ids, tokens))  # P's id, published twice
+
+    unnamed = _refusal(service, query(sc, 0))
+    assert (type(unnamed), unnamed.field) == (PreconditionError, "prefill_engine_id")
+    with pytest.raises(PreconditionError, match="name the one you mean"):
+        service.get_transfer("t1")
+    plan = service.get_plan(query(sc, 0, prefill_engine_id="P"))
+    assert service.get_transfer("t1", "P").state is TransferState.IN_PROGRESS
+    assert service.get_transfer("t1", "Q").state is TransferState.PUBLISHED
+    done(service, plan.plan_id, 0)
+    assert released(service, 1) == {0: [("t1", ReleaseReason.COMPLETED)]}
+    assert released(service, 1, "Q") == {0: []}  # Q's transfer is untouched
+    assert service.abort("t1", "user left", "Q") is TransferState.ABORTED
+    assert service.get_transfer("t1", "P").state is TransferState.COMPLETED
+    assert released(service, 1, "Q") == {0: [("t1", ReleaseReason.ABORTED)]}
+
+
 def test_incompatible_and_partially_registered_engines() -> None:
     service, _, sc = setup(2, 2)
     other = build_scenario(hybrid(kv_heads=8, name="other"), 2, 2, 100)

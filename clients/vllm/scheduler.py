@@ -116,7 +116,9 @@ class SchedulerHalf:
             assert params is not None
             params[DO_REMOTE_PREFILL] = False
             self._abort(
-                pending.transfer_id, f"decode request {request.request_id} finished before loading"
+                pending.transfer_id,
+                pending.prefill_engine,
+                f"decode request {request.request_id} finished before loading",
             )
             return False, None
         if not params or not params.get(DO_REMOTE_DECODE) or request.status not in _PUBLISHABLE:
@@ -177,7 +179,9 @@ class SchedulerHalf:
         params[DO_REMOTE_PREFILL] = False
         if num_external_tokens <= 0:
             self._abort(
-                pending.transfer_id, f"decode request {request.request_id} needs no remote tokens"
+                pending.transfer_id,
+                pending.prefill_engine,
+                f"decode request {request.request_id} needs no remote tokens",
             )
             return
         self._loads[request.request_id] = LoadSpec(
@@ -239,13 +243,16 @@ class SchedulerHalf:
         ):
             loop.run(protocol.publish(stub, request, self.settings.call_timeout_s))
 
-    def _abort(self, transfer_id: str, reason: str) -> None:
-        """Tell the broker (in the background) that nobody will read ``transfer_id``."""
+    def _abort(self, transfer_id: str, prefill_engine_id: str, reason: str) -> None:
+        """Tell the broker (in the background) that nobody will read ``transfer_id`` of
+        ``prefill_engine_id`` ('' when the request did not name its prefill engine)."""
         loop, stub = self._broker()
 
         async def abort() -> None:
             try:
-                await protocol.abort(stub, transfer_id, reason, self.settings.call_timeout_s)
+                await protocol.abort(
+                    stub, transfer_id, reason, self.settings.call_timeout_s, prefill_engine_id
+                )
             except BrokerCallError as exc:
                 log.warning(
                     "cannot abort transfer %s (%s: %s); it expires at the broker",

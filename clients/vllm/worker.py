@@ -201,18 +201,13 @@ class WorkerHalf:
                 f"engine is registered with {self.settings.broker}"
             )
         try:
-            info = await client.transfer(spec.transfer_id)
+            info = await client.transfer(spec.transfer_id, spec.prefill_engine)
         except BrokerCallError as exc:
             raise LoadError(str(exc)) from None
-        if spec.prefill_engine and info.prefill_engine_id != spec.prefill_engine:
-            raise LoadError(
-                f"transfer {spec.transfer_id} was not published by prefill engine "
-                f"{spec.prefill_engine}"
-            )  # not ours to abort
         if info.num_tokens != spec.num_tokens:
             await self._abort(
                 client,
-                spec.transfer_id,
+                spec,
                 f"decode engine {self.engine_id} expects "
                 f"{spec.num_tokens} tokens, {info.num_tokens} were published",
             )
@@ -231,14 +226,14 @@ class WorkerHalf:
                 if isinstance(e, BrokerCallError) and e.method == "GetTransferPlan"
             ]
             if refused:
-                await self._abort(client, spec.transfer_id, f"plan refused: {refused[0]}")
+                await self._abort(client, spec, f"plan refused: {refused[0]}")
             raise LoadError(str(exc)) from None
 
-    async def _abort(self, client: AsyncDecodeClient, transfer_id: str, reason: str) -> None:
+    async def _abort(self, client: AsyncDecodeClient, spec: LoadSpec, reason: str) -> None:
         try:
-            await client.abort(transfer_id, reason)
+            await client.abort(spec.transfer_id, reason, spec.prefill_engine)
         except BrokerCallError as exc:
-            log.warning("cannot abort transfer %s: %s", transfer_id, exc)
+            log.warning("cannot abort transfer %s: %s", spec.transfer_id, exc)
 
 
 def engine_layout(
