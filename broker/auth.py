@@ -225,22 +225,25 @@ class AccessGuard:
         if transfer is not None and transfer.decode_engine_id not in who.names:
             _deny("plan_id", f"plan {plan_id} is not a plan of caller {who}")
 
-    def see_transfer(self, who: Identity, transfer_id: str, prefill_engine_id: str = "") -> None:
+    def see_transfer(self, who: Identity, transfer_id: str, prefill_engine_id: str = "") -> str:
         """Parties of the transfer and operators only (GetTransfer, AbortTransfer): the
-        transfer of ``prefill_engine_id`` or, unnamed, any published under ``transfer_id``."""
+        transfer of ``prefill_engine_id`` or, unnamed, the one published under
+        ``transfer_id`` the caller is a party of. Returns its publisher ('' when that is
+        for the service to decide: an operator's call, an unknown id, or several the caller
+        may see). Others' transfers are NOT_FOUND, as unknown ids are."""
         if who.names & self.admins:
-            return
+            return prefill_engine_id
         keys = (
             [(prefill_engine_id, transfer_id)]
             if prefill_engine_id
             else self.store.transfers_named(transfer_id)
         )
         found = [t for key in keys if (t := self.store.get_transfer(key)) is not None]
-        if not found or any(self._party(who, t) for t in found):
-            return
-        # Told only what an unknown id is told: the transfer's existence is not theirs.
-        log.warning("transfer %r hidden from caller %s: not a party", transfer_id, who)
-        raise NotFoundError("transfer_id", f"no transfer {transfer_id!r}")
+        theirs = [t for t in found if self._party(who, t)]
+        if found and not theirs:
+            log.warning("transfer %r hidden from caller %s: not a party", transfer_id, who)
+            raise NotFoundError("transfer_id", f"no transfer {transfer_id!r}")
+        return theirs[0].prefill_engine_id if len(theirs) == 1 else prefill_engine_id
 
     def _party(self, who: Identity, transfer: TransferRecord) -> bool:
         """Whether the caller published ``transfer``, claimed it, or may read it."""

@@ -109,7 +109,7 @@ async def abort(context: grpc.aio.ServicerContext, exc: Exception) -> NoReturn:
 Method = Callable[[Any, Req], Resp]
 Handler = Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]
 #: An RPC's authorization: raises unless the identified caller may make this request.
-Rule = Callable[[AccessGuard, Identity, Any], None]
+Rule = Callable[[AccessGuard, Identity, Any], object]
 
 
 def _as_engine(guard: AccessGuard, who: Identity, request: Any) -> None:
@@ -129,8 +129,8 @@ def _plan_holder(guard: AccessGuard, who: Identity, request: Any) -> None:
     guard.report_plan(who, request.plan_id)
 
 
-def _transfer_party(guard: AccessGuard, who: Identity, request: Any) -> None:
-    guard.see_transfer(who, request.transfer_id, request.prefill_engine_id)
+def _transfer_party(guard: AccessGuard, who: Identity, request: Any) -> str:
+    return guard.see_transfer(who, request.transfer_id, request.prefill_engine_id)
 
 
 def _operator(guard: AccessGuard, who: Identity, request: Any) -> None:
@@ -188,10 +188,12 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         for event in self._wakeups.get(key, ()):
             event.set()
 
-    def authorize(self, context: grpc.aio.ServicerContext, rule: Rule, request: Any) -> None:
-        """Raise unless the caller is identified and ``rule`` allows ``request``."""
+    def authorize(self, context: grpc.aio.ServicerContext, rule: Rule, request: Any) -> Any:
+        """Raise unless the caller is identified and ``rule`` allows ``request``; returns
+        what the rule found (None without authorization)."""
         if self.guard is not None:
-            rule(self.guard, self.guard.identify(context), request)
+            return rule(self.guard, self.guard.identify(context), request)
+        return None
 
     def in_context(
         self, context: grpc.aio.ServicerContext, call: Callable[..., T], *args: Any
@@ -297,13 +299,19 @@ class BrokerServicer(pb_grpc.BrokerServicer):
             state=convert.state_to_proto(outcome.state),
         )
 
-    @_unary(_transfer_party)
-    def AbortTransfer(self, request: pb.AbortTransferRequest) -> pb.AbortTransferResponse:
-        state = self.service.abort(
-            ident(request.transfer_id, "transfer_id"),
-            text(request.reason),
-            optional_ident(request.prefill_engine_id, "prefill_engine_id"),
-        )
+    async def AbortTransfer(
+        self, request: pb.AbortTransferRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AbortTransferResponse:
+        try:
+            state = self.in_context(
+                context,
+                self.service.abort,
+                ident(request.transfer_id, "transfer_id"),
+                text(request.reason),
+                self._publisher(context, request),
+            )
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a status
+            await abort(context, exc)
         return pb.AbortTransferResponse(state=convert.state_to_proto(state))
 
     @_unary(_operator)
@@ -312,18 +320,23 @@ class BrokerServicer(pb_grpc.BrokerServicer):
 
     async def GetTransfer(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
-            self.authorize(context, _transfer_party, request)
             transfer = self.in_context(
                 context,
                 self.service.get_transfer,
                 ident(request.transfer_id, "transfer_id"),
-                optional_ident(request.prefill_engine_id, "prefill_engine_id"),
+                self._publisher(context, request),
             )
             heavy = sum(len(g) for g in transfer.block_ids) > OFFLOAD_BLOCK_IDS
             now = self.service.clock.now_ms()
             return await self.pure(heavy, convert.transfer_to_proto, transfer, now)
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status
             await abort(context, exc)
+
+    def _publisher(self, context: grpc.aio.ServicerContext, request: Any) -> str:
+        """The prefill engine whose transfer ``request`` names: as named, else the one the
+        authorized caller is a party of (callers learn nothing of others' transfers)."""
+        named = optional_ident(request.prefill_engine_id, "prefill_engine_id")
+        return self.authorize(context, _transfer_party, request) or named
 
     @_unary(_operator)
     def ListTransfers(self, request: pb.ListTransfersRequest) -> pb.ListTransfersResponse:

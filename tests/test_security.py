@@ -324,6 +324,38 @@ def test_only_parties_and_operators_abort(pki: Pki, mtls_broker: str) -> None:
     assert d.GetTransferPlan(plan("b5", "D"), timeout=WAIT_S).plan_id
 
 
+def test_a_squatted_transfer_id_costs_its_owner_nothing_and_tells_the_squatter_nothing(
+    pki: Pki, mtls_broker: str
+) -> None:
+    """P2 publishes the id P is about to use: P's publication still succeeds (P2 learns
+    nothing of it), each engine sees and aborts its own transfer without naming itself, and
+    D, addressed by both, reads the one of the prefill engine it names."""
+    p, p2, d, d2 = (stub(mtls_broker, pki.mtls(c)) for c in ("P", "P2", "D", "D2"))
+    register(p, "P", pb.ROLE_PREFILL, 0)
+    register(p2, "P2", pb.ROLE_PREFILL, 3)
+    register(d, "D", pb.ROLE_DECODE, 1)
+    register(d2, "D2", pb.ROLE_DECODE, 2)
+    p2.PublishBlocks(publish("s1", engine_id="P2"), timeout=WAIT_S)  # squatted
+    p.PublishBlocks(publish("s1"), timeout=WAIT_S)
+    expect(p.PublishBlocks, publish("s1"), grpc.StatusCode.ALREADY_EXISTS, "transfer_id")
+    for caller, engine in ((p, "P"), (p2, "P2")):
+        info = caller.GetTransfer(pb.GetTransferRequest(transfer_id="s1"), timeout=WAIT_S)
+        assert info.prefill_engine_id == engine
+    # D may read both: it must say which; D2 may read neither: there is no such transfer.
+    expect(
+        d.GetTransferPlan, plan("s1", "D"), grpc.StatusCode.FAILED_PRECONDITION, "prefill_engine_id"
+    )
+    expect(d2.GetTransfer, pb.GetTransferRequest(transfer_id="s1"), NOT_FOUND, "transfer_id")
+    ask = plan("s1", "D")
+    ask.prefill_engine_id = "P"
+    plan_id = d.GetTransferPlan(ask, timeout=WAIT_S).plan_id
+    assert d.ReportTransfer(report(plan_id, "D"), timeout=WAIT_S).intact
+    aborted = p2.AbortTransfer(pb.AbortTransferRequest(transfer_id="s1"), timeout=WAIT_S)
+    assert aborted.state == pb.TRANSFER_STATE_ABORTED  # P2's own
+    info = p.GetTransfer(pb.GetTransferRequest(transfer_id="s1"), timeout=WAIT_S)
+    assert info.state == pb.TRANSFER_STATE_COMPLETED  # P's, untouched
+
+
 def test_status_command_needs_an_operator_certificate(pki: Pki, mtls_broker: str) -> None:
     def status(caller: str, ca: str = pki.ca) -> subprocess.CompletedProcess:
         cert, key = pki.clients[caller]
