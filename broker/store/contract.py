@@ -9,7 +9,9 @@ Storage only: no business rules, no clocks. What both stores promise, and
   own writes, and its writes are committed all together when it returns, or not at all when
   it raises. Outside ``transact`` every call is a unit of its own. Counters
   (:meth:`~StateStore.next_counter`) are the one exception: a value taken by a unit that
-  did not commit is skipped, never handed out twice.
+  did not commit is skipped, never handed out twice. The reaper's
+  :meth:`~StateStore.due_transfers` and :meth:`~StateStore.due_leases` are called outside
+  units and take effect at once.
 - **Indexes for every lookup a call makes.** A call touches the records it names and those
   the indexes point it to (transfers by engine, by bare id, by plan id, by deadline; ranks
   by engine, lease, agent name and lease deadline), never a scan of all of them; only the

@@ -1,0 +1,261 @@
+"""The storage contract (broker/store/contract.py), checked against both stores: records are
+values; a unit of work sees its own writes and commits all of them or, when it raises midway,
+none; every index a service call uses answers from the records put; due deadlines come back
+until handled. Failures are injected in the middle of units, in the store and in the
+service's own calls."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+
+import pytest
+from broker_helpers import FakeClock, hybrid, register_engine, registration
+
+from broker.api import PlanQuery, Publication, Report
+from broker.config import ServiceConfig
+from broker.records import RankRecord, ReleaseEvent, TransferRecord
+from broker.service import BrokerService
+from broker.store.contract import REDELIVER_MS, StateStore
+from broker.store.memory import InMemoryStateStore
+from broker.wire import ReleaseReason, ReportStatus, Role, TransferState
+from harness.scenarios import build_scenario
+
+SC = build_scenario(hybrid(), 2, 1, 100)
+UNBOUNDED = (1 << 40, 1 << 40)
+
+
+class Injected(RuntimeError):
+    """The failure a test plants in the middle of a unit of work."""
+
+
+@pytest.fixture(params=["memory", "redis"])
+def store(request: pytest.FixtureRequest) -> Iterator[StateStore]:
+    if request.param == "memory":
+        yield InMemoryStateStore()
+    else:
+        yield request.getfixturevalue("redis_server").store()
+
+
+def rank(engine: str, tp_rank: int, generation: int, expires: int = 10_000) -> RankRecord:
+    role = Role.PREFILL if engine.startswith("P") else Role.DECODE
+    layout = SC.prefill if role is Role.PREFILL else SC.decode
+    reg = registration(layout, engine, role, tp_rank, engine_index=ord(engine[-1]) % 8)
+    return RankRecord(reg, f"lease-{engine}-{tp_rank}-{generation}", expires, 0, generation)
+
+
+def transfer(engine: str, transfer_id: str, deadline: int = 5_000, **changes) -> TransferRecord:
+    record = TransferRecord(
+        transfer_id,
+        engine,
+        1,
+        2,
+        100,
+        SC.request.prefill_block_ids,
+        frozenset(),
+        0,
+        deadline,
+        deadline,
+        released=(None, None),
+    )
+    return dataclasses.replace(record, **changes)
+
+
+def event(transfer_id: str) -> ReleaseEvent:
+    return ReleaseEvent(0, transfer_id, ((1, 2),), ReleaseReason.COMPLETED, "", 0)
+
+
+def snapshot(store: StateStore) -> tuple:
+    """Everything the contract lets a caller read about the records these tests write."""
+    keys = [("P", 0), ("P", 1), ("Q", 0), ("D", 0)]
+    transfers = sorted((t.key, t) for t in store.transfers())
+    return (
+        store.ranks(),
+        [store.rank_by_agent(r.registration.agent_name) for r in store.ranks()],
+        store.count_ranks(),
+        transfers,
+        store.count_transfers(),
+        [store.transfers_named(name) for name in ("t1", "t2")],
+        [store.transfers_of(engine) for engine in ("P", "Q", "D")],
+        [store.engine_usage(engine) for engine in ("P", "Q")],
+        [[(e.transfer_id, e.block_ids) for e in store.releases_after(k, 0)] for k in keys],
+        [(store.delivered(k), store.compacted_through(k)) for k in keys],
+    )
+
+
+def test_records_are_values(store: StateStore) -> None:
+    store.put_rank(rank("P", 0, 1))
+    got = store.get_rank(("P", 0))
+    assert got == rank("P", 0, 1)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        got.lease_id = "changed"  # type: ignore[misc]
+    store.put_transfer(transfer("P", "t1"))
+    record = store.get_transfer(("P", "t1"))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        record.state = TransferState.ABORTED  # type: ignore[misc]
+    store.put_transfer(dataclasses.replace(record, state=TransferState.ABORTED))
+    assert store.get_transfer(("P", "t1")).state is TransferState.ABORTED
+    assert store.get_rank(("P", 9)) is None and store.get_transfer(("P", "none")) is None
+    store.delete_rank(("P", 9))  # missing: nothing happens
+    store.delete_transfer(("P", "none"))
+
+
+def test_a_unit_sees_its_own_writes_and_commits_them_together(store: StateStore) -> None:
+    def work() -> list:
+        store.put_rank(rank("P", 0, 1))
+        store.put_transfer(transfer("P", "t1"))
+        seen = [
+            store.get_rank(("P", 0)) is not None,
+            store.rank_by_lease("lease-P-0-1") is not None,
+            store.rank_by_agent("P-agent0") is not None,
+            [r.key for r in store.engine_ranks("P")],
+            store.transfers_named("t1"),
+            store.transfers_of("P"),
+        ]
+        store.delete_transfer(("P", "t1"))
+        seen.append(store.transfers_named("t1"))
+        return seen
+
+    assert store.transact(work) == [True, True, True, [("P", 0)], [("P", "t1")], [("P", "t1")], []]
+    assert store.get_rank(("P", 0)) is not None and store.get_transfer(("P", "t1")) is None
+
+
+def _fill(store: StateStore) -> None:
+    """Records of every kind, committed."""
+    for record in (rank("P", 0, 1), rank("P", 1, 2), rank("D", 0, 3)):
+        store.put_rank(record)
+    store.put_transfer(transfer("P", "t1"))
+    store.put_transfer(transfer("Q", "t1", decode_engine_id="D"))
+    store.append_release(("P", 0), event("t0"), *UNBOUNDED)
+    store.mark_delivered(("P", 0), 1)
+
+
+#: Writes of every kind a unit of work may make before it fails.
+WRITES: dict[str, Callable[[StateStore], object]] = {
+    "put rank": lambda s: s.put_rank(rank("Q", 0, 4)),
+    "renew lease": lambda s: s.put_rank(dataclasses.replace(rank("P", 0, 1), lease_id="new")),
+    "delete rank": lambda s: s.delete_rank(("P", 1)),
+    "put transfer": lambda s: s.put_transfer(transfer("P", "t2")),
+    "change transfer": lambda s: s.put_transfer(
+        transfer(
+            "P",
+            "t1",
+            state=TransferState.FAILED,
+            block_ids=(),
+            released=(ReleaseReason.ABORTED,) * 2,
+        )
+    ),
+    "delete transfer": lambda s: s.delete_transfer(("Q", "t1")),
+    "append release": lambda s: s.append_release(("P", 1), event("t1"), *UNBOUNDED),
+    "mark delivered": lambda s: s.mark_delivered(("P", 0), 7),
+    "trim releases": lambda s: s.trim_releases(("P", 0), 0),
+    "drop releases": lambda s: s.drop_releases(("P", 0)),
+}
+
+
+@pytest.mark.parametrize("failing_after", range(1, len(WRITES) + 1))
+def test_a_unit_that_raises_midway_commits_nothing(store: StateStore, failing_after: int) -> None:
+    _fill(store)
+    before = snapshot(store)
+    writes = list(WRITES.values())
+
+    def work() -> None:
+        for write in writes[:failing_after]:
+            write(store)
+        raise Injected
+
+    with pytest.raises(Injected):
+        store.transact(work)
+    assert snapshot(store) == before
+    # The deadlines index was undone too: both transfers come due at their own deadline.
+    assert store.due_transfers(4_999) == []
+    assert sorted(store.due_transfers(5_000)) == [("P", "t1"), ("Q", "t1")]
+
+
+def test_indexes_answer_from_the_records_put(store: StateStore) -> None:
+    _fill(store)
+    assert [r.key for r in store.engine_ranks("P")] == [("P", 0), ("P", 1)]
+    assert store.count_ranks() == 3
+    assert store.rank_by_lease("lease-P-1-2").key == ("P", 1)
+    assert store.rank_by_agent("P-agent1").key == ("P", 1)
+    assert store.transfers_named("t1") == [("P", "t1"), ("Q", "t1")]
+    assert store.transfers_of("D") == [("Q", "t1")]  # D claimed Q's, not P's
+    assert store.transfers_of("Q") == [("Q", "t1")]
+    assert store.count_transfers() == 2
+    held = sum(len(g) for g in SC.request.prefill_block_ids)
+    assert store.engine_usage("P") == (1, held)
+    planned = transfer("P", "t1", plans=(), decode_engine_id="D")
+    store.put_transfer(planned)
+    assert store.transfers_of("D") == [("P", "t1"), ("Q", "t1")]
+    store.put_transfer(dataclasses.replace(planned, block_ids=()))  # released: holds nothing
+    assert store.engine_usage("P") == (0, 0)
+    store.delete_rank(("P", 1))
+    assert store.rank_by_lease("lease-P-1-2") is None and store.rank_by_agent("P-agent1") is None
+    store.delete_transfer(("Q", "t1"))
+    assert store.transfers_named("t1") == [("P", "t1")] and store.transfers_of("Q") == []
+
+
+def test_due_deadlines_come_back_until_handled(store: StateStore) -> None:
+    store.put_rank(rank("P", 0, 1, expires=100))
+    store.put_transfer(transfer("P", "t1", deadline=50))
+    assert store.due_leases(99) == [] and store.due_transfers(49) == []
+    assert store.due_leases(100) == [("P", 0)] and store.due_leases(100) == [("P", 0)]
+    store.put_rank(dataclasses.replace(rank("P", 0, 1), lease_expires_at_ms=500))  # renewed
+    assert store.due_leases(100) == []
+    assert store.due_transfers(50) == [("P", "t1")]
+    assert store.due_transfers(50) == []  # handed out once...
+    assert store.due_transfers(50 + REDELIVER_MS) == [("P", "t1")]  # ...again if never put back
+    store.put_transfer(transfer("P", "t1", deadline=10 * REDELIVER_MS))
+    assert store.due_transfers(9 * REDELIVER_MS) == []
+
+
+# --------------------------------------------------------------------------- through the service
+
+
+def _service(store: StateStore) -> tuple[BrokerService, FakeClock]:
+    clock = FakeClock()
+    config = ServiceConfig(default_ttl_ms=5_000, lease_ttl_ms=60_000, retention_ms=10_000)
+    service = BrokerService(store, clock, config)
+    register_engine(service, SC.prefill, "P", Role.PREFILL, 0)
+    register_engine(service, SC.decode, "D", Role.DECODE, 1)
+    return service, clock
+
+
+@pytest.mark.parametrize(
+    "call,failing",
+    [
+        ("publish", "put_transfer"),
+        ("claim", "add_contact"),
+        ("report", "append_release"),
+        ("abort", "append_release"),
+        ("deregister", "put_transfer"),
+    ],
+)
+def test_a_service_call_failing_in_the_store_midway_changes_nothing(
+    store: StateStore, monkeypatch: pytest.MonkeyPatch, call: str, failing: str
+) -> None:
+    service, _ = _service(store)
+    service.publish(Publication("t1", "P", SC.request.prefill_block_ids, SC.request.num_tokens))
+    query = PlanQuery("t1", "D", 0, SC.request.decode_block_ids)
+    plan = service.get_plan(query) if call == "report" else None
+    before = snapshot(store)
+    calls = {
+        "publish": lambda: service.publish(
+            Publication("t2", "P", SC.request.prefill_block_ids, SC.request.num_tokens)
+        ),
+        "claim": lambda: service.get_plan(query),
+        "report": lambda: service.report(Report(plan.plan_id, "D", 0, ReportStatus.DONE)),
+        "abort": lambda: service.abort("t1", "user left"),
+        "deregister": lambda: service.deregister(store.get_rank(("P", 0)).lease_id),
+    }
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise Injected
+
+    with monkeypatch.context() as patch:
+        patch.setattr(store, failing, broken)
+        with pytest.raises(Injected):
+            calls[call]()
+    assert snapshot(store) == before
+    calls[call]()  # the same call, now that the store works, goes through
+    assert snapshot(store) != before
