@@ -254,7 +254,7 @@ def plan_chunks(plan: PlanResult, chunk_bytes: int) -> Iterator[bytes]:
         for start in range(per_chunk, s.num_descriptors, per_chunk):
             local = np.ascontiguousarray(s.local[start : start + per_chunk], dtype="<i8")
             remote = np.ascontiguousarray(s.remote[start : start + per_chunk], dtype="<i8")
-            yield _source_chunk(s.prefill_rank, memoryview(local), memoryview(remote))
+            yield _source_chunk(s.prefill_rank, local.data, remote.data)
 
 
 def _varint(n: int) -> bytes:
@@ -289,7 +289,7 @@ def report_from_proto(msg: pb.ReportTransferRequest) -> Report:
     )
 
 
-def state_to_proto(state: TransferState) -> int:
+def state_to_proto(state: TransferState) -> pb.TransferState:
     return TRANSFER_STATE.to_proto(state)
 
 

@@ -48,7 +48,7 @@ def atomic(method: Callable[..., T]) -> Callable[..., T]:
         effects = self.effects
         if effects.queued is not None:  # called from another unit of work
             return method(self, *args, **kwargs)
-        queued: list[Callable[[], None]] = []
+        queued: list[Callable[[], object]] = []
 
         def attempt() -> T | Refusal:
             queued.clear()  # a store shared by replicas may run the unit again
@@ -89,7 +89,7 @@ class Effects:
         self.release_budget = release_budget
         self.listeners: list[Callable[[RankKey], None]] = []
         #: Side effects of the unit of work in progress (None: none is).
-        self.queued: list[Callable[[], None]] | None = None
+        self.queued: list[Callable[[], object]] | None = None
 
     def later(self, effect: Callable[..., object], *args: Any, **kwargs: Any) -> None:
         """Run ``effect`` once the unit in progress committed (now outside any unit)."""

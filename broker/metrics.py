@@ -7,7 +7,7 @@ value exists from the start (at 0), so rates and ratios work before the first ev
 
 from __future__ import annotations
 
-from http.server import ThreadingHTTPServer
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
@@ -96,7 +96,7 @@ class BrokerMetrics(ServiceObserver):
             self.live_ranks.labels(role=role.value)
         for reason in ReleaseReason:
             self.releases.labels(reason=reason.value)
-        self._http: ThreadingHTTPServer | None = None
+        self._http: WSGIServer | None = None
 
     # ------------------------------------------------------------------ observer hooks
 

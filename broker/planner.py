@@ -48,15 +48,16 @@ _I64 = np.int64
 
 @dataclass(frozen=True)
 class TransferRequest:
-    """One request's state: ``num_tokens`` whose KV moves and block ids per group per side.
+    """One request's state: ``num_tokens`` whose KV moves and block ids per group per side
+    (each group a tuple, or an ``array('q')`` as the wire decodes long ones).
 
     A decode attention list shorter than the request needs means decode already holds a
     prefix: its blocks are the request's last ones. Mamba lists pair from the prefill tail.
     """
 
     num_tokens: int
-    prefill_block_ids: tuple[tuple[int, ...], ...]
-    decode_block_ids: tuple[tuple[int, ...], ...]
+    prefill_block_ids: tuple[Sequence[int], ...]
+    decode_block_ids: tuple[Sequence[int], ...]
 
     @classmethod
     def of(

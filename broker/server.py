@@ -23,6 +23,7 @@ from functools import partial
 from typing import Any
 
 import grpc
+from google.protobuf.message import Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -31,6 +32,7 @@ from broker.errors import (
     StoreUnavailableError,
 )
 from broker.limits import LIMITS, max_request_bytes_of
+from broker.records import RankKey
 from broker.server_security import ServerSecurity
 from broker.service import BrokerService
 from broker.servicer import (
@@ -53,7 +55,7 @@ _STREAMING = frozenset(
 MAX_RECEIVE_BYTES = LIMITS.max_request_bytes
 
 
-def _serializer(response_type: type) -> Callable[[Any], bytes]:
+def _serializer(response_type: type[Message]) -> Callable[[Any], bytes]:
     """A response serializer that sends bytes a handler serialized itself as they are."""
     serialize = response_type.SerializeToString
 
@@ -63,7 +65,7 @@ def _serializer(response_type: type) -> Callable[[Any], bytes]:
     return encode
 
 
-def _lenient(message_type: type, max_bytes: int) -> Callable[[bytes], Any]:
+def _lenient(message_type: type[Message], max_bytes: int) -> Callable[[bytes], Any]:
     """A request deserializer that returns :class:`_Undecodable` rather than raising (grpc
     would answer UNKNOWN) for bytes that do not parse, and without parsing them for more
     than ``max_bytes``."""
@@ -145,9 +147,11 @@ class _AuthenticateFirst(grpc.aio.ServerInterceptor):
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[
+            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]
+        ],
         details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
         if not details.method.startswith(f"/{SERVICE_NAME}/"):  # health, reflection
             return await continuation(details)
         why = self.authenticator.refusal(details.invocation_metadata)
@@ -282,10 +286,12 @@ class BrokerServer:
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._server = server
         loop = asyncio.get_running_loop()
+
         # Releases other brokers on a shared store queue wake this server's watchers too.
-        self._unsubscribe = self.service.store.subscribe_releases(
-            lambda key: loop.call_soon_threadsafe(servicer.wake, key)
-        )
+        def wake(key: RankKey) -> None:
+            loop.call_soon_threadsafe(servicer.wake, key)
+
+        self._unsubscribe = self.service.store.subscribe_releases(wake)
         self._reaper = asyncio.create_task(self._reap_forever())
 
     async def _reap_forever(self) -> None:
@@ -310,7 +316,7 @@ class BrokerServer:
                 await self._set_health(health_pb2.HealthCheckResponse.SERVING)
             serving = True
 
-    async def _set_health(self, status: health_pb2.HealthCheckResponse.ServingStatus) -> None:
+    async def _set_health(self, status: int) -> None:
         if self._health is not None:
             for name in ("", SERVICE_NAME):
                 await self._health.set(name, status)

@@ -395,10 +395,10 @@ class BrokerService:
         ``max_read_ms``, forget finished transfers after the retention period. Called
         periodically by the server; each item is its own unit of work."""
         now = self.clock.now_ms()
-        for key in self.store.due_leases(now):
-            self.registry.expire_lease(key)
-        for key in self.store.due_transfers(now):
-            self._reap_transfer(key)
+        for rank in self.store.due_leases(now):
+            self.registry.expire_lease(rank)
+        for transfer in self.store.due_transfers(now):
+            self._reap_transfer(transfer)
 
     @atomic
     def _reap_transfer(self, key: TransferKey) -> None:

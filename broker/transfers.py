@@ -40,7 +40,9 @@ transfer had not ended, and DONE after the end is refused ABORTED.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 from broker.errors import (
     AbortedError,
@@ -395,7 +397,8 @@ def _lose_rank(change: _Change, event: LoseRank) -> None:
         )
 
 
-_APPLY = {
+#: The handler of each event type; each takes the event of its key's type.
+_APPLY: dict[type, Callable[[_Change, Any], None]] = {
     Claim: _claim,
     Replan: _replan,
     HandOut: _hand_out,
@@ -422,8 +425,9 @@ class _Change:
     def done(self, refusal: PdbrokerError | None = None) -> Step:
         return Step(None if self.forget else self.record, tuple(self.effects), refusal)
 
-    def set(self, **changes: object) -> None:
-        self.record = replace(self.record, **changes)  # type: ignore[arg-type]
+    def set(self, **changes: Any) -> None:
+        """Replace fields of the record (``replace`` checks their names)."""
+        self.record = replace(self.record, **changes)
 
     def plan(self, decode_rank: int) -> PlanRecord:
         return self.record.plans[decode_rank]

@@ -28,6 +28,7 @@ import logging
 import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -45,6 +46,12 @@ log = logging.getLogger(__name__)
 _SPIN_POLLS = 64
 
 
+class _XferHandle(Protocol):
+    """What :class:`Transfer` uses of NIXL's transfer handle (``nixl_xfer_handle``)."""
+
+    def release(self) -> None: ...
+
+
 class Transfer:
     """One posted READ. Poll it (that also progresses the agent) until done, then
     :meth:`release` it; a released transfer that was still running is cancelled."""
@@ -52,14 +59,14 @@ class Transfer:
     def __init__(
         self,
         agent: NixlAgent,
-        handle: object,
+        handle: _XferHandle,
         remote_agent: str,
         nbytes: int,
         num_descriptors: int,
         done: bool,
     ) -> None:
         self._agent = agent
-        self._handle = handle
+        self._handle: _XferHandle | None = handle
         self.remote_agent = remote_agent
         self.nbytes = nbytes
         self.num_descriptors = num_descriptors

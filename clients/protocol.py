@@ -73,7 +73,9 @@ class BrokerCallError(RuntimeError):
         self.field = head if ":" in details and " " not in head else ""
 
 
-async def call(stub: pb_grpc.BrokerStub, method: str, request: Any, timeout_s: float) -> Any:
+async def call(
+    stub: FailoverStub | pb_grpc.BrokerStub, method: str, request: Any, timeout_s: float
+) -> Any:
     """One unary RPC carrying the current trace context; a failure raises
     :class:`BrokerCallError`."""
     try:
@@ -325,8 +327,8 @@ async def get_plan(
     with its messages joined (:func:`~broker.wire.join_plan_chunks`)."""
     try:
         return await call(stub, "GetTransferPlan", request, timeout_s)
-    except BrokerCallError as exc:
-        if exc.code is not grpc.StatusCode.RESOURCE_EXHAUSTED or exc.field != "plan":
+    except BrokerCallError as refused:
+        if refused.code is not grpc.StatusCode.RESOURCE_EXHAUSTED or refused.field != "plan":
             raise
 
     async def streamed(

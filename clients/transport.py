@@ -141,11 +141,17 @@ def read_rows(
 
 
 class Read(Protocol):
-    """One posted read: ``nbytes`` in ``num_descriptors`` descriptors from ``remote_agent``."""
+    """One posted read: ``nbytes`` in ``num_descriptors`` descriptors from ``remote_agent``
+    (read-only: a frozen dataclass is a read too)."""
 
-    remote_agent: str
-    nbytes: int
-    num_descriptors: int
+    @property
+    def remote_agent(self) -> str: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+    @property
+    def num_descriptors(self) -> int: ...
 
     async def wait_async(self, timeout_s: float) -> None:
         """Return once every byte arrived; :class:`TransferError` if it failed,

@@ -289,7 +289,7 @@ async def _calls(
     """Ask for each job's plan (``baseline``: call ``ListEngines`` as often instead) until
     ``stop_at`` (``perf_counter``); returns each call's latency in ns and whether the jobs
     ran out first."""
-    latencies = []
+    latencies: list[int] = []
     list_engines = pb.ListEnginesRequest()
     for transfer_id, rank in jobs:
         if time.perf_counter() >= stop_at:
@@ -541,7 +541,11 @@ def control_plane(
                 plans = run_clients(
                     proc.pid, address, specs, sc.decode, decode_ids, procs, False, seconds
                 )
-                phase = {"clients": n, "client_procs": procs, "ran_out": plans.ran_out}
+                phase: dict[str, object] = {
+                    "clients": n,
+                    "client_procs": procs,
+                    "ran_out": plans.ran_out,
+                }
                 phase |= plans.summary("plan_")
                 if baseline:
                     specs = client_specs(f"c{k}-floor", transfer_ids, d_tp, n, warm=False)

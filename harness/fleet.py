@@ -29,6 +29,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
+from typing import cast
 
 from broker.client_security import PLAINTEXT, ChannelSecurity
 from broker.layout import EngineLayout
@@ -70,10 +71,11 @@ class PairSpec:
         )
         mamba_blocks = max(self.prefill_mamba_blocks, self.decode_mamba_blocks)
         num_blocks = inflight * sum(block_counts(probe, self.max_tokens, mamba_blocks))
-        return tuple(
+        prefill, decode = (
             build_engine_layout(self.model, tp, num_blocks, block_size, self.kernel_block_size)
             for tp in (self.prefill_tp, self.decode_tp)
-        )  # type: ignore[return-value]
+        )
+        return prefill, decode
 
 
 @dataclass
@@ -265,14 +267,16 @@ def _receive(
     engines: Sequence[_EngineProcess], timeout_s: float
 ) -> list[tuple[_EngineProcess, tuple]]:
     by_conn = {id(e.conn): e for e in engines}
-    ready = wait([e.conn for e in engines], timeout_s)
+    # typeshed types wait() as returning any kind of waitable; it returns the ready ones of
+    # the objects it was given.
+    ready = cast("list[Connection]", wait([e.conn for e in engines], timeout_s))
     if not ready:
         raise _Abort(f"no engine answered within {timeout_s:g} s")
     out = []
     for conn in ready:
         engine = by_conn[id(conn)]
         try:
-            message = conn.recv()  # type: ignore[union-attr]
+            message = conn.recv()
         except EOFError:
             raise _Abort(
                 f"engine {engine.engine_id} exited (code {engine.process.exitcode})"

@@ -113,7 +113,7 @@ class TraceReceiver(trace_service_pb2_grpc.TraceServiceServicer):
         """Every span received so far, in arrival order."""
         with self._lock:
             requests = list(self._requests)
-        out = []
+        out: list[ReceivedSpan] = []
         for request in requests:
             for resource_spans in request.resource_spans:
                 service = next(

@@ -12,12 +12,13 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypedDict
 
 from broker.planner import PairPlanner
 
 if TYPE_CHECKING:
     from harness.scenarios import Scenario
+    from harness.vllm.nixl_reference import VllmDecodeSide
 
 #: (name, preset, prefill tp, decode tp, tokens, kernel block size; 0 = logical block size)
 PLANNER_SCENARIOS = (
@@ -44,6 +45,23 @@ class PlannerResult:
     naive_bytes: int
     vllm_measured_descriptors: int | None
     vllm_handshake_ms: float | None
+
+
+class BytesPoint(TypedDict):
+    """One input length of ``bench bytes``: the bytes a naive copy, the plan and the
+    minimum move."""
+
+    tokens: int
+    naive_bytes: int
+    plan_bytes: int
+    optimal_bytes: int
+
+
+class BytesSeries(TypedDict):
+    """One model of ``bench bytes``, a point per input length."""
+
+    name: str
+    points: list[BytesPoint]
 
 
 #: What ``vllm_warm_median_us`` times (the JSON's ``vllm_scope``).
@@ -190,9 +208,11 @@ def run_planner(args: argparse.Namespace) -> int:
     from broker.presets import resolve_model
     from harness.scenarios import build_scenario
 
-    vllm = None
+    vllm_side: type[VllmDecodeSide] | None = None
     if not args.no_vllm and importlib.util.find_spec("vllm") is not None:
-        from harness.vllm import nixl_reference as vllm
+        from harness.vllm import nixl_reference
+
+        vllm_side = nixl_reference.VllmDecodeSide
 
     results = []
     for name, preset, p_tp, d_tp, tokens, kbs in PLANNER_SCENARIOS:
@@ -209,9 +229,9 @@ def run_planner(args: argparse.Namespace) -> int:
             pair.plan_rank(0, sc.request)
             return time.perf_counter_ns() - start
 
-        side = vllm.VllmDecodeSide(preset, sc, kbs) if vllm else None
+        side = vllm_side(preset, sc, kbs) if vllm_side else None
         try:
-            samplers = [ours, side.sample] if side else [ours]
+            samplers: list[Callable[[], int]] = [ours, side.sample] if side else [ours]
             medians = lowest_medians_us(samplers, args.iterations, args.trials)
         finally:
             if side:
@@ -234,8 +254,8 @@ def run_planner(args: argparse.Namespace) -> int:
         )
     result = {
         "planner": [asdict(r) for r in results],
-        "vllm_version": importlib.metadata.version("vllm") if vllm else None,
-        "vllm_scope": VLLM_SCOPE if vllm else None,
+        "vllm_version": importlib.metadata.version("vllm") if vllm_side else None,
+        "vllm_scope": VLLM_SCOPE if vllm_side else None,
     }
     _emit(args, "planner", result, _planner_table(results))
     return 0
@@ -278,10 +298,10 @@ def run_bytes(args: argparse.Namespace) -> int:
     from broker.presets import resolve_model
     from harness.scenarios import build_scenario
 
-    series = []
+    series: list[BytesSeries] = []
     for name, preset, tp, kv_dtype in BYTES_MODELS:
         model = with_kv_dtype(resolve_model(preset), kv_dtype)
-        points = []
+        points: list[BytesPoint] = []
         for tokens in INPUT_LENGTHS:
             sc = build_scenario(model, tp, tp, tokens, kernel_block_size=BYTES_KERNEL_BLOCK)
             plan = PairPlanner(sc.prefill, sc.decode).plan(sc.request)
@@ -309,7 +329,7 @@ def run_bytes(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plot_bytes(series: list[dict], path: Path) -> None:
+def _plot_bytes(series: list[BytesSeries], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")

@@ -256,12 +256,12 @@ def _resolve(args: argparse.Namespace) -> None:
     for flag, env, default, _ in _INT_OPTIONS:
         name = flag.removeprefix("--").replace("-", "_")
         if getattr(args, name) is None:
-            raw = os.environ.get(env)
+            value = os.environ.get(env)
             try:
-                setattr(args, name, default if raw is None else int(raw))
+                setattr(args, name, default if value is None else int(value))
             except ValueError:
                 raise SystemExit(
-                    f"pdbroker serve: error: {env}={raw!r} is not an integer"
+                    f"pdbroker serve: error: {env}={value!r} is not an integer"
                 ) from None
         if getattr(args, name) <= 0:
             raise SystemExit(f"pdbroker serve: error: {flag} must be positive")

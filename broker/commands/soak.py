@@ -20,7 +20,7 @@ import os
 import time
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
@@ -171,17 +171,19 @@ def _gather(conns: list[Connection], kind: str, timeout_s: float) -> list:
     until = time.monotonic() + timeout_s
     while len(got) < len(conns):
         pending = [c for i, c in enumerate(conns) if i not in got]
-        ready = wait(pending, max(0.0, until - time.monotonic()))
+        # typeshed types wait() as returning any kind of waitable; it returns the ready
+        # ones of the objects it was given.
+        ready = cast("list[Connection]", wait(pending, max(0.0, until - time.monotonic())))
         if not ready:
             raise SystemExit(f"pdbroker soak: error: no {kind!r} from a worker in {timeout_s:g} s")
         for conn in ready:
             try:
-                message = conn.recv()  # type: ignore[union-attr]
+                message = conn.recv()
             except EOFError:
                 raise SystemExit("pdbroker soak: error: a worker exited") from None
             if message[0] == "error":
                 raise SystemExit(f"pdbroker soak: error: a worker failed:\n{message[1]}")
-            got[conns.index(conn)] = message[1] if len(message) > 1 else None  # type: ignore[arg-type]
+            got[conns.index(conn)] = message[1] if len(message) > 1 else None
     return [got[i] for i in range(len(conns))]
 
 

@@ -129,7 +129,12 @@ class InMemoryStateStore(StateStore):
             if is_due(*entry):
                 due.append(entry[1])
         if popped and self._journal is not None:
-            self._journal.on_undo(lambda: [heapq.heappush(heap, e) for e in popped])
+
+            def put_back() -> None:
+                for entry in popped:
+                    heapq.heappush(heap, entry)
+
+            self._journal.on_undo(put_back)
         return due
 
     # ------------------------------------------------------------------ counters

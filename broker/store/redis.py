@@ -54,7 +54,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import redis
 
@@ -476,7 +476,9 @@ class RedisStateStore(StateStore):
         key = self._key("contacts", rank_member(decode))
         if self._unit is None:
             with self.client.pipeline(transaction=False) as pipe:
-                added, _ = pipe.sadd(key, agent).pexpire(key, self.rank_ttl_ms).execute()
+                pipe.sadd(key, agent)
+                pipe.pexpire(key, self.rank_ttl_ms)
+                added, _ = pipe.execute()
             return bool(added)
         self._watch([key])
         if (decode, agent) in self._unit.contacts or self.client.sismember(key, agent):
@@ -521,7 +523,13 @@ class RedisStateStore(StateStore):
 
     def releases_after(self, key: RankKey, sequence: int) -> list[ReleaseEvent]:
         stream = self._key("releases", rank_member(key))
-        entries = self.client.xrange(stream, f"({sequence}-0", "+")
+        # redis-py types XRANGE for clients of either decode_responses, with None for the
+        # deleted entries XCLAIM may return; this client answers bytes, and XRANGE never None
+        # (an empty list when there is no stream).
+        entries = cast(
+            "list[tuple[bytes, dict[bytes, bytes]]]",
+            self.client.xrange(stream, f"({sequence}-0", "+"),
+        )
         return [
             codec.decode_release(int(entry_id.split(b"-", 1)[0]), fields[b"e"])
             for entry_id, fields in entries

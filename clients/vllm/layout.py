@@ -164,7 +164,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _layer_spec(spec: KVCacheSpec, where: str) -> KVCacheSpec:
+def _layer_spec(spec: KVCacheSpec, where: str) -> FullAttentionSpec | MambaSpec:
     """The one spec all layers of a group share (unwrapping ``UniformTypeKVCacheSpecs``)."""
     if isinstance(spec, UniformTypeKVCacheSpecs):
         specs = set(spec.kv_cache_specs.values())

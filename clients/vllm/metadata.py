@@ -107,12 +107,11 @@ class ConnectorSettings:
                 '(or "HOST:PORT,HOST:PORT" of replicas sharing a store)'
             )
         # Every other field has a default whose type the value is converted to.
-        settings = cls(
-            **{
-                name: value if known[name].default is MISSING else type(known[name].default)(value)
-                for name, value in extra.items()
-            }
-        )
+        values: dict[str, Any] = {}
+        for name, value in extra.items():
+            default = known[name].default
+            values[name] = value if default is MISSING else type(default)(value)
+        settings = cls(**values)
         settings.channel_security()  # a bad combination or unreadable token fails at start-up
         return settings
 

@@ -28,7 +28,7 @@ import secrets
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from vllm.v1.kv_cache_interface import KVCacheConfig, MambaSpec, iter_layer_specs
+from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec, MambaSpec, iter_layer_specs
 from vllm.v1.request import RequestStatus
 
 from broker import tracing
@@ -266,7 +266,7 @@ class SchedulerHalf:
         future.add_done_callback(self._aborts.discard)
 
 
-def _scratch_blocks(spec: object) -> int | None:
+def _scratch_blocks(spec: KVCacheSpec) -> int | None:
     """Trailing speculative scratch blocks of a Mamba group (None for other groups)."""
-    specs = list(iter_layer_specs(spec))  # type: ignore[arg-type]
+    specs = list(iter_layer_specs(spec))
     return specs[0].num_speculative_blocks if isinstance(specs[0], MambaSpec) else None

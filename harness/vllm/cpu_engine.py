@@ -20,8 +20,9 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, cast
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
@@ -95,6 +96,28 @@ def vllm_config(
     return config
 
 
+class _MambaStateModel(Protocol):
+    """What :func:`layer_specs` calls on a model class with Mamba state."""
+
+    @classmethod
+    def get_mamba_state_shape_from_config(
+        cls, vllm_config: VllmConfig
+    ) -> Iterable[tuple[int, ...]]: ...
+
+    @classmethod
+    def get_mamba_state_dtype_from_config(
+        cls, vllm_config: VllmConfig
+    ) -> Iterable[torch.dtype]: ...
+
+
+def _layer_index(name: str) -> int:
+    """The ``N`` of a ``...layers.N....`` layer name."""
+    found = re.search(r"layers\.(\d+)\.", name)
+    if found is None:
+        raise ValueError(f"layer {name!r} has no index")
+    return int(found.group(1))
+
+
 def layer_specs(
     config: VllmConfig, backend: type = FlashAttentionBackend
 ) -> dict[str, KVCacheSpec]:
@@ -104,21 +127,26 @@ def layer_specs(
     spec = model_from_hf_file(Path(model.model))
     layers = sorted(
         ((name, kind) for kind, names in spec.groups for name in names),
-        key=lambda layer: int(re.search(r"layers\.(\d+)\.", layer[0]).group(1)),
+        key=lambda layer: _layer_index(layer[0]),
     )
     model_cls, _ = ModelRegistry.resolve_model_cls(model.architecture, model_config=model)
+    # resolve_model_cls is typed as returning any module class; for these models it is one
+    # with Mamba state, whose classmethods vLLM's IsHybrid protocol only partly declares.
+    stateful = cast("type[_MambaStateModel]", model_cls)
     attention = customize_attention_spec(
         backend,
         FullAttentionSpec(
             block_size=cache.block_size,
             num_kv_heads=model.get_num_kv_heads(config.parallel_config),
             head_size=model.get_head_size(),
-            dtype=model.dtype,
+            # Declared as what the user may pass (a name or a dtype); the config resolves
+            # it to a torch.dtype when it is built.
+            dtype=cast(torch.dtype, model.dtype),
         ),
     )
     mamba = MambaSpec(
-        shapes=tuple(model_cls.get_mamba_state_shape_from_config(config)),
-        dtypes=tuple(model_cls.get_mamba_state_dtype_from_config(config)),
+        shapes=tuple(stateful.get_mamba_state_shape_from_config(config)),
+        dtypes=tuple(stateful.get_mamba_state_dtype_from_config(config)),
         block_size=cache.mamba_block_size or cache.block_size,
         page_size_padded=cache.mamba_page_size_padded,
         mamba_type=MAMBA_TYPES[model.hf_config.model_type],

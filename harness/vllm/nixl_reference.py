@@ -53,6 +53,8 @@ from harness.vllm.cpu_engine import (
 # isort: split
 
 from vllm.config import KVTransferConfig, VllmConfig, set_current_vllm_config
+from vllm.config.kv_transfer import KVRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlConnector
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
@@ -137,7 +139,7 @@ class _Engine:
     """One engine's vLLM config and KV-cache config, with the model's layers registered."""
 
     def __init__(
-        self, model_dir: Path, layout: EngineLayout, role: str, engine_id: str, backend: type
+        self, model_dir: Path, layout: EngineLayout, role: KVRole, engine_id: str, backend: type
     ) -> None:
         block_size = next(g.block_size for g in layout.groups if g.is_attention)
         transfer = KVTransferConfig(
@@ -207,10 +209,11 @@ class VllmDecodeSide:
         if kernel_block_size and self.worker.block_size != kernel_block_size:
             raise ValueError(f"vLLM chose {self.worker.block_size}-token kernel blocks")
         assert self.worker.transfer_topo is not None
-        payloads = {}
+        payloads: dict[tuple[int, int], KVConnectorHandshakeMetadata] = {}
         for rank in self.worker.transfer_topo.handshake_target_ranks(self.sc.prefill.tp_size, 1):
             worker = prefill.worker(rank)
             self._workers.append(worker)
+            assert worker.xfer_handshake_metadata is not None  # set by register_kv_caches
             payloads[(0, rank)] = worker.xfer_handshake_metadata
         self.port = _free_port()
         env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": HOST, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.port)}
