@@ -24,13 +24,11 @@ Not thread-safe: call it from one thread (the gRPC server's event loop).
 
 from __future__ import annotations
 
-import logging
 import secrets
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TypeVar
 
 from broker import tracing, transfers
 from broker.api import (
@@ -74,10 +72,6 @@ from broker.releases import ReleaseFeeds
 from broker.store.contract import StateStore
 from broker.store.memory import InMemoryStateStore
 from broker.wire import DESCRIPTOR_BYTES, TransferState
-
-log = logging.getLogger(__name__)
-T = TypeVar("T")
-LEASE_EXPIRED = "lease expired"
 
 
 class BrokerService:

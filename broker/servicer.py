@@ -246,7 +246,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
     async def GetTransferPlan(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         """As the other calls, without joining the caller's trace: a plan's spans descend
         from the transfer's publication anyway, and decode links its own trace from its read
-        spans, so the hot path need not parse the caller's context (~25 µs a plan). A plan
+        spans, so the hot path need not parse the caller's context. A plan
         whose answer exceeds ``max_unary_plan_bytes`` is refused before it is handed out."""
         try:
             plan = await self._plan(request, context, LIMITS.max_unary_plan_bytes)

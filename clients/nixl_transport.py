@@ -5,18 +5,16 @@ The broker's packed descriptors are viewed as ``(n, 3)`` arrays
 (:func:`~clients.transport.descriptor_array`) and NIXL builds its descriptor list from that
 array in C++, so no Python loop runs per descriptor.
 
-Measured on a 2-core loopback host (NIXL 1.5.1, UCX picks ``cma`` for remote reads and
-``tcp/lo`` for wire-up and notifications; no ``UCX_*`` variable is needed):
+Two choices, measured as docs/ARCHITECTURE.md ("Engine-side choices") records:
 
-* **No progress thread.** NIXL's default progress thread spins: two idle agents burn two full
-  cores (6 CPU-s in 3 s). Agents here are created without it and progressed by whoever polls
-  (:meth:`Transfer.poll` on the reader, :meth:`NixlAgent.notifications` on the target). A
-  target that never polls never finishes the reader's wire-up, so prefill clients poll.
+* **No progress thread.** NIXL's default progress thread spins on idle agents. Agents here
+  are created without it and progressed by whoever polls (:meth:`Transfer.poll` on the
+  reader, :meth:`NixlAgent.notifications` on the target). A target that never polls never
+  finishes the reader's wire-up, so prefill clients poll.
 * **One-shot descriptor lists.** Per request the descriptors are new, and ``initialize_xfer``
   with explicit lists costs less than ``prep_xfer_dlist`` on both sides plus
-  ``make_prepped_xfer``: 142 vs 167 µs for 16 descriptors, 266 vs 428 µs for 4,096, 1.1 vs
-  5.5 ms for 32,768. Prepped lists only win when reused (57 µs / 775 µs), which a plan never is.
-* The copy itself costs about 3 µs per descriptor plus ~9 GB/s, so coalesced plans matter.
+  ``make_prepped_xfer``, which only win when reused; a plan never is. NIXL's copy costs a
+  fixed amount per descriptor, so coalesced plans matter.
 
 Not thread-safe: use one agent from one thread (the clients use their event loop's).
 """

@@ -440,6 +440,10 @@ def test_status_and_transfer_commands_against_a_live_broker(tmp_path: Path) -> N
         missing = pdbroker("transfer", "nope", "--broker", address)
         assert missing.returncode == 1
         assert "NOT_FOUND: transfer_id: no transfer 'nope'" in missing.stderr
+        named = pdbroker("transfer", "done", "--prefill-engine", "P", "--broker", address, "--json")
+        assert json.loads(named.stdout)["state"] == "completed"
+        elsewhere = pdbroker("transfer", "done", "--prefill-engine", "D", "--broker", address)
+        assert elsewhere.returncode == 1 and "NOT_FOUND: transfer_id" in elsewhere.stderr
     finally:
         serve.terminate()
         assert serve.wait(10) == 0

@@ -35,8 +35,8 @@ RETENTION_MS = 5_000
 WARMUP_FRACTION = 0.2
 MAX_WARMUP_S = 120.0
 RSS_GROWTH_LIMIT_PCT = 10.0
-#: Offered load (transfers/s): 120k transfers in the default 10 minutes. On a 2-core host a
-#: transfer costs the broker ~3 ms of CPU and the clients ~2 ms, so this leaves headroom.
+#: Offered load (transfers/s): 120k transfers in the default 10 minutes, with headroom for
+#: the broker and the clients on a 2-core host (docs/BENCHMARKS.md has the CPU per transfer).
 DEFAULT_RATE = 200.0
 #: Seconds for the broker and workers to start, and for workers to drain after the load.
 STARTUP_TIMEOUT_S = 60.0

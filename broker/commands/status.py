@@ -47,6 +47,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     status.set_defaults(run=run_status)
     transfer = sub.add_parser("transfer", help="one transfer's state, timeline, plans, releases")
     transfer.add_argument("transfer_id", metavar="ID")
+    transfer.add_argument(
+        "--prefill-engine",
+        default="",
+        metavar="ENGINE",
+        help="the prefill engine that published it (needed when several published this id)",
+    )
     _common(transfer)
     transfer.set_defaults(run=run_transfer)
 
@@ -273,7 +279,10 @@ def format_status(s: dict) -> list[str]:
 def run_transfer(args: argparse.Namespace) -> int:
     from broker.v1 import broker_pb2 as pb
 
-    t = _call(args, "GetTransfer", pb.GetTransferRequest(transfer_id=args.transfer_id))
+    request = pb.GetTransferRequest(
+        transfer_id=args.transfer_id, prefill_engine_id=args.prefill_engine
+    )
+    t = _call(args, "GetTransfer", request)
     summary = transfer_summary(t)
     print(json.dumps(summary) if args.json else "\n".join(format_transfer(summary)))
     return 0
