@@ -42,7 +42,6 @@ from broker.wire import (
     optional_ident,
     pack,
     rank_layout_from_proto,
-    rank_layout_to_proto,
     text,
 )
 
@@ -115,29 +114,6 @@ def registration_from_proto(msg: pb.RegisterRankRequest) -> RankRegistration:
         regions,
         layout,
         fingerprint,
-    )
-
-
-def registration_to_proto(reg: RankRegistration) -> pb.RegisterRankRequest:
-    """The registration as the ``RegisterRankRequest`` it was (or could have been) sent as."""
-    return pb.RegisterRankRequest(
-        engine_id=reg.engine_id,
-        role=ROLE.to_proto(reg.role),
-        tp_size=reg.tp_size,
-        tp_rank=reg.tp_rank,
-        agent_name=reg.agent_name,
-        agent_metadata=reg.agent_metadata,
-        regions=[
-            pb.Region(
-                base_addr=r.base_addr,
-                length_bytes=r.length_bytes,
-                device_id=r.device_id,
-                memory_kind=MEMORY_KIND.to_proto(r.memory_kind),
-            )
-            for r in reg.regions
-        ],
-        layout=rank_layout_to_proto(reg.layout),
-        model_fingerprint=reg.model_fingerprint,
     )
 
 
