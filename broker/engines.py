@@ -15,6 +15,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 
 import numpy as np
 
@@ -163,7 +164,10 @@ def check_published_blocks(layout: EngineLayout, block_ids: BlockIds, num_tokens
             "block_ids", f"expected {len(layout.groups)} groups, got {len(block_ids)}"
         )
     limit = layout.ranks[0].num_blocks
-    ids = np.concatenate([np.zeros(0, dtype=np.int64)] + [ids_array(g) for g in block_ids])
+    if all(isinstance(g, tuple) for g in block_ids):  # short groups: one numpy call
+        ids = np.fromiter(chain.from_iterable(block_ids), dtype=np.int64)
+    else:
+        ids = np.concatenate([ids_array(g) for g in block_ids])
     if ids.size and (
         int(ids.min()) < 0 or int(ids.max()) >= limit or np.unique(ids).size != ids.size
     ):

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TypeVar
 
 import numpy as np
 
 from broker.layout import RankLayout
 from broker.planner import RankPlan
 from broker.wire import BlockIds, MemoryKind, ReleaseReason, ReportStatus, Role, TransferState
+
+R = TypeVar("R", "PlanRecord", "TransferRecord")
 
 #: ``(engine_id, tp_rank)`` of one registered rank.
 RankKey = tuple[str, int]
@@ -210,3 +213,13 @@ class ReleaseEvent:
             + len(self.detail)
             + len(self.traceparent)
         )
+
+
+def evolve(record: R, **changes: object) -> R:
+    """A copy of ``record`` with ``changes``: :func:`dataclasses.replace` without running
+    ``__init__`` again, which these records (plain frozen fields, nothing derived or
+    validated at construction) do not need; the state machine makes several per event."""
+    new = object.__new__(type(record))
+    new.__dict__.update(record.__dict__)
+    new.__dict__.update(changes)
+    return new

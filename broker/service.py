@@ -25,10 +25,10 @@ Not thread-safe: call it from one thread (the gRPC server's event loop).
 from __future__ import annotations
 
 import secrets
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import replace
 
 from broker import tracing, transfers
 from broker.api import (
@@ -188,20 +188,25 @@ class BrokerService:
         """The decode rank's reads, all work done in place (see :meth:`plan_step`)."""
         planned: Planned | None = None
         while True:
-            step = self.plan_step(query, planned)
+            step = self.plan_step(query, planned, in_place=sys.maxsize)
             if isinstance(step, PlanTicket):
                 return step.result()
             planned = step.run()
 
     @atomic
     def plan_step(
-        self, query: PlanQuery, planned: Planned | None = None, answer_bytes: int | None = None
+        self,
+        query: PlanQuery,
+        planned: Planned | None = None,
+        answer_bytes: int | None = None,
+        in_place: int = 0,
     ) -> PlanWork | PlanTicket:
-        """Hand the decode rank its plan, as a :class:`PlanTicket` to turn into descriptors;
-        or, when the plans it needs are not made yet, the :class:`PlanWork` that makes
-        them: run it and call again with its result. The first request for a transfer
-        claims it for the decode engine and plans every decode rank, which fixes each
-        prefill rank's consumers. A plan whose answer would exceed ``answer_bytes`` is
+        """Hand the decode rank its plan, as a :class:`PlanTicket` to turn into descriptors.
+        The first request for a transfer claims it for the decode engine and plans every
+        decode rank, which fixes each prefill rank's consumers: planning of requests of at
+        most ``in_place`` block ids is done here (unless another thread plans for the same
+        engine pair), else the :class:`PlanWork` that makes the plans is returned — run it
+        and call again with its result. A plan whose answer would exceed ``answer_bytes`` is
         refused (RESOURCE_EXHAUSTED naming ``plan``) before it is handed out."""
         started = planned.work.started if planned is not None else time.perf_counter()
         now, store = self.clock.now_ms(), self.store
@@ -227,25 +232,37 @@ class BrokerService:
         cache_hit = cache_hit and (planned is None or planned.work.cache_hit)
         basis = (t.key, prefill.generation, decode.engine_id, decode.generation, query.block_ids)
         rank = query.tp_rank
+
+        def plans_for(decode_rank: int | None) -> Planned | PlanWork:
+            """The plans ``planned`` holds for ``decode_rank`` (None: every rank), else made
+            here when small, else the work that makes them."""
+            if planned is not None and (planned.work.basis, planned.work.decode_rank) == (
+                basis,
+                decode_rank,
+            ):
+                return planned
+            request = TransferRequest(t.num_tokens, t.block_ids, query.block_ids)
+            work = PlanWork(pair, request, decode_rank, basis, started, cache_hit)
+            made = work.run_if_free() if work.block_ids <= in_place else None
+            return work if made is None else made
+
         if t.state is TransferState.PUBLISHED:
-            if planned is None or (planned.work.basis, planned.work.decode_rank) != (basis, None):
-                request = TransferRequest(t.num_tokens, t.block_ids, query.block_ids)
-                return PlanWork(pair, request, None, basis, started, cache_hit)
+            made = plans_for(None)
+            if isinstance(made, PlanWork):
+                return made
             claim = secrets.token_hex(10)  # plan ids: unguessable, unique per claim and rank
             plans = tuple(
                 PlanRecord(f"{claim}-{p.decode_rank}", p.decode_rank, query.block_ids, p)
-                for p in planned.plans
+                for p in made.plans
             )
             t = self.effects.decide(
                 t, transfers.Claim(decode.engine_id, decode.generation, plans), now
             )
-        plan = t.plans[rank]
-        if plan.block_ids != query.block_ids and not plan.handed_out:
-            if planned is None or (planned.work.basis, planned.work.decode_rank) != (basis, rank):
-                request = TransferRequest(t.num_tokens, t.block_ids, query.block_ids)
-                return PlanWork(pair, request, rank, basis, started, cache_hit)
-            replan = transfers.Replan(rank, query.block_ids, planned.plans[0])
-            t = self.effects.decide(t, replan, now)
+        if t.plans[rank].block_ids != query.block_ids and not t.plans[rank].handed_out:
+            made = plans_for(rank)
+            if isinstance(made, PlanWork):
+                return made
+            t = self.effects.decide(t, transfers.Replan(rank, query.block_ids, made.plans[0]), now)
         if answer_bytes is not None:
             _check_answer_size(t.plans[rank], prefill, answer_bytes)
         with tracing.span(
@@ -255,7 +272,8 @@ class BrokerService:
         ) as span:
             first = not t.plans[rank].handed_out
             t = self.effects.decide(t, transfers.HandOut(rank, query.block_ids), now)
-            ticket = self._ticket(t, t.plans[rank], prefill, decode, query)
+            traceparent = tracing.span_traceparent(span) or t.traceparent
+            ticket = self._ticket(t, t.plans[rank], prefill, decode, query, traceparent)
             if span is not None:
                 span.set_attributes(
                     {
@@ -265,7 +283,6 @@ class BrokerService:
                         "pdbroker.cache_hit": cache_hit,
                     }
                 )
-            ticket = replace(ticket, traceparent=tracing.span_traceparent(span) or t.traceparent)
         if first:
             seconds = time.perf_counter() - started
             self.effects.later(self.observer.plan_handed_out, seconds, ticket.rank_plan, cache_hit)
@@ -278,6 +295,7 @@ class BrokerService:
         prefill: Engine,
         decode: Engine,
         query: PlanQuery,
+        traceparent: str,
     ) -> PlanTicket:
         d_rank = decode.ranks[plan.decode_rank]
         agents = []
@@ -303,7 +321,7 @@ class BrokerService:
             d_reg.regions[0].memory_kind,
             tuple(agents),
             t.expires_at_ms,
-            t.traceparent,
+            traceparent,
         )
 
     @atomic

@@ -282,13 +282,10 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         query = await self.pure(heavy, convert.plan_query_from_proto, request)
         planned: Planned | None = None
         while True:
-            step = self.service.plan_step(query, planned, answer_bytes)
+            step = self.service.plan_step(query, planned, answer_bytes, OFFLOAD_BLOCK_IDS)
             if isinstance(step, PlanTicket):
                 return await self.pure(step.num_descriptors > OFFLOAD_DESCRIPTORS, step.result)
-            light = step.block_ids <= OFFLOAD_BLOCK_IDS
-            planned = step.run_if_free() if light else None
-            if planned is None:  # large, or the pair's planner is busy on the worker
-                planned = await self.offload(step.run)
+            planned = await self.offload(step.run)  # large, or the planner is busy there
 
     @_unary(_plan_holder)
     def ReportTransfer(self, request: pb.ReportTransferRequest) -> pb.ReportTransferResponse:

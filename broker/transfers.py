@@ -41,7 +41,7 @@ transfer had not ended, and DONE after the end is refused ABORTED.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from broker.errors import (
@@ -52,7 +52,7 @@ from broker.errors import (
     RequestError,
 )
 from broker.planner import RankPlan
-from broker.records import PlanRecord, TimelineEntry, TransferRecord
+from broker.records import PlanRecord, TimelineEntry, TransferRecord, evolve
 from broker.wire import BlockIds, ReleaseReason, ReportStatus, TransferState
 
 #: Timeline events about an ended transfer that operators must see (logged at WARNING).
@@ -260,7 +260,7 @@ def _replan(change: _Change, event: Replan) -> None:
     released = [p for p in event.rank_plan.prefill_ranks if change.record.released[p]]
     if released:
         raise PreconditionError("block_ids", f"prefill rank {released[0]} was already released")
-    change.set_plan(replace(plan, block_ids=event.block_ids, rank_plan=event.rank_plan))
+    change.set_plan(evolve(plan, block_ids=event.block_ids, rank_plan=event.rank_plan))
 
 
 def _hand_out(change: _Change, event: HandOut) -> None:
@@ -278,7 +278,7 @@ def _hand_out(change: _Change, event: HandOut) -> None:
         )
     if plan.handed_out:
         return
-    change.set_plan(replace(plan, handed_out_at_ms=change.now))
+    change.set_plan(evolve(plan, handed_out_at_ms=change.now))
     runs = plan.rank_plan
     change.note(
         "planned",
@@ -309,7 +309,7 @@ def _report(change: _Change, event: Report) -> None:
                 f"{event.bytes_moved} differs from the plan's {plan.rank_plan.nbytes} bytes",
             )
         ended = change.record.state.terminal
-        plan = replace(
+        plan = evolve(
             plan,
             status=event.status,
             bytes_moved=event.bytes_moved,
@@ -358,7 +358,7 @@ def _tick(change: _Change, event: Tick) -> None:
         for plan in t.plans:
             if plan.live and change.read_deadline(plan) <= now:
                 change.set_plan(
-                    replace(
+                    evolve(
                         plan,
                         status=ReportStatus.FAILED,
                         error=f"no report within max_read_ms={change.rules.max_read_ms}",
@@ -377,7 +377,7 @@ def _lose_rank(change: _Change, event: LoseRank) -> None:
         plan = t.plans[event.tp_rank] if reader and event.tp_rank < len(t.plans) else None
         if plan is not None and plan.live:
             why = f"decode rank {event.tp_rank} {event.why}"
-            change.set_plan(replace(plan, status=ReportStatus.FAILED, error=why))
+            change.set_plan(evolve(plan, status=ReportStatus.FAILED, error=why))
             change.note("reader lost", why)
             change.release_unheld()
     elif event.engine_id == t.prefill_engine_id and event.generation <= t.prefill_generation:
@@ -388,7 +388,7 @@ def _lose_rank(change: _Change, event: LoseRank) -> None:
         plan = t.plans[event.tp_rank]
         if plan.live:
             change.set_plan(
-                replace(plan, status=ReportStatus.FAILED, error=f"decode rank {event.why}")
+                evolve(plan, status=ReportStatus.FAILED, error=f"decode rank {event.why}")
             )
         change.finish(
             TransferState.FAILED,
@@ -421,13 +421,22 @@ class _Change:
         self.rules = rules
         self.effects: list[Effect] = []
         self.forget = False
+        self._consumers: tuple[tuple[PlanRecord, ...], dict[int, frozenset[int]]] | None = None
 
     def done(self, refusal: PdbrokerError | None = None) -> Step:
         return Step(None if self.forget else self.record, tuple(self.effects), refusal)
 
+    def consumers(self) -> dict[int, frozenset[int]]:
+        """The record's consumers (:attr:`TransferRecord.consumers`), kept while its plans
+        are the same tuple."""
+        plans = self.record.plans
+        if self._consumers is None or self._consumers[0] is not plans:
+            self._consumers = (plans, self.record.consumers)
+        return self._consumers[1]
+
     def set(self, **changes: Any) -> None:
         """Replace fields of the record (``replace`` checks their names)."""
-        self.record = replace(self.record, **changes)
+        self.record = evolve(self.record, **changes)
 
     def plan(self, decode_rank: int) -> PlanRecord:
         return self.record.plans[decode_rank]
@@ -465,7 +474,7 @@ class _Change:
         transfer when every plan is DONE."""
         t = self.record
         plans = t.plans
-        for p, readers in t.consumers.items():
+        for p, readers in self.consumers().items():
             if not t.released[p] and all(plans[d].status is ReportStatus.DONE for d in readers):
                 self.release(p, ReleaseReason.COMPLETED, "all readers done")
         if all(plan.status is ReportStatus.DONE for plan in plans):
@@ -496,7 +505,7 @@ class _Change:
         t = self.record
         reason = t.end_reason or ReleaseReason.ABORTED
         held_until = []
-        for p, readers in t.consumers.items():
+        for p, readers in self.consumers().items():
             if t.released[p]:
                 continue
             plans = [t.plans[d] for d in readers]

@@ -24,20 +24,11 @@ _MISSING = object()
 
 
 class _Journal:
-    """Old values of the table entries one unit of work changed, to undo it."""
+    """How to undo each change one unit of work made, in order: undone last first, each
+    change costs its own size to remember, never a copy of the collection it touched."""
 
     def __init__(self) -> None:
-        self._saved: dict[tuple[int, Hashable], tuple[dict, Hashable, Any]] = {}
         self._undo: list[Callable[[], None]] = []
-
-    def save(self, table: dict, key: Hashable) -> None:
-        """Remember ``table[key]`` as it is now (once per unit of work)."""
-        slot = (id(table), key)
-        if slot not in self._saved:
-            old = table.get(key, _MISSING)
-            if isinstance(old, (set, list, dict)):
-                old = old.copy()
-            self._saved[slot] = (table, key, old)
 
     def on_undo(self, action: Callable[[], None]) -> None:
         self._undo.append(action)
@@ -45,11 +36,6 @@ class _Journal:
     def undo(self) -> None:
         for action in reversed(self._undo):
             action()
-        for table, key, old in self._saved.values():
-            if old is _MISSING:
-                table.pop(key, None)
-            else:
-                table[key] = old
 
 
 class InMemoryStateStore(StateStore):
@@ -93,30 +79,45 @@ class InMemoryStateStore(StateStore):
         finally:
             self._journal = None
 
-    def _write(self, table: dict, key: Hashable) -> None:
-        """About to change ``table[key]``: journal it inside a unit of work."""
+    def _on_undo(self, action: Callable[[], None]) -> None:
         if self._journal is not None:
-            self._journal.save(table, key)
+            self._journal.on_undo(action)
+
+    def _restore(self, table: dict, key: Hashable) -> None:
+        """About to change ``table[key]``: inside a unit of work, remember how to put back
+        what it holds now (the value itself, not a copy: values are replaced, not changed)."""
+        if self._journal is not None:
+            old = table.get(key, _MISSING)
+            if old is _MISSING:
+                self._journal.on_undo(lambda: table.pop(key, None))
+            else:
+                self._journal.on_undo(lambda: table.__setitem__(key, old))
 
     def _set(self, table: dict, key: Hashable, value: Any) -> None:
-        self._write(table, key)
+        self._restore(table, key)
         table[key] = value
 
     def _pop(self, table: dict, key: Hashable) -> Any:
-        self._write(table, key)
+        self._restore(table, key)
         return table.pop(key, None)
 
     def _add_to(self, table: dict[Any, set], key: Hashable, member: Any) -> None:
-        self._write(table, key)
-        table.setdefault(key, set()).add(member)
+        members = table.setdefault(key, set())
+        if member not in members:
+            members.add(member)
+            self._on_undo(lambda: self._discard(table, key, member))
 
     def _remove_from(self, table: dict[Any, set], key: Hashable, member: Any) -> None:
-        members = table.get(key)
-        if members is not None and member in members:
-            self._write(table, key)
-            members.discard(member)
-            if not members:
-                del table[key]
+        if member in table.get(key, ()):
+            self._discard(table, key, member)
+            self._on_undo(lambda: table.setdefault(key, set()).add(member))
+
+    @staticmethod
+    def _discard(table: dict[Any, set], key: Hashable, member: Any) -> None:
+        members = table[key]
+        members.discard(member)
+        if not members:
+            del table[key]
 
     def _take_due(self, heap: list, is_due: Callable[[Any, Any], bool], now_ms: int) -> list:
         """Keys of heap entries due at ``now_ms`` that ``is_due(deadline, key)`` still agrees
@@ -201,14 +202,17 @@ class InMemoryStateStore(StateStore):
     def put_transfer(self, record: TransferRecord) -> None:
         key = record.key
         old = self._transfers.get(key)
-        self._account(old, record)
+        if old is None or old.block_ids is not record.block_ids:
+            self._account(old, record)
         self._set(self._transfers, key, record)
-        self._add_to(self._named, record.transfer_id, key)
-        for engine in record.parties - (old.parties if old else frozenset()):
-            self._add_to(self._parties, engine, key)
-        for plan in record.plans:
-            if plan.plan_id not in self._plans:
-                self._set(self._plans, plan.plan_id, key)
+        if old is None or old.decode_engine_id != record.decode_engine_id:
+            self._add_to(self._named, record.transfer_id, key)
+            for engine in record.parties:
+                self._add_to(self._parties, engine, key)
+        if old is None or old.plans is not record.plans:
+            for plan in record.plans:
+                if plan.plan_id not in self._plans:
+                    self._set(self._plans, plan.plan_id, key)
         if self._deadlines.get(key) != record.deadline_ms:
             self._set(self._deadlines, key, record.deadline_ms)
             heapq.heappush(self._deadline_heap, (record.deadline_ms, key))
@@ -287,13 +291,20 @@ class InMemoryStateStore(StateStore):
         # Block ids as arrays of int64: 8 bytes an id rather than a Python int each (long
         # groups already are, and are shared with the record they came from).
         compact = tuple(g if isinstance(g, array) else array("q", g) for g in event.block_ids)
-        self._write(self._releases, key)
-        self._releases.setdefault(key, []).append(replace(event, block_ids=compact))
+        queue = self._releases.setdefault(key, [])
+        queue.append(replace(event, block_ids=compact))
+        self._on_undo(lambda: self._unappend(key))
         self._add_bytes(key, event.nbytes)
         self._forget_oldest(key, lambda: self._release_bytes[key] > rank_bytes)
         while self._totals["release_bytes"] > total_bytes:
             largest = max(self._release_bytes, key=self._release_bytes.__getitem__)
             self._forget_oldest(largest, lambda: False, at_least=1)
+
+    def _unappend(self, key: RankKey) -> None:
+        queue = self._releases[key]
+        queue.pop()
+        if not queue:
+            del self._releases[key]
 
     def _add_bytes(self, key: RankKey, size: int) -> None:
         self._set(self._release_bytes, key, self._release_bytes.get(key, 0) + size)
@@ -303,13 +314,14 @@ class InMemoryStateStore(StateStore):
         """Drop ``key``'s oldest events: ``at_least`` of them, then while ``over()``."""
         queue = self._releases[key]
         dropped = 0
-        while queue[dropped:] and (dropped < at_least or over()):
+        while dropped < len(queue) and (dropped < at_least or over()):
             self._add_bytes(key, -queue[dropped].nbytes)
             dropped += 1
         if dropped:
             self._set(self._compacted, key, queue[dropped - 1].sequence)
-            self._write(self._releases, key)
+            forgotten = queue[:dropped]
             del queue[:dropped]
+            self._on_undo(lambda: queue.__setitem__(slice(0, 0), forgotten))
 
     def compacted_through(self, key: RankKey) -> int:
         return self._compacted.get(key, 0)
