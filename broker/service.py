@@ -343,17 +343,8 @@ class BrokerService:
                 "pdbroker.status": report.status.value,
             },
         ) as span:
-            event = transfers.Report(
-                report.engine_id,
-                report.tp_rank,
-                report.plan_id,
-                report.status,
-                report.bytes_moved,
-                report.duration_us,
-                report.error,
-            )
             now = self.clock.now_ms()
-            step = transfers.step(t, event, now, self.effects.rules)
+            step = transfers.step(t, report, now, self.effects.rules)
             after = step.record or t
             recorded = after.plan_by_id(report.plan_id) or plan
             outcome = ReportOutcome(plan.status is not None, after.state, recorded.intact)

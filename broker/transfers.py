@@ -44,6 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from broker.api import Report
 from broker.errors import (
     AbortedError,
     AlreadyExistsError,
@@ -98,19 +99,6 @@ class HandOut:
 
     decode_rank: int
     block_ids: BlockIds
-
-
-@dataclass(frozen=True)
-class Report:
-    """A decode rank's outcome: bytes read, how long it took (us), why it failed."""
-
-    decode_engine_id: str
-    decode_rank: int
-    plan_id: str
-    status: ReportStatus
-    bytes_moved: int = 0
-    duration_us: int = 0
-    error: str = ""
 
 
 @dataclass(frozen=True)
@@ -291,11 +279,11 @@ def _report(change: _Change, event: Report) -> None:
     plan = t.plan_by_id(event.plan_id)
     if plan is None:
         raise RequestError("plan_id", f"no plan {event.plan_id!r} in transfer {t.transfer_id!r}")
-    if event.decode_engine_id != t.decode_engine_id:
+    if event.engine_id != t.decode_engine_id:
         raise RequestError(
             "engine_id", f"plan {plan.plan_id} belongs to decode engine {t.decode_engine_id!r}"
         )
-    if event.decode_rank != plan.decode_rank:
+    if event.tp_rank != plan.decode_rank:
         raise RequestError(
             "tp_rank", f"plan {plan.plan_id} belongs to decode rank {plan.decode_rank}"
         )

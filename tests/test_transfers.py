@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from broker import transfers
+from broker.api import Report
 from broker.errors import AbortedError, AlreadyExistsError, PreconditionError, RequestError
 from broker.planner import RankPlan, SourceReads
 from broker.records import PlanRecord, TransferRecord
@@ -21,7 +22,6 @@ from broker.transfers import (
     LoseRank,
     Release,
     Replan,
-    Report,
     Rules,
     Tick,
 )
@@ -57,7 +57,7 @@ def claim(readers: list[frozenset[int]]) -> Claim:
 
 def report(t: TransferRecord, d: int, status: ReportStatus = ReportStatus.DONE) -> Report:
     plan = t.plans[d]
-    return Report("D", d, plan.plan_id, status, plan.rank_plan.nbytes, 5, "")
+    return Report(plan.plan_id, "D", d, status, plan.rank_plan.nbytes, 5, "")
 
 
 @dataclass
@@ -295,9 +295,9 @@ def test_reports_are_checked_against_their_plan() -> None:
     run.apply(HandOut(0, ((7,),)))
     plan = run.record.plans[0]
     for event, name in (
-        (Report("X", 0, plan.plan_id, ReportStatus.DONE), "engine_id"),
-        (Report("D", 1, plan.plan_id, ReportStatus.DONE), "tp_rank"),
-        (Report("D", 0, plan.plan_id, ReportStatus.DONE, BYTES + 1), "bytes_moved"),
+        (Report(plan.plan_id, "X", 0, ReportStatus.DONE), "engine_id"),
+        (Report(plan.plan_id, "D", 1, ReportStatus.DONE), "tp_rank"),
+        (Report(plan.plan_id, "D", 0, ReportStatus.DONE, BYTES + 1), "bytes_moved"),
     ):
         step = run.apply(event)
         assert isinstance(step.refusal, RequestError) and step.refusal.field == name
