@@ -7,10 +7,11 @@ import numpy as np
 
 from broker.api import Lease, PlanResult
 from broker.layout import EngineLayout, GroupKind
-from broker.models import AttentionParams, MambaParams, ModelSpec
+from broker.models import AttentionParams, MambaParams, ModelSpec, build_engine_layout
 from broker.records import MemoryRegion, RankRegistration
 from broker.service import BrokerService
 from broker.v1 import broker_pb2 as pb
+from broker.v1 import broker_pb2_grpc as pb_grpc
 from broker.wire import ROLE, MemoryKind, Role
 from clients import protocol
 from clients.transport import Region
@@ -115,6 +116,37 @@ def register_request(
         agent_name=f"{engine_id}-agent{tp_rank}",
         agent_metadata=f"metadata of {engine_id} rank {tp_rank}".encode(),
         model_fingerprint=layout.model,
+    )
+
+
+def publish_many_blocks(
+    stub: pb_grpc.BrokerStub,
+    transfer_id: str,
+    engines: tuple[str, str],
+    blocks: int,
+    engine_index: int,
+    timeout: float,
+) -> pb.GetTransferPlanRequest:
+    """Registers a TP1 prefill and decode engine (``engines``) of one FA group, publishes
+    ``blocks`` prefill blocks in interleaved order (no two neighbours adjacent) and returns
+    the decode engine's ask for them in order."""
+    prefill, decode = engines
+    layout = build_engine_layout(hybrid(mamba=None), 1, blocks, 16)
+    for engine_id, role, index in ((prefill, pb.ROLE_PREFILL, 0), (decode, pb.ROLE_DECODE, 1)):
+        request = register_request(layout, engine_id, role, 0, engine_index + index)
+        stub.RegisterRank(request, timeout=timeout)
+    order = list(range(blocks))
+    stub.PublishBlocks(
+        pb.PublishBlocksRequest(
+            transfer_id=transfer_id,
+            engine_id=prefill,
+            num_tokens=16 * blocks,
+            block_ids=[pb.BlockIds(ids=order[1::2] + order[::2])],
+        ),
+        timeout=timeout,
+    )
+    return pb.GetTransferPlanRequest(
+        transfer_id=transfer_id, engine_id=decode, block_ids=[pb.BlockIds(ids=order)]
     )
 
 

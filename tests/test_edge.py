@@ -330,31 +330,15 @@ def test_a_large_plan_asked_at_once_is_claimed_once_and_answered_alike(live: Liv
     """Four concurrent asks and one more of a plan of many block ids (planned, turned into
     descriptors and serialized on the worker thread): every answer is the same plan, made by
     one claim and handed out once; the stream answers it alike."""
-    from broker_helpers import hybrid, register_request
+    from broker_helpers import publish_many_blocks
 
-    from broker.models import build_engine_layout
     from broker.servicer import OFFLOAD_BLOCK_IDS
     from broker.v1 import broker_pb2_grpc as pb_grpc
     from broker.wire import join_plan_chunks
 
     ids = OFFLOAD_BLOCK_IDS + 1
-    layout = build_engine_layout(hybrid(mamba=None), 1, ids, 16)
     stub = pb_grpc.BrokerStub(live.channel)
-    stub.RegisterRank(register_request(layout, "LP", pb.ROLE_PREFILL, 0, 20), timeout=WAIT_S)
-    stub.RegisterRank(register_request(layout, "LD", pb.ROLE_DECODE, 0, 21), timeout=WAIT_S)
-    order = list(range(ids))
-    stub.PublishBlocks(
-        pb.PublishBlocksRequest(
-            transfer_id="large",
-            engine_id="LP",
-            num_tokens=16 * ids,
-            block_ids=[pb.BlockIds(ids=order[1::2] + order[::2])],
-        ),
-        timeout=WAIT_S,
-    )
-    plan = pb.GetTransferPlanRequest(
-        transfer_id="large", engine_id="LD", block_ids=[pb.BlockIds(ids=order)]
-    )
+    plan = publish_many_blocks(stub, "large", ("LP", "LD"), ids, 20, WAIT_S)
     with ThreadPoolExecutor(4) as pool:
         answers = list(pool.map(lambda _: stub.GetTransferPlan(plan, timeout=WAIT_S), range(4)))
     answers.append(stub.GetTransferPlan(plan, timeout=WAIT_S))

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import grpc
 import numpy as np
 import pytest
-from broker_helpers import hybrid, register_request
+from broker_helpers import hybrid, publish_many_blocks
 
 from broker import convert
 from broker.api import PlanResult, SourceDescriptors
@@ -75,25 +75,10 @@ def broker() -> Iterator[BrokerProcess]:
 def test_a_plan_too_large_for_one_answer_is_refused_unhanded_then_streamed(
     broker: BrokerProcess,
 ) -> None:
-    layout = build_engine_layout(hybrid(mamba=None), 1, BLOCKS, 16)
     options = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
     with grpc.insecure_channel(broker.address, options) as channel:
         stub = pb_grpc.BrokerStub(channel)
-        stub.RegisterRank(register_request(layout, "SP", pb.ROLE_PREFILL, 0, 40), timeout=WAIT_S)
-        stub.RegisterRank(register_request(layout, "SD", pb.ROLE_DECODE, 0, 41), timeout=WAIT_S)
-        order = list(range(BLOCKS))
-        stub.PublishBlocks(
-            pb.PublishBlocksRequest(
-                transfer_id="big",
-                engine_id="SP",
-                num_tokens=16 * BLOCKS,
-                block_ids=[pb.BlockIds(ids=order[1::2] + order[::2])],
-            ),
-            timeout=WAIT_S,
-        )
-        ask = pb.GetTransferPlanRequest(
-            transfer_id="big", engine_id="SD", block_ids=[pb.BlockIds(ids=order)]
-        )
+        ask = publish_many_blocks(stub, "big", ("SP", "SD"), BLOCKS, 40, WAIT_S)
         with pytest.raises(grpc.RpcError) as refused:
             stub.GetTransferPlan(ask, timeout=WAIT_S)
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
