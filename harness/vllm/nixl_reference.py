@@ -28,8 +28,11 @@ from __future__ import annotations
 import itertools
 import os
 import socket
+import sys
 import tempfile
+import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -75,9 +78,26 @@ from harness.scenarios import Scenario
 
 PREFILL_ID, DECODE_ID = "prefill", "decode"
 HOST = "127.0.0.1"
-#: The first handshake after a fresh install imports vLLM's lazy modules from a cold disk: it
-#: once took over 60 s on a 2-core machine (later ones take well under a second).
-HANDSHAKE_TIMEOUT_S = 180.0
+#: Seconds one attempt at the first handshake may take: well under a second once vLLM's lazy
+#: modules are loaded, tens of seconds from a cold disk after a fresh install.
+HANDSHAKE_TIMEOUT_S = 90.0
+#: Attempts, each with fresh workers and a fresh side-channel port: a fresh machine has seen a
+#: first handshake never finish.
+HANDSHAKE_ATTEMPTS = 3
+
+
+class HandshakeFailed(RuntimeError):
+    """vLLM's decode worker did not finish its handshake with the prefill workers."""
+
+
+def _thread_stacks() -> str:
+    """Where every thread but the caller's is, for an error that says what hung."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    return "\n".join(
+        f"thread {names.get(ident, ident)}:\n{''.join(traceback.format_stack(frame))}"
+        for ident, frame in sys._current_frames().items()
+        if ident != threading.get_ident()
+    )
 
 
 class RecordingAgent:
@@ -196,11 +216,18 @@ class VllmDecodeSide:
             model_dir = write_model(preset, Path(tmp) / preset)
             decode = _Engine(model_dir, sc.decode, "kv_consumer", DECODE_ID, backend)
             prefill = _Engine(model_dir, sc.prefill, "kv_producer", PREFILL_ID, backend)
-            try:
-                self._start(decode, prefill, kernel_block_size)
-            except BaseException:
-                self.close()
-                raise
+            for attempt in range(1, HANDSHAKE_ATTEMPTS + 1):
+                try:
+                    self._start(decode, prefill, kernel_block_size)
+                    break
+                except HandshakeFailed as failure:
+                    self.close()
+                    if attempt == HANDSHAKE_ATTEMPTS:
+                        raise
+                    print(f"retrying vLLM's handshake: {failure}", file=sys.stderr)
+                except BaseException:
+                    self.close()
+                    raise
 
     def _start(self, decode: _Engine, prefill: _Engine, kernel_block_size: int) -> None:
         """Build the workers, serve the prefill ranks' handshake, run the first request."""
@@ -258,8 +285,13 @@ class VllmDecodeSide:
         start = time.perf_counter()
         self.worker.start_load_kv(self._metadata())
         while self.worker._ready_requests.empty():
+            if not self.worker._failed_recv_reqs.empty():
+                raise HandshakeFailed("vLLM's handshake failed (its log above says why)")
             if time.perf_counter() - start > HANDSHAKE_TIMEOUT_S:
-                raise TimeoutError("vLLM's handshake with the prefill workers did not finish")
+                raise HandshakeFailed(
+                    f"vLLM's handshake did not finish in {HANDSHAKE_TIMEOUT_S:.0f} s; "
+                    f"where its threads were:\n{_thread_stacks()}"
+                )
             time.sleep(1e-4)
         handshake_s = time.perf_counter() - start
         self.worker.start_load_kv(NixlConnectorMetadata())
