@@ -9,15 +9,16 @@ global shapes (token extents aside: block sizes may differ). Errors name the off
 from __future__ import annotations
 
 from broker.errors import IncompatibleLayoutsError
-from broker.layout import EngineLayout, Segment
+from broker.layout import EngineLayout, GroupLayout, Segment
+
+#: Layouts name a Mamba conv state's sub-projections ``conv.x``, ``conv.B``, ``conv.Q``, ...
+CONV_PREFIX = "conv."
 
 
 def check_compatible(prefill: EngineLayout, decode: EngineLayout) -> None:
     """Raise :class:`IncompatibleLayoutsError` unless decode can be filled from prefill."""
-    if prefill.model and decode.model and prefill.model != decode.model:
-        raise IncompatibleLayoutsError(
-            "model", f"prefill serves {prefill.model!r}, decode {decode.model!r}"
-        )
+    if _model_name(prefill.model) != _model_name(decode.model):
+        _check_same_model(prefill, decode)
     p_tp, d_tp = prefill.tp_size, decode.tp_size
     if max(p_tp, d_tp) % min(p_tp, d_tp):
         raise IncompatibleLayoutsError(
@@ -28,11 +29,8 @@ def check_compatible(prefill: EngineLayout, decode: EngineLayout) -> None:
             "groups",
             f"prefill has {len(prefill.groups)} KV-cache groups, decode {len(decode.groups)}",
         )
-    if prefill.ranks[0].num_regions != decode.ranks[0].num_regions:
-        raise IncompatibleLayoutsError(
-            "num_regions",
-            f"prefill {prefill.ranks[0].num_regions}, decode {decode.ranks[0].num_regions}",
-        )
+    # Layers first: a layer on one side only (e.g. a speculative drafter's) is the cause to
+    # name, and it also changes the region count.
     for g, (pg, dg) in enumerate(zip(prefill.groups, decode.groups)):
         where = f"groups[{g}]"
         if pg.kind != dg.kind:
@@ -40,9 +38,14 @@ def check_compatible(prefill: EngineLayout, decode: EngineLayout) -> None:
                 f"{where}.kind", f"prefill {pg.kind.value}, decode {dg.kind.value}"
             )
         if pg.layers != dg.layers:
-            raise IncompatibleLayoutsError(
-                f"{where}.layers", "prefill and decode list different layers"
-            )
+            raise IncompatibleLayoutsError(f"{where}.layers", _layer_difference(pg, dg))
+    if prefill.ranks[0].num_regions != decode.ranks[0].num_regions:
+        raise IncompatibleLayoutsError(
+            "num_regions",
+            f"prefill {prefill.ranks[0].num_regions}, decode {decode.ranks[0].num_regions}",
+        )
+    for g, (pg, dg) in enumerate(zip(prefill.groups, decode.groups)):
+        where = f"groups[{g}]"
         p_tensors = {s.tensor: s for s in pg.segments}
         for ds in dg.segments:
             ps = p_tensors.get(ds.tensor)
@@ -55,6 +58,36 @@ def check_compatible(prefill: EngineLayout, decode: EngineLayout) -> None:
             raise IncompatibleLayoutsError(
                 f"{where}.segments", f"decode pages lack {sorted(extra)}"
             )
+    # One model name, other state shapes: the structural difference above says what to fix
+    # (a speculative drafter, a cache dtype); only if there is none is the digest named.
+    _check_same_model(prefill, decode)
+
+
+def _model_name(fingerprint: str) -> str:
+    """The model name part of a ``name:digest`` fingerprint."""
+    return fingerprint.rpartition(":")[0] or fingerprint
+
+
+def _check_same_model(prefill: EngineLayout, decode: EngineLayout) -> None:
+    if prefill.model and decode.model and prefill.model != decode.model:
+        raise IncompatibleLayoutsError(
+            "model", f"prefill serves {prefill.model!r}, decode {decode.model!r}"
+        )
+
+
+def _layer_difference(prefill: GroupLayout, decode: GroupLayout, shown: int = 3) -> str:
+    """What differs between two groups' layer lists, naming up to ``shown`` layers a side."""
+    only_prefill = [n for n in prefill.layers if n not in set(decode.layers)]
+    only_decode = [n for n in decode.layers if n not in set(prefill.layers)]
+    if not only_prefill and not only_decode:
+        return "prefill and decode list the same layers in another order"
+    sides = [
+        f"{side} alone has {len(names)} ({', '.join(names[:shown])}"
+        f"{', ...' if len(names) > shown else ''})"
+        for side, names in (("prefill", only_prefill), ("decode", only_decode))
+        if names
+    ]
+    return "; ".join(sides) + " (speculative decoding on one side only adds its drafter's layers)"
 
 
 def _check_segment_pair(where: str, ps: Segment, ds: Segment) -> None:
@@ -68,7 +101,13 @@ def _check_segment_pair(where: str, ps: Segment, ds: Segment) -> None:
     if ds.token_axis is not None:
         p_shape[ds.token_axis] = d_shape[ds.token_axis] = 0
     if p_shape != d_shape:
+        hint = (
+            " (a conv state keeps kernel width - 1 rows plus one per speculative draft token: "
+            "both sides need the same num_speculative_tokens)"
+            if ps.tensor.startswith(CONV_PREFIX)
+            else ""
+        )
         raise IncompatibleLayoutsError(
             f"{where}.shape",
-            f"global shapes differ: prefill {ps.global_shape}, decode {ds.global_shape}",
+            f"global shapes differ: prefill {ps.global_shape}, decode {ds.global_shape}{hint}",
         )

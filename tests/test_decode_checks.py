@@ -290,9 +290,17 @@ def test_a_tampered_plan_is_refused_before_nixl_and_reported_failed(
             proxy.tamper = tamper
             with pytest.raises(FetchError) as refused:
                 await d.fetch("bad", blocks)
+            # Each rank refuses the plan it was given; a rank that asks after another one's
+            # refusal failed the transfer is refused by the broker instead.
+            rejected = []
             for rank in decode.ranks:
                 error = refused.value.errors[rank.tp_rank]
-                assert isinstance(error, PlanRejected) and message in str(error), error
+                if isinstance(error, PlanRejected):
+                    assert message in str(error), error
+                    rejected.append(rank.tp_rank)
+                else:
+                    assert "is failed; its blocks are released" in str(error), error
+            assert rejected
             assert [c for c in nixl_agent_calls if c[0] in decode_agents] == []
             assert all((region == POISON).all() for regions in d_mem.values() for region in regions)
 
@@ -305,7 +313,7 @@ def test_a_tampered_plan_is_refused_before_nixl_and_reported_failed(
                 )
             assert info.state == pb.TRANSFER_STATE_FAILED
             reports = [e.detail for e in info.timeline if e.event == "reported"]
-            assert len(reports) == decode.tp_size and all(message in r for r in reports), reports
+            assert len(reports) == len(rejected) and all(message in r for r in reports), reports
 
             # The same client reads an honest plan afterwards, every byte as its layout says.
             proxy.tamper = lambda plan: None

@@ -159,10 +159,34 @@ def test_homogeneous_tp_coalesces_consecutive_pages() -> None:
 
 def test_layouts_of_different_models_are_rejected() -> None:
     prefill = build_engine_layout(hybrid(), 1, 8)
-    decode = build_engine_layout(hybrid(GDN), 1, 8)
+    decode = build_engine_layout(dataclasses.replace(hybrid(GDN), name="other"), 1, 8)
     with pytest.raises(IncompatibleLayoutsError) as err:
         PairPlanner(prefill, decode)
     assert err.value.field == "model"
+
+
+def test_one_model_with_other_state_names_the_difference_not_the_digest() -> None:
+    """Same model name, other state (here another mixer): the error says what differs."""
+    prefill = build_engine_layout(hybrid(), 1, 8)
+    decode = build_engine_layout(hybrid(GDN), 1, 8)
+    with pytest.raises(IncompatibleLayoutsError) as err:
+        PairPlanner(prefill, decode)
+    assert err.value.field.startswith("groups[0].segments[")
+
+
+def test_a_layer_on_one_side_only_is_named() -> None:
+    """A drafter's layer on decode only: named, though it also changes the region count."""
+    spec = hybrid()
+    groups = tuple(
+        (kind, (*names, "mtp.a0")) if kind is GroupKind.ATTENTION else (kind, names)
+        for kind, names in spec.groups
+    )
+    prefill = build_engine_layout(spec, 1, 8)
+    decode = build_engine_layout(dataclasses.replace(spec, groups=groups), 1, 8)
+    with pytest.raises(IncompatibleLayoutsError) as err:
+        PairPlanner(prefill, decode)
+    assert err.value.field == "groups[1].layers"
+    assert "decode alone has 1 (mtp.a0)" in err.value.detail
 
 
 def test_dtype_mismatch_names_the_segment() -> None:

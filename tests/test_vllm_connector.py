@@ -38,6 +38,7 @@ from vllm_engines import (
 
 # isort: split
 # vllm_engines first: it configures vLLM for CPU and skips this module without vLLM.
+from vllm.distributed.kv_transfer.kv_connector.utils import clip_ssm_state_blocks
 from vllm.v1.kv_cache_interface import MambaSpec
 from vllm.v1.request import RequestStatus
 
@@ -138,19 +139,24 @@ def transfer_blocks(
     request_id: str,
     block_ids: tuple[list[int], ...] | None = None,
 ) -> list[list[int]]:
-    """The request's blocks per KV-cache group (a Mamba group's state block alone)."""
+    """The request's blocks per KV-cache group; a Mamba group's running-state block alone
+    (vLLM's rule: not its speculative scratch blocks, not the blocks before it)."""
     groups = block_ids if block_ids is not None else engine.block_ids(request_id)
     specs = [g.kv_cache_spec for g in engine.kv_config.kv_cache_groups]
-    return [ids[-1:] if isinstance(s, MambaSpec) else list(ids) for ids, s in zip(groups, specs)]
+    return [
+        clip_ssm_state_blocks(list(ids), s.num_speculative_blocks)
+        if isinstance(s, MambaSpec)
+        else list(ids)
+        for ids, s in zip(groups, specs)
+    ]
 
 
 def fill_pages(engine: Engine, request_id: str) -> None:
-    """Random bytes in every layer's pages of the request, on every rank."""
+    """Random bytes in every layer's pages of every block the request holds (a Mamba
+    group's scratch blocks too), on every rank."""
     generator = torch.Generator().manual_seed(hash(request_id) % 2**31)
     for cache in engine.caches:
-        for group, ids in zip(
-            engine.kv_config.kv_cache_groups, transfer_blocks(engine, request_id)
-        ):
+        for group, ids in zip(engine.kv_config.kv_cache_groups, engine.block_ids(request_id)):
             for name in group.layer_names:
                 view = cache[name]
                 ratio = view.shape[0] // engine.kv_config.num_blocks

@@ -28,6 +28,7 @@ import secrets
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from vllm.distributed.kv_transfer.kv_connector.utils import clip_ssm_state_blocks
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec, MambaSpec, iter_layer_specs
 from vllm.v1.request import RequestStatus
 
@@ -150,9 +151,10 @@ class SchedulerHalf:
         )
 
     def _clip(self, groups: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
-        """Keep a Mamba group's running-state block: its last one before the scratch blocks."""
+        """Keep a Mamba group's running-state block (vLLM's rule: its last block before the
+        speculative scratch blocks)."""
         return tuple(
-            tuple(g) if s is None or not g else (g[-1 - min(s, len(g) - 1)],)
+            tuple(g) if s is None else tuple(clip_ssm_state_blocks(list(g), s))
             for g, s in zip(groups, self._scratch)
         )
 

@@ -33,6 +33,7 @@ from vllm.config import (
     KVTransferConfig,
     ModelConfig,
     ParallelConfig,
+    SpeculativeConfig,
     VllmConfig,
 )
 from vllm.model_executor.models import ModelRegistry
@@ -78,17 +79,25 @@ def vllm_config(
     transfer: KVTransferConfig | None,
     connector: Any,
     backend: type = FlashAttentionBackend,
+    speculative: dict[str, Any] | None = None,
     **cache: Any,
 ) -> VllmConfig:
     """vLLM's config of an engine serving ``model_dir`` at ``tp`` with ``transfer``, its KV
     cache layout the one ``connector`` (class) requires, its hybrid block size aligned for
-    ``backend``; ``cache``: more ``CacheConfig`` fields (e.g. ``block_size``)."""
+    ``backend``; ``speculative``: ``SpeculativeConfig`` fields (e.g. MTP); ``cache``: more
+    ``CacheConfig`` fields (e.g. ``block_size``; prefix caching is off unless set)."""
     model = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, language_model_only=True)
+    parallel = ParallelConfig(tensor_parallel_size=tp)
     config = VllmConfig(
         model_config=model,
-        parallel_config=ParallelConfig(tensor_parallel_size=tp),
-        cache_config=CacheConfig(enable_prefix_caching=False, **cache),
+        parallel_config=parallel,
+        cache_config=CacheConfig(**{"enable_prefix_caching": False, **cache}),
         kv_transfer_config=transfer,
+        speculative_config=SpeculativeConfig(
+            target_model_config=model, target_parallel_config=parallel, **speculative
+        )
+        if speculative
+        else None,
     )
     # The engine core resolves the layout from the connector's requirement.
     config.cache_config.kv_cache_layout = connector.get_required_kvcache_layout(config)
@@ -118,10 +127,23 @@ def _layer_index(name: str) -> int:
     return int(found.group(1))
 
 
+def _drafter_layers(config: VllmConfig) -> list[str]:
+    """The attention layers an MTP drafter registers after the model's own (Qwen3.5's MTP
+    modules are full-attention decoder layers named ``mtp.layers.N``)."""
+    speculative = config.speculative_config
+    if speculative is None:
+        return []
+    draft = speculative.draft_model_config
+    if speculative.method != "mtp" or draft is None or draft.hf_config.model_type != "qwen3_5_mtp":
+        raise ValueError(f"no drafter layers known for {speculative.method!r} on this model")
+    return [f"mtp.layers.{i}.self_attn.attn" for i in range(draft.hf_config.n_predict or 1)]
+
+
 def layer_specs(
     config: VllmConfig, backend: type = FlashAttentionBackend
 ) -> dict[str, KVCacheSpec]:
-    """Each KV-carrying layer's spec, in model order, as the model's layers declare them
+    """Each KV-carrying layer's spec, in the order vLLM's model runner finds them (the
+    model's layers by index, then a speculative drafter's), as the layers declare them
     (names and kinds from the model's ``config.json``, through our preset parser)."""
     model, cache = config.model_config, config.cache_config
     spec = model_from_hf_file(Path(model.model))
@@ -150,8 +172,13 @@ def layer_specs(
         block_size=cache.mamba_block_size or cache.block_size,
         page_size_padded=cache.mamba_page_size_padded,
         mamba_type=MAMBA_TYPES[model.hf_config.model_type],
+        mamba_cache_mode=cache.mamba_cache_mode,
+        num_speculative_blocks=config.num_speculative_tokens,
     )
-    return {name: attention if kind is GroupKind.ATTENTION else mamba for name, kind in layers}
+    specs: dict[str, KVCacheSpec] = {
+        name: attention if kind is GroupKind.ATTENTION else mamba for name, kind in layers
+    }
+    return specs | {name: attention for name in _drafter_layers(config)}
 
 
 def kv_cache_config(

@@ -1,0 +1,169 @@
+"""Speculative decoding (MTP) through the connector, with real vLLM 0.33 schedulers on CPU, a
+live broker and NIXL reads of vLLM-allocated caches (see ``test_vllm_connector``).
+
+With MTP, vLLM gives every Mamba/GDN group of a request speculative scratch blocks after its
+running-state block, and the drafter's attention layers join the model's in the KV cache:
+only the running state may move (never a scratch block), the drafter's KV must move with the
+model's, and decode must go straight on with the last prompt token. A prefill engine whose
+speculative configuration differs from decode's in a way the state cannot bridge must be
+refused at the first request, saying which settings differ, not recomputed in silence.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_vllm_connector import (
+    assert_transferred,
+    decode,
+    prefill,
+    transfer_blocks,
+    transfer_state,
+)
+from vllm_engines import (
+    Engine,
+    engine_config,
+    init_vllm_distributed,
+    shutdown_vllm_distributed,
+    write_model,
+)
+
+# isort: split
+from vllm.v1.kv_cache_interface import MambaSpec
+
+from clients.vllm.metadata import TRANSFER_ID
+from harness.brokers import BrokerProcess
+
+#: Every request holds a block per Mamba group for its state and two scratch blocks.
+NUM_BLOCKS = 24
+
+
+def mtp(drafts: int) -> dict[str, Any] | None:
+    """Qwen3.5's MTP drafter (one full-attention decoder layer, run once per draft token);
+    None for no speculative decoding."""
+    return {"method": "mtp", "num_speculative_tokens": drafts} if drafts else None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def vllm_distributed() -> Iterator[None]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    init_vllm_distributed(port)
+    yield
+    shutdown_vllm_distributed()
+
+
+@pytest.fixture
+def broker() -> Iterator[BrokerProcess]:
+    process = BrokerProcess()
+    yield process
+    process.stop()
+
+
+def mtp_model(directory: Path) -> Path:
+    """Qwen3.5-0.8B's config with its MTP module (``mtp_num_hidden_layers``, as published)."""
+    model = write_model("qwen3.5-0.8b", directory)
+    config = json.loads((model / "config.json").read_text())
+    config.get("text_config", config)["mtp_num_hidden_layers"] = 1
+    (model / "config.json").write_text(json.dumps(config))
+    return model
+
+
+def make_engine(
+    model: Path, tp: int, role: str, engine_id: str, broker: str, speculative: Any
+) -> Engine:
+    config = engine_config(
+        model,
+        tp,
+        role=role,
+        engine_id=engine_id,
+        extra={"broker": broker, "model_name": "test-model"},
+        speculative=speculative,
+    )
+    return Engine(config, NUM_BLOCKS, poison=role == "kv_consumer")
+
+
+@pytest.mark.parametrize(("drafts", "decode_tp"), [(2, 1), (3, 2)])
+def test_mtp_moves_the_running_state_and_the_drafters_kv(
+    broker: BrokerProcess, tmp_path: Path, drafts: int, decode_tp: int
+) -> None:
+    model = mtp_model(tmp_path / "m")
+    producer = make_engine(model, 1, "kv_producer", "prefill-0", broker.address, mtp(drafts))
+    consumer = make_engine(model, decode_tp, "kv_consumer", "decode-0", broker.address, mtp(drafts))
+    try:
+        drafter = [n for g in producer.kv_config.kv_cache_groups for n in g.layer_names]
+        assert "mtp.layers.0.self_attn.attn" in drafter
+        free = producer.free_blocks
+        prompt = list(range(1, 1201))
+        params = prefill(producer, "r1", prompt)
+        assert params is not None
+        held = producer.block_ids("r1")
+        specs = [g.kv_cache_spec for g in producer.kv_config.kv_cache_groups]
+        # Each Mamba group holds its running state and a scratch block per draft token, all
+        # filled with distinct bytes: reading a scratch block would fail the comparison below.
+        mamba_blocks = [len(ids) for ids, s in zip(held, specs) if isinstance(s, MambaSpec)]
+        assert mamba_blocks == [1 + drafts] * 3
+        prefill_blocks = transfer_blocks(producer, "r1")
+        seen = decode(consumer, "r1", prompt, params, producer)
+        # No recompute: the last prompt token, and a slot for each draft token vLLM reserves.
+        assert seen["scheduled"][0] == 1 + drafts
+        assert_transferred(
+            producer,
+            prefill_blocks,
+            consumer,
+            transfer_blocks(consumer, "r1", seen["blocks"]),
+            len(prompt) - 1,
+        )
+        assert transfer_state(broker, params[TRANSFER_ID]) == "TRANSFER_STATE_COMPLETED"
+        assert producer.free_blocks == free
+    finally:
+        consumer.close()
+        producer.close()
+
+
+@pytest.mark.parametrize(
+    ("prefill_drafts", "decode_drafts", "named"),
+    [
+        # Prefill's caches lack the drafter's attention layer.
+        (0, 2, ["groups[3].layers", "decode alone has 1 (mtp.layers.0.self_attn.attn)"]),
+        # A conv state keeps a row per draft token: the states differ in shape.
+        (1, 3, ["segments['conv.Q'].shape", "(2048, 4), decode (2048, 6)", "num_speculative"]),
+    ],
+)
+def test_speculative_settings_that_differ_are_refused_naming_them(
+    broker: BrokerProcess,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    prefill_drafts: int,
+    decode_drafts: int,
+    named: list[str],
+) -> None:
+    """The first request is refused with an error that names what differs (the transfer
+    aborted, prefill's blocks freed); vLLM computes the prompt."""
+    model = mtp_model(tmp_path / "m")
+    producer = make_engine(
+        model, 1, "kv_producer", "prefill-0", broker.address, mtp(prefill_drafts)
+    )
+    consumer = make_engine(model, 1, "kv_consumer", "decode-0", broker.address, mtp(decode_drafts))
+    try:
+        free = producer.free_blocks
+        prompt = list(range(1, 801))
+        params = prefill(producer, "r1", prompt)
+        assert params is not None
+        with caplog.at_level(logging.WARNING):
+            seen = decode(consumer, "r1", prompt, params, producer)
+        assert seen["scheduled"][0] >= len(prompt)
+        assert transfer_state(broker, params[TRANSFER_ID]) == "TRANSFER_STATE_ABORTED"
+        assert producer.free_blocks == free
+        refusals = [r.getMessage() for r in caplog.records if "load of r1 failed" in r.getMessage()]
+        assert refusals and all(part in refusals[0] for part in named), refusals
+    finally:
+        consumer.close()
+        producer.close()
