@@ -10,8 +10,9 @@ counts as none) is UNAUTHENTICATED.
 **Rules** (PERMISSION_DENIED otherwise, the message naming the field):
 
 * an engine acts only as itself: ``engine_id`` of RegisterRank, PublishBlocks,
-  GetTransferPlan, ReportTransfer and WatchReleases must be one of the caller's names, and
-  KeepAlive/Deregister only renew or end leases of its own ranks (``lease_id``);
+  GetTransferPlan, ReportTransfer and WatchReleases must be one of the caller's names or a
+  data-parallel rank ``NAME_dp<N>`` vLLM derives from one (:func:`broker.wire.names_engine`),
+  and KeepAlive/Deregister only renew or end leases of its own ranks (``lease_id``);
 * a report must come from the decode engine holding the plan (``plan_id``); which decode
   engines may fetch a transfer's plans is the publication's ``allowed_decode_engines``
   (checked by :class:`~broker.service.BrokerService`);
@@ -39,6 +40,7 @@ from broker.errors import (
 )
 from broker.records import TransferRecord
 from broker.store.contract import StateStore
+from broker.wire import names_engine
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +55,11 @@ class Identity:
     """The names a caller proved (certificate names, the token's name)."""
 
     names: frozenset[str]
+
+    def acts_for(self, engine_id: str) -> bool:
+        """Whether the caller may act as ``engine_id``: one of its names, or a data-parallel
+        rank of one (``NAME_dp<N>``)."""
+        return names_engine(self.names, engine_id)
 
     def __str__(self) -> str:
         return "/".join(sorted(self.names))
@@ -196,16 +203,14 @@ class AccessGuard:
         return self.authenticator.identify(context)
 
     def act_as(self, who: Identity, engine_id: str, field: str = "engine_id") -> None:
-        if engine_id not in who.names:
+        if not who.acts_for(engine_id):
             _deny(field, f"caller {who} may not act for engine {engine_id!r}")
 
     def register(self, who: Identity, engine_id: str, tp_rank: int) -> None:
         """As :meth:`act_as`, and within the caller's rank quota (a rank registering again
         takes no more)."""
         self.act_as(who, engine_id)
-        held = [
-            r.registration.key for name in sorted(who.names) for r in self.store.engine_ranks(name)
-        ]
+        held = [key for key in self.store.rank_keys() if who.acts_for(key[0])]
         if (engine_id, tp_rank) not in held and len(held) >= self.max_ranks_per_identity:
             log.warning("rank quota: caller %s holds %d ranks", who, len(held))
             raise LimitExceededError(
@@ -222,7 +227,7 @@ class AccessGuard:
     def report_plan(self, who: Identity, plan_id: str) -> None:
         key = self.store.transfer_of_plan(plan_id)
         transfer = None if key is None else self.store.get_transfer(key)
-        if transfer is not None and transfer.decode_engine_id not in who.names:
+        if transfer is not None and not who.acts_for(transfer.decode_engine_id):
             _deny("plan_id", f"plan {plan_id} is not a plan of caller {who}")
 
     def see_transfer(self, who: Identity, transfer_id: str, prefill_engine_id: str = "") -> str:
@@ -247,15 +252,13 @@ class AccessGuard:
 
     def _party(self, who: Identity, transfer: TransferRecord) -> bool:
         """Whether the caller published ``transfer``, claimed it, or may read it."""
-        if transfer.prefill_engine_id in who.names:
+        if who.acts_for(transfer.prefill_engine_id):
             return True
         if transfer.decode_engine_id:
-            readers = who.names & {transfer.decode_engine_id}
-        elif transfer.allowed_decode_engines:
-            readers = who.names & transfer.allowed_decode_engines
-        else:
-            readers = who.names
-        return any(self._reads(name) for name in readers)
+            claimer = transfer.decode_engine_id
+            return who.acts_for(claimer) and self._reads(claimer)
+        engines = {key[0] for key in self.store.rank_keys() if who.acts_for(key[0])}
+        return any(transfer.admits(e) and self._reads(e) for e in engines)
 
     def administer(self, who: Identity) -> None:
         """Operators only (ListEngines, ListTransfers)."""

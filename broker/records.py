@@ -16,7 +16,15 @@ import numpy as np
 
 from broker.layout import RankLayout
 from broker.planner import RankPlan
-from broker.wire import BlockIds, MemoryKind, ReleaseReason, ReportStatus, Role, TransferState
+from broker.wire import (
+    BlockIds,
+    MemoryKind,
+    ReleaseReason,
+    ReportStatus,
+    Role,
+    TransferState,
+    names_engine,
+)
 
 R = TypeVar("R", "PlanRecord", "TransferRecord")
 
@@ -183,6 +191,13 @@ class TransferRecord:
         """Engines the transfer concerns: its prefill engine and, once claimed, its decode
         engine (what the store indexes it under)."""
         return frozenset(e for e in (self.prefill_engine_id, self.decode_engine_id) if e)
+
+    def admits(self, decode_engine_id: str) -> bool:
+        """Whether the publication lets ``decode_engine_id`` read it: it names no decode
+        engine, or names that one or the deployment of a data-parallel rank ``X_dp<N>``."""
+        return not self.allowed_decode_engines or names_engine(
+            self.allowed_decode_engines, decode_engine_id
+        )
 
     def plan_by_id(self, plan_id: str) -> PlanRecord | None:
         return next((p for p in self.plans if p.plan_id == plan_id), None)

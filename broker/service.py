@@ -424,11 +424,7 @@ class BrokerService:
         )
         found = [t for key in keys if (t := self.store.get_transfer(key)) is not None]
         if reader:
-            found = [
-                t
-                for t in found
-                if not t.allowed_decode_engines or reader in t.allowed_decode_engines
-            ]
+            found = [t for t in found if t.admits(reader)]
         if not found:
             raise NotFoundError("transfer_id", f"no transfer {transfer_id!r}")
         if len(found) > 1:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 import unicodedata
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from enum import Enum
 from typing import Generic, TypeVar
 
@@ -134,6 +134,33 @@ def ident(value: str, field: str) -> str:
             f"character U+{ord(bad):04X} ({unicodedata.category(bad)}) at {at} is not printable",
         )
     return value
+
+
+#: Data-parallel ranks one engine name stands for: ``X_dp0`` to ``X_dp1023`` (see
+#: :func:`data_parallel_deployment`).
+MAX_DATA_PARALLEL_RANKS = 1024
+#: vLLM's suffix of a data-parallel rank's engine id: ``_dp`` and the rank in canonical
+#: decimal (ASCII digits, no sign, no leading zero).
+_DATA_PARALLEL_SUFFIX = re.compile(r"_dp(0|[1-9][0-9]{0,3})\Z")
+
+
+def data_parallel_deployment(engine_id: str) -> str:
+    """``X`` when ``engine_id`` is ``X_dp<N>``, the engine id vLLM gives data-parallel rank
+    ``N`` (below :data:`MAX_DATA_PARALLEL_RANKS`) of an engine configured as ``X``; else ''.
+    Only the last suffix counts: ``X_dp1_dp2`` is rank 2 of ``X_dp1``."""
+    found = _DATA_PARALLEL_SUFFIX.search(engine_id)
+    if found is None or int(found.group(1)) >= MAX_DATA_PARALLEL_RANKS:
+        return ""
+    return engine_id[: found.start()]
+
+
+def names_engine(names: Collection[str], engine_id: str) -> bool:
+    """Whether one of ``names`` (a caller's identity, an allowlist) names ``engine_id``:
+    the engine itself, or the deployment ``X`` of its data-parallel rank ``X_dp<N>``."""
+    if engine_id in names:
+        return True
+    deployment = data_parallel_deployment(engine_id)
+    return bool(deployment) and deployment in names
 
 
 def optional_ident(value: str, field: str) -> str:

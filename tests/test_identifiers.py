@@ -58,6 +58,58 @@ def test_ids_of_any_script_pass(value: str) -> None:
     assert wire.ident(value, "engine_id") == value
 
 
+# --------------------------------------------------------------------------- data parallelism
+
+
+@pytest.mark.parametrize(
+    "engine_id", ["decode-0", "decode-0_dp0", "decode-0_dp1", "decode-0_dp10", "decode-0_dp1023"]
+)
+def test_a_name_stands_for_its_engine_and_the_data_parallel_ranks_vllm_derives(
+    engine_id: str,
+) -> None:
+    assert wire.names_engine({"decode-0"}, engine_id)
+    assert wire.names_engine(frozenset({"ops", "decode-0"}), engine_id)
+
+
+#: Engine ids ``decode-0`` must not stand for: not vLLM's ``_dp<N>`` of it.
+NOT_DATA_PARALLEL_RANKS = (
+    "decode-0_dp",  # no rank
+    "decode-0_dp1_dp2",  # rank 2 of decode-0_dp1
+    "decode-0_dpa",
+    "decode-0_dp01",  # not canonical: one rank, one engine id
+    "decode-0_dp00",
+    "decode-0_dp-1",
+    "decode-0_dp+1",
+    "decode-0_dp 1",
+    "decode-0_dp1 ",
+    "decode-0_dp1\n",
+    "decode-0_dp\u0661",  # ARABIC-INDIC DIGIT ONE: str.isdigit, int() accepts it
+    "decode-0_dp\u00b2",  # SUPERSCRIPT TWO
+    "decode-0_dp1024",  # beyond MAX_DATA_PARALLEL_RANKS
+    "decode-0_dp99999999999999999999",
+    "decode-0_DP0",
+    "decode-0dp0",
+    "decode-0y_dp0",  # another deployment that starts with the name
+    "decode-_dp0",
+    "xdecode-0_dp0",
+    "decode-1",
+)
+
+
+@pytest.mark.parametrize("engine_id", NOT_DATA_PARALLEL_RANKS)
+def test_a_name_stands_for_nothing_else(engine_id: str) -> None:
+    assert not wire.names_engine({"decode-0"}, engine_id)
+
+
+def test_the_deployment_of_a_data_parallel_rank_is_its_last_suffix_removed() -> None:
+    assert wire.data_parallel_deployment("decode-0_dp3") == "decode-0"
+    assert wire.data_parallel_deployment("decode-0_dp1_dp2") == "decode-0_dp1"
+    assert wire.data_parallel_deployment(f"x_dp{wire.MAX_DATA_PARALLEL_RANKS - 1}") == "x"
+    for engine_id in ("decode-0", "_dp0", f"x_dp{wire.MAX_DATA_PARALLEL_RANKS}"):
+        assert wire.data_parallel_deployment(engine_id) == ""
+    assert not wire.names_engine({""}, "_dp0")  # an empty name stands for nothing
+
+
 @pytest.fixture(scope="module")
 def stub() -> Iterator[pb_grpc.BrokerStub]:
     broker = LiveBroker()

@@ -176,6 +176,7 @@ def test_indexes_answer_from_the_records_put(store: StateStore) -> None:
     _fill(store)
     assert [r.key for r in store.engine_ranks("P")] == [("P", 0), ("P", 1)]
     assert store.count_ranks() == 3
+    assert store.rank_keys() == [("D", 0), ("P", 0), ("P", 1)]
     assert store.rank_by_lease("lease-P-1-2").key == ("P", 1)
     assert store.rank_by_agent("P-agent1").key == ("P", 1)
     assert store.transfers_named("t1") == [("P", "t1"), ("Q", "t1")]
@@ -191,6 +192,7 @@ def test_indexes_answer_from_the_records_put(store: StateStore) -> None:
     assert store.engine_usage("P") == (0, 0)
     store.delete_rank(("P", 1))
     assert store.rank_by_lease("lease-P-1-2") is None and store.rank_by_agent("P-agent1") is None
+    assert ("P", 1) not in store.rank_keys()
     store.delete_transfer(("Q", "t1"))
     assert store.transfers_named("t1") == [("P", "t1")] and store.transfers_of("Q") == []
 

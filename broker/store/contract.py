@@ -92,6 +92,11 @@ class StateStore(ABC):
     def count_ranks(self) -> int: ...
 
     @abstractmethod
+    def rank_keys(self) -> list[RankKey]:
+        """Every registered rank's key, sorted, read without the records (checks over every
+        rank; in a unit of work its own writes may not count yet)."""
+
+    @abstractmethod
     def due_leases(self, now_ms: int) -> list[RankKey]:
         """Ranks whose lease expired at or before ``now_ms`` (until they are put with a new
         expiry or deleted)."""

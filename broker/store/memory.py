@@ -184,6 +184,9 @@ class InMemoryStateStore(StateStore):
     def count_ranks(self) -> int:
         return len(self._ranks)
 
+    def rank_keys(self) -> list[RankKey]:
+        return sorted(self._ranks)
+
     def due_leases(self, now_ms: int) -> list[RankKey]:
         def expired(expires: int, key: RankKey) -> bool:
             record = self._ranks.get(key)

@@ -294,6 +294,9 @@ class RedisStateStore(StateStore):
         """Registered ranks (in a unit of work, not counting its own writes)."""
         return int(self.client.scard(self._key("ranks")))
 
+    def rank_keys(self) -> list[RankKey]:
+        return sorted(parse_rank(m) for m in self.client.smembers(self._key("ranks")))
+
     def due_leases(self, now_ms: int) -> list[RankKey]:
         args = [now_ms, self._prefix_of("rank")]
         members = self._run("due_leases", [self._key("leases")], args, self.client)

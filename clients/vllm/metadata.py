@@ -73,7 +73,9 @@ class ConnectorSettings:
     ``progress_interval_s``: how often a prefill rank polls its NIXL agent (readers' wire-up
     and their notifications need it). ``tls_ca``, ``tls_cert``, ``tls_key``, ``token_file``:
     the broker connection's :class:`~broker.client_security.ChannelSecurity` (files; plaintext when
-    ``tls_ca`` is empty); a client certificate or token must name the engine's ``engine_id``.
+    ``tls_ca`` is empty); a client certificate or token must name the engine's ``engine_id``
+    as configured: vLLM's data-parallel ranks run as ``engine_id_dp<N>``, which that name
+    covers, so one credential serves every DP rank.
     """
 
     broker: str
