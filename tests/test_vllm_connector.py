@@ -253,6 +253,24 @@ def expected_rank_state(
     }
 
 
+def assert_same_state(
+    prefill_engine: Engine,
+    prefill_blocks: list[list[int]],
+    decode_engine: Engine,
+    decode_blocks: list[list[int]],
+    tokens: int,
+) -> None:
+    """Every decode rank's blocks hold its slice of the state prefill's blocks hold (the
+    first ``tokens`` tokens of the attention blocks given)."""
+    state = global_state(prefill_engine, prefill_blocks, tokens)
+    for rank in range(len(decode_engine.caches)):
+        actual = rank_state(decode_engine, rank, decode_blocks, tokens)
+        expected = expected_rank_state(state, decode_engine, rank)
+        for name in expected:
+            for got, want in zip(actual[name], expected[name]):
+                assert torch.equal(got, want), f"rank {rank} layer {name}"
+
+
 def assert_transferred(
     prefill_engine: Engine,
     prefill_blocks: list[list[int]],
@@ -262,13 +280,7 @@ def assert_transferred(
 ) -> None:
     """Decode holds prefill's state of the request on every rank, and poison everywhere the
     request does not own."""
-    state = global_state(prefill_engine, prefill_blocks, tokens)
-    for rank in range(len(decode_engine.caches)):
-        actual = rank_state(decode_engine, rank, decode_blocks, tokens)
-        expected = expected_rank_state(state, decode_engine, rank)
-        for name in expected:
-            for got, want in zip(actual[name], expected[name]):
-                assert torch.equal(got, want), f"rank {rank} layer {name}"
+    assert_same_state(prefill_engine, prefill_blocks, decode_engine, decode_blocks, tokens)
     owned = {b for ids in decode_blocks for b in ids}
     for cache in decode_engine.caches:
         memory = storage_bytes(next(iter(cache.values())))

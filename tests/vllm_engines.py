@@ -27,8 +27,13 @@ from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
-from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+from vllm.v1.core.kv_cache_utils import (
+    get_request_block_hasher,
+    init_none_hash,
+    resolve_kv_cache_block_sizes,
+)
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
@@ -127,6 +132,12 @@ class Engine:
             block_size=block_size,
             hash_block_size=hash_block_size,
         )
+        # As vLLM's engine core: requests hash their blocks (prefix caching and connectors).
+        hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
+        init_none_hash(hash_fn)
+        self.block_hasher = get_request_block_hasher(
+            hash_block_size, hash_fn, config.num_hash_lookahead_tokens
+        )
         tp = config.parallel_config.tensor_parallel_size
         self.caches = [allocate(config, self.kv_config, backend) for _ in range(tp)]
         if poison:
@@ -168,6 +179,7 @@ class Engine:
                 max_tokens=max_tokens, extra_args={"kv_transfer_params": kv_transfer_params}
             ),
             None,
+            block_hasher=self.block_hasher,
         )
         self.scheduler.add_request(request)
         return request

@@ -91,6 +91,12 @@ class PdBrokerConnector(KVConnectorBase_V1, SupportsHMA):
     def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
         return False
 
+    @property
+    def supports_divergent_local_hybrid_hits(self) -> bool:
+        """A load always carries each Mamba group's state after all published tokens, so a
+        local hit may end where the attention groups' hit ends, past a Mamba group's own."""
+        return True
+
     # ---------------------------------------------------------------- scheduler side
 
     def _scheduler(self) -> SchedulerHalf:
