@@ -35,6 +35,7 @@ from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
 from broker.layout import EngineLayout
 from broker.wire import TRANSFER_STATE
 from clients.decode import AsyncDecodeClient, Fetch, FetchError, TransferEnded
+from clients.nixl_transport import NixlTransport, UnavailableBackendError
 from clients.prefill import AsyncPrefillClient, Release
 from clients.protocol import BrokerCallError, broker_addresses
 from clients.session import AsyncEngineClient, LoopThread
@@ -91,6 +92,11 @@ class WorkerHalf:
         )
         name = settings.model_name or model_config.served_model_name or model_config.model
         self.model_name = name if isinstance(name, str) else name[0]
+        self.transport = NixlTransport(settings.backends, settings.nixl_params())
+        try:
+            self.transport.check()  # before vLLM loads the model
+        except UnavailableBackendError as exc:
+            raise ValueError(f"kv_connector_extra_config.{exc}") from None
         self.client: AsyncEngineClient | None = None
         self._loop: LoopThread | None = None
         self._loads: dict[str, Future[Fetch]] = {}
@@ -124,6 +130,7 @@ class WorkerHalf:
                 idle_interval_s=self.settings.progress_interval_s,
                 call_timeout_s=timeout,
                 security=security,
+                transport=self.transport,
             )
         else:
             client = AsyncDecodeClient(
@@ -134,6 +141,7 @@ class WorkerHalf:
                 read_timeout_s=self.settings.read_timeout_s,
                 call_timeout_s=timeout,
                 security=security,
+                transport=self.transport,
             )
         self._loop = LoopThread(f"pdbroker-{self.engine_id}-rank{self.tp_rank}")
         try:
