@@ -4,7 +4,8 @@ metrics.
 Each decode worker records, per load of its rank, the NIXL read time (every source's READ,
 from posting to completion), the broker's plan time (``GetTransferPlan``), and the bytes and
 descriptors the plan moved; per unusable load, whether the broker had ended its transfer
-(expired or aborted: the prefill blocks were released) or the load failed otherwise. vLLM
+(expired, aborted, or failed by another decode rank: the prefill blocks were released) or the
+load failed otherwise. vLLM
 collects every worker's stats each step (``get_kv_connector_stats``), merges the workers' and
 the steps' (:meth:`PdBrokerKVConnectorStats.aggregate`), logs :meth:`~PdBrokerKVConnectorStats.reduce`
 periodically and feeds each step's payload to :class:`PdBrokerPromMetrics` (``/metrics``).
@@ -65,7 +66,8 @@ class PdBrokerKVConnectorStats(KVConnectorStats):
         self.data["num_failed_transfers"].append(1)
 
     def record_expired_transfer(self) -> None:
-        """A load whose transfer the broker had ended (expired, aborted) before it was read."""
+        """A load whose transfer the broker had ended (expired, aborted, failed by another
+        rank) before this rank's report."""
         self.data["num_expired_transfers"].append(1)
 
     def clone_and_reset(self) -> PdBrokerKVConnectorStats:
@@ -143,7 +145,7 @@ class PdBrokerPromMetrics(KVConnectorPromMetrics):
         )
         counters = (
             ("num_failed_transfers", "decode loads that failed (their requests are recomputed)"),
-            ("num_expired_transfers", "decode loads of a transfer that had expired or was aborted"),
+            ("num_expired_transfers", "decode loads of a transfer the broker had already ended"),
         )
         self.histograms = {
             key: self._per_engine(

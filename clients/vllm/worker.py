@@ -52,7 +52,8 @@ log = logging.getLogger(__name__)
 
 class LoadError(RuntimeError):
     """A load that cannot be used; its request is recomputed. ``transfer_ended``: the
-    broker had ended the transfer (expired, aborted) before it could be read."""
+    broker had ended the transfer (expired, aborted, failed by another rank) before this
+    rank's report."""
 
     def __init__(self, message: str, *, transfer_ended: bool = False) -> None:
         super().__init__(message)
@@ -152,11 +153,12 @@ class WorkerHalf:
             raise
         self.client = client
         log.info(
-            "rank %d of %s registered with the broker at %s: %d regions of %d blocks of "
-            "%d bytes, %d groups",
+            "rank %d of %s registered with the broker at %s, NIXL over %s: %d regions of "
+            "%d blocks of %d bytes, %d groups",
             self.tp_rank,
             self.engine_id,
             self.settings.broker,
+            "+".join(self.settings.backends),
             memory.layout.num_regions,
             memory.layout.num_blocks,
             memory.layout.page_bytes,
