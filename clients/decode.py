@@ -75,6 +75,11 @@ class Fetch:
         return sum(r.num_descriptors for r in self.ranks)
 
 
+class TransferEnded(TransferError):
+    """The broker ended the transfer (expired, aborted, failed) before this rank's report:
+    what it read may have been overwritten. Recompute."""
+
+
 class PlanRejected(TransferError):
     """A plan this rank refuses to execute; nothing of it was posted to NIXL."""
 
@@ -334,7 +339,7 @@ class AsyncDecodeClient(AsyncEngineClient):
                 if exc.code is not grpc.StatusCode.ABORTED:
                     raise
                 # The transfer ended while this rank read: prefill may reuse the blocks now.
-                raise TransferError(f"data invalid, recompute: {exc.details}") from None
+                raise TransferEnded(f"data invalid, recompute: {exc.details}") from None
             if span is not None:
                 span.set_attribute("pdbroker.intact", outcome.intact)
         log.debug(
@@ -348,7 +353,7 @@ class AsyncDecodeClient(AsyncEngineClient):
         if failure is not None:
             raise failure
         if not outcome.intact:
-            raise TransferError(
+            raise TransferEnded(
                 f"data invalid, recompute: plan {plan.plan_id}'s transfer ended "
                 f"({pb.TransferState.Name(outcome.state)}) before the report"
             )

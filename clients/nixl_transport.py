@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -132,8 +133,14 @@ def _nixl_logs_to_stderr() -> None:
             handler.setStream(sys.stderr)
 
 
+class UnavailableBackendError(ValueError):
+    """A requested NIXL backend that this host's NIXL cannot create; the message starts with
+    ``backends:`` and lists the plugins NIXL has installed."""
+
+
 class NixlAgent:
-    """A NIXL agent on the UCX backend without a progress thread (see the module docstring).
+    """A NIXL agent on ``backends`` (UCX by default) without a progress thread (see the
+    module docstring).
 
     ``name`` must be unique across the fleet: remote agents are addressed by it.
     """
@@ -144,19 +151,28 @@ class NixlAgent:
         backends: Sequence[str] = ("UCX",),
         backend_params: Mapping[str, str] | None = None,
     ) -> None:
-        """``backend_params`` (e.g. ``{"ucx_error_handling_mode": "none", "num_workers":
-        "4"}``) are passed to every backend created; None keeps NIXL's defaults."""
+        """``backend_params`` (e.g. ``{"ucx_error_handling_mode": "none", "num_threads":
+        "4"}``) are passed to every backend created; None keeps NIXL's defaults. Raises
+        :class:`UnavailableBackendError` for a backend NIXL cannot create here (NIXL itself
+        would skip one it has no plugin for)."""
         from nixl._api import nixl_agent, nixl_agent_config
 
         _nixl_logs_to_stderr()
         self.name = name
-        config = nixl_agent_config(
-            enable_prog_thread=False, backends=[] if backend_params else list(backends)
-        )
-        self._nixl = nixl_agent(name, config)
-        if backend_params:
-            for backend in backends:
-                self._nixl.create_backend(backend, dict(backend_params))
+        self._nixl = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[]))
+        plugins = self._nixl.get_plugin_list()
+        for backend in backends:
+            if backend not in plugins:
+                raise UnavailableBackendError(
+                    f"backends: {backend!r} is not an installed NIXL plugin; installed: {plugins}"
+                )
+            try:
+                self._nixl.create_backend(backend, dict(backend_params or {}))
+            except Exception as exc:  # NIXL's binding errors share no base class
+                raise UnavailableBackendError(
+                    f"backends: NIXL cannot create {backend!r} on this host ({exc}: its "
+                    f"libraries or devices are missing); installed plugins: {plugins}"
+                ) from exc
         self._registered: list[object] = []  # NIXL registration descriptor lists
         self._remotes: dict[str, bytes] = {}
 
@@ -274,3 +290,8 @@ class NixlTransport:
 
     def agent(self, name: str) -> NixlAgent:
         return NixlAgent(name, self.backends, self.backend_params)
+
+    def check(self) -> None:
+        """Create and drop one agent: an unavailable backend fails here, before any memory is
+        registered (:class:`UnavailableBackendError`)."""
+        self.agent(f"pdbroker-check-{os.getpid()}").close()

@@ -18,7 +18,7 @@ require_module("nixl", "engine")
 import torch
 
 from broker.wire import pack
-from clients.nixl_transport import NixlAgent, NixlTransport
+from clients.nixl_transport import NixlAgent, NixlTransport, UnavailableBackendError
 from clients.transport import Region, TransferError, describe_region
 
 SIZE = 4 << 20
@@ -193,3 +193,36 @@ def test_refusals(target: Target) -> None:
             agent.read(target.name, b"", b"")
     finally:
         agent.close()
+
+
+def test_a_ucx_agent_with_worker_threads_moves_real_bytes(target: Target) -> None:
+    """Backends named explicitly, with the UCX thread setting the vLLM connector passes for
+    ``num_threads``: the agent runs UCX with those threads, and a read arrives intact."""
+    agent = NixlTransport(("UCX",), {"num_threads": "2"}).agent(f"reader-{os.getpid()}-threads")
+    try:
+        assert agent._nixl.get_backend_params("UCX")["num_threads"] == "2"
+        dst = np.zeros(SIZE, dtype=np.uint8)
+        agent.register([dst])
+        agent.add_remote(target.name, target.metadata)
+        local, remote, local_off, remote_off, lengths = scattered(
+            dst.ctypes.data, target.bases[0], 256, 11
+        )
+        transfer = agent.read(target.name, local, remote)
+        asyncio.run(transfer.wait_async(WAIT_S))
+        transfer.release()
+        assert np.array_equal(dst, expected_after(source_bytes(0), local_off, remote_off, lengths))
+    finally:
+        agent.close()
+
+
+def test_a_backend_nixl_cannot_load_is_refused() -> None:
+    """NIXL itself only warns about a backend it has no plugin for; the agent refuses it,
+    naming the plugins that are installed."""
+    with pytest.raises(
+        UnavailableBackendError,
+        match=r"^backends: 'NOPE' is not an installed NIXL plugin; installed: \[.*'UCX'",
+    ):
+        NixlAgent(f"reader-{os.getpid()}-nope", ("UCX", "NOPE"))
+    with pytest.raises(UnavailableBackendError, match="^backends: 'NOPE'"):
+        NixlTransport(("NOPE",)).check()
+    NixlTransport(("UCX",)).check()

@@ -31,6 +31,7 @@ from vllm_engines import (
     Engine,
     engine_config,
     init_vllm_distributed,
+    kv_cache_config,
     shutdown_vllm_distributed,
     storage_bytes,
     write_model,
@@ -38,7 +39,9 @@ from vllm_engines import (
 
 # isort: split
 # vllm_engines first: it configures vLLM for CPU and skips this module without vLLM.
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.utils import clip_ssm_state_blocks
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.kv_cache_interface import MambaSpec
 from vllm.v1.request import RequestStatus
 
@@ -352,6 +355,58 @@ def test_prompt_state_moves_between_vllm_engines(
     finally:
         consumer.close()
         producer.close()
+
+
+def test_state_moves_over_explicit_nixl_backends_and_threads(
+    broker: BrokerProcess, tmp_path: Path
+) -> None:
+    """NixlConnector's ``backends`` and ``num_threads`` keys on both engines: every rank's
+    agent runs UCX with those threads, and the state arrives intact."""
+    nixl = {"backends": ["UCX"], "num_threads": 2}
+    model = write_model("qwen3.5-0.8b", tmp_path / "m")
+    producer = make_engine(model, 1, "kv_producer", "prefill-0", broker.address, **nixl)
+    consumer = make_engine(model, 1, "kv_consumer", "decode-0", broker.address, **nixl)
+    try:
+        for engine in (producer, consumer):
+            (session,) = engine.workers[0].worker.client.sessions.values()
+            assert session.agent._nixl.get_backend_params("UCX")["num_threads"] == "2"
+        prompt = list(range(1, 1001))
+        params = prefill(producer, "r1", prompt)
+        assert params is not None
+        prefill_blocks = transfer_blocks(producer, "r1")
+        seen = decode(consumer, "r1", prompt, params, producer)
+        assert seen["scheduled"] == [1, 1, 1]
+        assert_transferred(
+            producer,
+            prefill_blocks,
+            consumer,
+            transfer_blocks(consumer, "r1", seen["blocks"]),
+            len(prompt) - 1,
+        )
+    finally:
+        consumer.close()
+        producer.close()
+
+
+def test_a_backend_nixl_cannot_load_fails_start_up(broker: BrokerProcess, tmp_path: Path) -> None:
+    """vLLM's connector factory builds the worker connector: a backend NIXL has no plugin for
+    fails there, before the model would load, naming the key and NIXL's plugins."""
+    model = write_model("qwen3.5-0.8b", tmp_path / "m")
+    config = engine_config(
+        model,
+        1,
+        role="kv_consumer",
+        engine_id="decode-0",
+        extra={"broker": broker.address, "backends": ["UCX", "EFA"]},
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"^kv_connector_extra_config\.backends: 'EFA' is not an installed NIXL plugin; "
+        r"installed: \[.*'UCX'",
+    ):
+        KVConnectorFactory.create_connector(
+            config, KVConnectorRole.WORKER, kv_cache_config(config, NUM_BLOCKS)
+        )
 
 
 def test_engines_fail_over_from_a_broker_address_that_does_not_answer(

@@ -1,7 +1,8 @@
 """vLLM 0.33 engines on CPU for the connector tests, built from vLLM's own pieces
 (:mod:`harness.vllm.cpu_engine`: config, KV-cache groups, cache tensors). An :class:`Engine`
 runs vLLM's ``Scheduler`` (which builds the scheduler-side connector itself) with one
-worker-side connector per TP rank.
+worker-side connector per TP rank. Like vLLM's model runner, each step hands the scheduler
+the workers' transfer results and connector stats.
 
 Importing this module configures vLLM for CPU (see :mod:`harness.vllm.cpu_engine`); where vLLM
 cannot be imported it skips the importing test module, saying why, or fails it under CI and
@@ -36,6 +37,7 @@ from vllm.v1.core.kv_cache_utils import (
 )
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.metrics.stats import SchedulerStats
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
@@ -112,7 +114,8 @@ class Engine:
     creates, and per TP rank a KV cache and a worker-side connector: the
     :class:`PdBrokerConnector` vLLM's factory makes when ``tp`` is 1 (vLLM's distributed
     state must be up, :func:`init_vllm_distributed`), else one :class:`WorkerHalf` per rank
-    (a process holds one vLLM TP rank). Worker outputs merge in vLLM's ``KVOutputAggregator``."""
+    (a process holds one vLLM TP rank). Worker outputs merge in vLLM's ``KVOutputAggregator``.
+    With ``log_stats`` the scheduler's per-step stats collect in :attr:`scheduler_stats`."""
 
     def __init__(
         self,
@@ -120,6 +123,7 @@ class Engine:
         num_blocks: int,
         backend: type = FlashAttentionBackend,
         poison: bool = False,
+        log_stats: bool = False,
     ) -> None:
         self.config = config
         self.kv_config = kv_cache_config(config, num_blocks, backend)
@@ -131,6 +135,7 @@ class Engine:
             StructuredOutputManager(config),
             block_size=block_size,
             hash_block_size=hash_block_size,
+            log_stats=log_stats,
         )
         # As vLLM's engine core: requests hash their blocks (prefix caching and connectors).
         hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
@@ -138,6 +143,7 @@ class Engine:
         self.block_hasher = get_request_block_hasher(
             hash_block_size, hash_fn, config.num_hash_lookahead_tokens
         )
+        self.scheduler_stats: list[SchedulerStats] = []
         tp = config.parallel_config.tensor_parallel_size
         self.caches = [allocate(config, self.kv_config, backend) for _ in range(tp)]
         if poison:
@@ -211,12 +217,16 @@ class Engine:
                     finished_sending=r.finished_sending,
                     finished_recving=r.finished_recving,
                     failed_recving=r.failed_recving,
+                    kv_connector_stats=w.get_kv_connector_stats(),
                 ),
             )
-            for r in results
+            for w, r in zip(self.workers, results)
         ]
         merged = self.aggregator.aggregate(runner_outputs)
         engine_outputs = self.scheduler.update_from_output(out, merged)
+        self.scheduler_stats += [
+            o.scheduler_stats for o in engine_outputs.values() if o.scheduler_stats is not None
+        ]
         return out, [o for outs in engine_outputs.values() for o in outs.outputs]
 
     @staticmethod

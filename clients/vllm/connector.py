@@ -10,6 +10,8 @@ and one per worker (:class:`~clients.vllm.worker.WorkerHalf`); this class only f
 supports the hybrid memory allocator (HMA), which hybrid Mamba models require. Failed loads
 are reported as ``failed_recving``: with several KV-cache groups vLLM cannot map block-level
 errors (``get_block_ids_with_load_errors``) to requests, so this connector reports none.
+Decode workers' transfer statistics reach vLLM's log and ``/metrics`` as
+:class:`~clients.vllm.stats.PdBrokerKVConnectorStats` and ``vllm:pdbroker_*`` metrics.
 """
 
 from __future__ import annotations
@@ -24,6 +26,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
     SupportsHMA,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
 from vllm.distributed.parallel_state import (
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
@@ -32,6 +40,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from clients.vllm.metadata import ConnectorSettings, PdBrokerMetadata
 from clients.vllm.scheduler import SchedulerHalf
+from clients.vllm.stats import PdBrokerKVConnectorStats, PdBrokerPromMetrics
 from clients.vllm.worker import WorkerHalf
 
 if TYPE_CHECKING:
@@ -166,6 +175,26 @@ class PdBrokerConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         return self._worker().get_transfer_results()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """A decode worker's loads since the last call; the scheduler half records none."""
+        return None if self.worker is None else self.worker.get_kv_connector_stats()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        return (
+            PdBrokerKVConnectorStats(data=data) if data is not None else PdBrokerKVConnectorStats()
+        )
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics:
+        return PdBrokerPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self.worker is not None:

@@ -76,6 +76,9 @@ class ConnectorSettings:
     ``tls_ca`` is empty); a client certificate or token must name the engine's ``engine_id``
     as configured: vLLM's data-parallel ranks run as ``engine_id_dp<N>``, which that name
     covers, so one credential serves every DP rank.
+    ``backends`` and ``num_threads`` mean what they mean to vLLM's ``NixlConnector``: the NIXL
+    backends of each rank's agent (e.g. ``["LIBFABRIC"]`` on AWS EFA), and the UCX backend's
+    worker threads, applied when ``backends`` is ``["UCX"]`` (0: NIXL's default).
     """
 
     broker: str
@@ -88,6 +91,8 @@ class ConnectorSettings:
     tls_cert: str = ""
     tls_key: str = ""
     token_file: str = ""
+    backends: tuple[str, ...] = ("UCX",)
+    num_threads: int = 0
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> ConnectorSettings:
@@ -108,14 +113,38 @@ class ConnectorSettings:
                 'kv_connector_extra_config.broker: required, "HOST:PORT" of the broker '
                 '(or "HOST:PORT,HOST:PORT" of replicas sharing a store)'
             )
+        backends = extra.get("backends", ["UCX"])
+        if (
+            not isinstance(backends, list | tuple)
+            or not backends
+            or not all(isinstance(b, str) and b for b in backends)
+            or len(set(backends)) != len(backends)
+        ):
+            raise ValueError(
+                "kv_connector_extra_config.backends: a list of distinct NIXL backend names, "
+                f'e.g. ["UCX"] or ["LIBFABRIC"], not {backends!r}'
+            )
         # Every other field has a default whose type the value is converted to.
         values: dict[str, Any] = {}
         for name, value in extra.items():
             default = known[name].default
-            values[name] = value if default is MISSING else type(default)(value)
+            try:
+                values[name] = value if default is MISSING else type(default)(value)
+            except (TypeError, ValueError):
+                raise ValueError(
+                    f"kv_connector_extra_config.{name}: {value!r} is not a {type(default).__name__}"
+                ) from None
+        if values.get("num_threads", 0) < 0:
+            raise ValueError("kv_connector_extra_config.num_threads: must be 0 or more")
         settings = cls(**values)
         settings.channel_security()  # a bad combination or unreadable token fails at start-up
         return settings
+
+    def nixl_params(self) -> dict[str, str] | None:
+        """Parameters of the NIXL backends (None: NIXL's defaults)."""
+        if self.num_threads and self.backends == ("UCX",):
+            return {"num_threads": str(self.num_threads)}
+        return None
 
     def channel_security(self) -> ChannelSecurity:
         """How this engine connects to the broker; ``ValueError`` names the bad key."""

@@ -12,6 +12,9 @@ them. A load fails when the broker is unreachable, refuses the plan (layouts tha
 match), or says the data is not intact, when a read fails, or when the prefill engine
 published another token count than this engine expects. A plan the broker refused, or a
 token count that does not match, aborts the transfer so the prefill engine frees its blocks.
+Each load's read, or its failure, is recorded in the rank's
+:class:`~clients.vllm.stats.PdBrokerKVConnectorStats`, which vLLM collects every step
+(:meth:`get_kv_connector_stats`).
 
 Prefill: each release the broker streams to this rank (every reader done, expired, failed or
 aborted) becomes a finished send of the request that published it, and vLLM frees its blocks.
@@ -30,12 +33,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
 
 from broker.layout import EngineLayout
-from clients.decode import AsyncDecodeClient, FetchError
+from broker.wire import TRANSFER_STATE
+from clients.decode import AsyncDecodeClient, Fetch, FetchError, TransferEnded
+from clients.nixl_transport import NixlTransport, UnavailableBackendError
 from clients.prefill import AsyncPrefillClient, Release
 from clients.protocol import BrokerCallError, broker_addresses
 from clients.session import AsyncEngineClient, LoopThread
 from clients.vllm.layout import ModelFacts, derive_rank_memory, model_fingerprint
 from clients.vllm.metadata import ConnectorSettings, LoadSpec, PdBrokerMetadata
+from clients.vllm.stats import PdBrokerKVConnectorStats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -45,7 +51,13 @@ log = logging.getLogger(__name__)
 
 
 class LoadError(RuntimeError):
-    """A load that cannot be used; its request is recomputed."""
+    """A load that cannot be used; its request is recomputed. ``transfer_ended``: the
+    broker had ended the transfer (expired, aborted, failed by another rank) before this
+    rank's report."""
+
+    def __init__(self, message: str, *, transfer_ended: bool = False) -> None:
+        super().__init__(message)
+        self.transfer_ended = transfer_ended
 
 
 class WorkerHalf:
@@ -81,12 +93,18 @@ class WorkerHalf:
         )
         name = settings.model_name or model_config.served_model_name or model_config.model
         self.model_name = name if isinstance(name, str) else name[0]
+        self.transport = NixlTransport(settings.backends, settings.nixl_params())
+        try:
+            self.transport.check()  # before vLLM loads the model
+        except UnavailableBackendError as exc:
+            raise ValueError(f"kv_connector_extra_config.{exc}") from None
         self.client: AsyncEngineClient | None = None
         self._loop: LoopThread | None = None
-        self._loads: dict[str, Future[None]] = {}
+        self._loads: dict[str, Future[Fetch]] = {}
         self._released: set[str] = set()  # transfer ids released, filled on the loop thread
         self._released_lock = threading.Lock()
         self._sends: dict[str, str] = {}  # transfer id -> request id, from the scheduler
+        self.stats = PdBrokerKVConnectorStats()  # this step's, on the model runner's thread
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Declare this rank's pages, register them with NIXL and the rank with the broker."""
@@ -113,6 +131,7 @@ class WorkerHalf:
                 idle_interval_s=self.settings.progress_interval_s,
                 call_timeout_s=timeout,
                 security=security,
+                transport=self.transport,
             )
         else:
             client = AsyncDecodeClient(
@@ -123,6 +142,7 @@ class WorkerHalf:
                 read_timeout_s=self.settings.read_timeout_s,
                 call_timeout_s=timeout,
                 security=security,
+                transport=self.transport,
             )
         self._loop = LoopThread(f"pdbroker-{self.engine_id}-rank{self.tp_rank}")
         try:
@@ -133,11 +153,12 @@ class WorkerHalf:
             raise
         self.client = client
         log.info(
-            "rank %d of %s registered with the broker at %s: %d regions of %d blocks of "
-            "%d bytes, %d groups",
+            "rank %d of %s registered with the broker at %s, NIXL over %s: %d regions of "
+            "%d blocks of %d bytes, %d groups",
             self.tp_rank,
             self.engine_id,
             self.settings.broker,
+            "+".join(self.settings.backends),
             memory.layout.num_regions,
             memory.layout.num_blocks,
             memory.layout.page_bytes,
@@ -151,7 +172,8 @@ class WorkerHalf:
             self._loads[request_id] = self._submit(self._load(spec))
 
     def get_transfer_results(self) -> KVConnectorTransferResults:
-        """Loads that ended (failed ones also in ``failed_recving``) and released sends."""
+        """Loads that ended (failed ones also in ``failed_recving``) and released sends;
+        records each ended load in :attr:`stats`."""
         results = KVConnectorTransferResults()
         for request_id, future in list(self._loads.items()):
             if not future.done():
@@ -159,14 +181,25 @@ class WorkerHalf:
             del self._loads[request_id]
             results.finished_recving.add(request_id)
             error = "cancelled" if future.cancelled() else future.exception()
-            if error is not None:
-                log.warning("load of %s failed, vLLM recomputes it: %s", request_id, error)
-                results.failed_recving.add(request_id)
+            if error is None:
+                for rank in future.result().ranks:
+                    self.stats.record_transfer(rank)
+                continue
+            log.warning("load of %s failed, vLLM recomputes it: %s", request_id, error)
+            results.failed_recving.add(request_id)
+            if isinstance(error, LoadError) and error.transfer_ended:
+                self.stats.record_expired_transfer()
+            else:
+                self.stats.record_failed_transfer()
         with self._released_lock:
             done = self._released & self._sends.keys()
             self._released -= done
         results.finished_sending.update(self._sends.pop(t) for t in done)
         return results
+
+    def get_kv_connector_stats(self) -> PdBrokerKVConnectorStats | None:
+        """The loads recorded since the last call (None if none), which start anew."""
+        return None if self.stats.is_empty() else self.stats.clone_and_reset()
 
     def shutdown(self) -> None:
         """Leave the broker and stop the loop thread. Idempotent."""
@@ -183,7 +216,7 @@ class WorkerHalf:
 
     # ---------------------------------------------------------------- internals
 
-    def _submit(self, coro: Coroutine[Any, Any, None]) -> Future[None]:
+    def _submit(self, coro: Coroutine[Any, Any, Fetch]) -> Future[Fetch]:
         assert self._loop is not None, "register_kv_caches() first"
         return self._loop.submit(coro)
 
@@ -191,7 +224,7 @@ class WorkerHalf:
         with self._released_lock:
             self._released.add(release.transfer_id)
 
-    async def _load(self, spec: LoadSpec) -> None:
+    async def _load(self, spec: LoadSpec) -> Fetch:
         """Check, plan, read and report one transfer; raises :class:`LoadError` if unusable."""
         client = self.client
         assert isinstance(client, AsyncDecodeClient)
@@ -204,6 +237,12 @@ class WorkerHalf:
             info = await client.transfer(spec.transfer_id, spec.prefill_engine)
         except BrokerCallError as exc:
             raise LoadError(str(exc)) from None
+        state = TRANSFER_STATE.from_proto(info.state, "state")
+        if state.terminal:
+            raise LoadError(
+                f"transfer {spec.transfer_id} is {state.value}; its blocks are released",
+                transfer_ended=True,
+            )
         if info.num_tokens != spec.num_tokens:
             await self._abort(
                 client,
@@ -216,7 +255,7 @@ class WorkerHalf:
                 f"this engine expects {spec.num_tokens}"
             )
         try:
-            await client.fetch(
+            return await client.fetch(
                 spec.transfer_id, spec.block_ids, prefill_engine_id=spec.prefill_engine
             )
         except FetchError as exc:
@@ -227,7 +266,8 @@ class WorkerHalf:
             ]
             if refused:
                 await self._abort(client, spec, f"plan refused: {refused[0]}")
-            raise LoadError(str(exc)) from None
+            ended = any(isinstance(e, TransferEnded) for e in exc.errors.values())
+            raise LoadError(str(exc), transfer_ended=ended) from None
 
     async def _abort(self, client: AsyncDecodeClient, spec: LoadSpec, reason: str) -> None:
         try:
