@@ -10,7 +10,8 @@ counts as none) is UNAUTHENTICATED.
 **Rules** (PERMISSION_DENIED otherwise, the message naming the field):
 
 * an engine acts only as itself: ``engine_id`` of RegisterRank, PublishBlocks,
-  GetTransferPlan, ReportTransfer and WatchReleases must be one of the caller's names, and
+  GetTransferPlan, ExtendTransfers, ReportTransfer and WatchReleases must be one of the
+  caller's names, and
   KeepAlive/Deregister only renew or end leases of its own ranks (``lease_id``);
 * a report must come from the decode engine holding the plan (``plan_id``); which decode
   engines may fetch a transfer's plans is the publication's ``allowed_decode_engines``

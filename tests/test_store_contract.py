@@ -56,6 +56,7 @@ def transfer(engine: str, transfer_id: str, deadline: int = 5_000, **changes) ->
         0,
         deadline,
         deadline,
+        deadline,
         released=(None, None),
     )
     return dataclasses.replace(record, **changes)
