@@ -27,6 +27,7 @@ from broker.errors import (
     NotFoundError,
     PermissionDeniedError,
     PreconditionError,
+    StoreUnavailableError,
 )
 from broker.limits import LIMITS
 from broker.store import codec
@@ -124,6 +125,21 @@ def test_the_extending_engine_must_be_a_registered_reader() -> None:
     with pytest.raises(PreconditionError) as prefill:
         service.extend("P", [("t1", "P")])
     assert prefill.value.field == "engine_id"
+
+
+def test_an_unavailable_store_fails_the_whole_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """UNAVAILABLE for the call, not a refusal per entry: the client moves on to another
+    replica."""
+    service, clock, sc = setup(1, 1)
+    publish(service, sc)
+    clock.advance(1_000)
+
+    def down(*args: object) -> None:
+        raise StoreUnavailableError("store", "the store does not answer")
+
+    monkeypatch.setattr(service.store, "put_transfer", down)
+    with pytest.raises(StoreUnavailableError):
+        service.extend("D", [("t1", "P"), ("t1", "P")])
 
 
 # --------------------------------------------------------------------------- the gRPC edge
