@@ -3,8 +3,8 @@
 The decode engine runs one request at a time (``max_num_seqs=1``), so a disaggregated request
 added while another runs waits behind it, where vLLM's scheduler never shows it to the
 connector (it stops looking at the queue once every run slot is taken): only
-``on_new_request`` saw it. The prefill engine publishes with a 1 s TTL; the request waits
-2.5 s. Engines, broker and checks are those of ``tests/test_vllm_connector.py``.
+``on_new_request`` saw it. The prefill engine publishes with a 1.5 s TTL; the request waits
+3.5 s. Engines, broker and checks are those of ``tests/test_vllm_connector.py``.
 """
 
 from __future__ import annotations
@@ -38,9 +38,11 @@ from broker.v1 import broker_pb2_grpc as pb_grpc
 from clients.vllm.metadata import TRANSFER_ID
 from harness.brokers import BrokerProcess
 
-TTL_MS = 1_000
+TTL_MS = 1_500
 #: How long the decode request waits behind the running one: well past its TTL.
-QUEUED_S = 2.5
+QUEUED_S = 3.5
+#: ``--max-ttl-ms`` of the broker in the test of the cap.
+MAX_TTL_MS = 5_000
 PROMPT = list(range(1, 801))
 
 
@@ -157,14 +159,17 @@ def test_a_publication_nobody_renews_expires_and_prefill_frees_it(
 
 @pytest.fixture
 def short_broker() -> Iterator[BrokerProcess]:
-    process = BrokerProcess("--max-ttl-ms", "2000")
+    process = BrokerProcess("--max-ttl-ms", str(MAX_TTL_MS))
     yield process
     process.stop()
 
 
-def test_renewals_end_at_the_brokers_max_ttl(short_broker: BrokerProcess, tmp_path: Path) -> None:
+def test_renewals_end_at_the_brokers_max_ttl(
+    short_broker: BrokerProcess, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """A decode engine that keeps renewing holds the prefill blocks no longer than the
-    broker's ``--max-ttl-ms`` after the publication; its request then computes the prompt."""
+    broker's ``--max-ttl-ms`` after the publication; refused then, it renews it no more, and
+    its request computes the prompt."""
     model = write_model("qwen3.5-0.8b", tmp_path / "m")
     address = short_broker.address
     producer = make_engine(model, 1, "kv_producer", "prefill-0", address, publish_ttl_ms=TTL_MS)
@@ -173,16 +178,22 @@ def test_renewals_end_at_the_brokers_max_ttl(short_broker: BrokerProcess, tmp_pa
         free = producer.free_blocks
         params = prefill(producer, "r1", PROMPT)
         assert params is not None
-        request = queue_behind_a_running_request(consumer, producer, params, 1.5)
+        request = queue_behind_a_running_request(consumer, producer, params, 2 * TTL_MS / 1000)
         assert transfer_state(short_broker, params[TRANSFER_ID]) == "TRANSFER_STATE_PUBLISHED"
-        step_while_queued(consumer, producer, request, 1.5)
-        info = transfer_info(short_broker, params[TRANSFER_ID])
-        assert info.state == pb.TRANSFER_STATE_EXPIRED
-        assert info.expires_at_ms - info.published_at_ms == 2_000
+        deadline = time.monotonic() + DEADLINE_S
+        while (info := transfer_info(short_broker, params[TRANSFER_ID])).state != (
+            pb.TRANSFER_STATE_EXPIRED
+        ):
+            assert time.monotonic() < deadline, "the transfer never expired"
+            step_while_queued(consumer, producer, request, 0.2)
+        assert info.expires_at_ms - info.published_at_ms == MAX_TTL_MS
+        step_while_queued(consumer, producer, request, 1.0)  # renewals refused meanwhile
         wait_for_release(producer, free)
         consumer.scheduler.finish_requests("busy", RequestStatus.FINISHED_ABORTED)
         seen = follow(consumer, request, producer)
         assert seen["scheduled"][0] == len(PROMPT)  # the whole prompt, computed by decode
+        refused = [r for r in caplog.records if "cannot be kept alive" in r.getMessage()]
+        assert len(refused) == 1 and "FAILED_PRECONDITION" in refused[0].getMessage()
     finally:
         consumer.close()
         producer.close()
