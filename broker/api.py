@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from broker.errors import PdbrokerError
 from broker.records import RankRecord, TransferRecord
 from broker.wire import BlockIds, MemoryKind, ReportStatus, Role, TransferState
 
@@ -50,6 +51,21 @@ class PlanQuery:
     block_ids: BlockIds
     want_agent_metadata: bool = False
     prefill_engine_id: str = ""
+
+
+#: ``(transfer_id, prefill_engine_id)`` of a transfer a decode engine waits for ('' for the
+#: prefill engine: whichever published that id).
+TransferName = tuple[str, str]
+
+
+@dataclass(frozen=True)
+class Extension:
+    """What extending one transfer did: its expiry and TTL now, or ``error``, why that
+    entry was refused (then both are 0)."""
+
+    expires_at_ms: int = 0
+    ttl_ms: int = 0
+    error: PdbrokerError | None = None
 
 
 @dataclass(frozen=True)

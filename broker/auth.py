@@ -10,9 +10,10 @@ counts as none) is UNAUTHENTICATED.
 **Rules** (PERMISSION_DENIED otherwise, the message naming the field):
 
 * an engine acts only as itself: ``engine_id`` of RegisterRank, PublishBlocks,
-  GetTransferPlan, ReportTransfer and WatchReleases must be one of the caller's names or a
-  data-parallel rank ``NAME_dp<N>`` vLLM derives from one (:func:`broker.wire.names_engine`),
-  and KeepAlive/Deregister only renew or end leases of its own ranks (``lease_id``);
+  GetTransferPlan, ExtendTransfers, ReportTransfer and WatchReleases must be one of the
+  caller's names or a data-parallel rank ``NAME_dp<N>`` vLLM derives from one
+  (:func:`broker.wire.names_engine`), and KeepAlive/Deregister only renew or end leases of
+  its own ranks (``lease_id``);
 * a report must come from the decode engine holding the plan (``plan_id``); which decode
   engines may fetch a transfer's plans is the publication's ``allowed_decode_engines``
   (checked by :class:`~broker.service.BrokerService`);

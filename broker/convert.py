@@ -10,20 +10,22 @@ ids, packed descriptors) are translated by :mod:`broker.wire`.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
 from broker.api import (
     EngineView,
+    Extension,
     Lease,
     PlanQuery,
     PlanResult,
     Publication,
     Report,
     TransferListing,
+    TransferName,
 )
-from broker.errors import InvalidFieldError, LimitExceededError
+from broker.errors import InvalidFieldError, LimitExceededError, PdbrokerError
 from broker.limits import LIMITS
 from broker.records import MemoryRegion, RankRegistration, ReleaseEvent, TransferRecord
 from broker.v1 import broker_pb2 as pb
@@ -262,6 +264,42 @@ def report_from_proto(msg: pb.ReportTransferRequest) -> Report:
         msg.bytes_moved,
         msg.duration_us,
         text(msg.error),
+    )
+
+
+def extension_from_proto(
+    msg: pb.ExtendTransfersRequest,
+) -> tuple[str, list[TransferName | PdbrokerError]]:
+    """The decode engine and the transfers it names; an entry with a malformed id is its
+    error (field paths within the entry), refused on its own."""
+    engine_id = ident(msg.engine_id, "engine_id")
+    check_count(msg.transfers, LIMITS.max_extended_transfers, "transfers")
+    names: list[TransferName | PdbrokerError] = []
+    for entry in msg.transfers:
+        try:
+            names.append(
+                (
+                    ident(entry.transfer_id, "transfer_id"),
+                    optional_ident(entry.prefill_engine_id, "prefill_engine_id"),
+                )
+            )
+        except PdbrokerError as malformed:
+            names.append(malformed)
+    return engine_id, names
+
+
+def extensions_to_proto(
+    extensions: Sequence[Extension], code_of: Callable[[PdbrokerError], int]
+) -> pb.ExtendTransfersResponse:
+    """One answer per entry; a refused one carries ``code_of(error)`` and the error's
+    message with the entry's path (``transfers[i].``) before its field."""
+    return pb.ExtendTransfersResponse(
+        transfers=[
+            pb.TransferExtension(expires_at_ms=e.expires_at_ms, ttl_ms=e.ttl_ms)
+            if e.error is None
+            else pb.TransferExtension(code=code_of(e.error), message=f"transfers[{i}].{e.error}")
+            for i, e in enumerate(extensions)
+        ]
     )
 
 

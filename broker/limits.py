@@ -49,6 +49,8 @@ class Limits:
     max_block_ids: int = 1 << 20
     #: Entries of ``allowed_decode_engines``.
     max_allowed_decode_engines: int = 256
+    #: Transfers one ExtendTransfers call keeps alive.
+    max_extended_transfers: int = 1024
     #: Runs one page template may hold, over all regions of its group: layouts whose strides
     #: split a page into more pieces than this are refused when planned.
     max_template_runs: int = 1 << 20
@@ -83,4 +85,7 @@ def max_request_bytes_of(method: str, limits: Limits = LIMITS) -> int:
         return limits.max_agent_metadata_bytes + 64 * limits.max_regions + (1 << 20)
     if method in ("PublishBlocks", "GetTransferPlan", "StreamTransferPlan"):  # <= 10 B an id
         return 10 * limits.max_block_ids + (1 << 20)
+    if method == "ExtendTransfers":  # two ids an entry, <= 4 B a character, 16 B of framing
+        per_entry = 2 * 4 * limits.max_id_chars + 16
+        return limits.max_extended_transfers * per_entry + MAX_SMALL_REQUEST_BYTES
     return MAX_SMALL_REQUEST_BYTES

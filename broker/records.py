@@ -155,6 +155,9 @@ class TransferRecord:
     block_ids: BlockIds
     allowed_decode_engines: frozenset[str]
     published_at_ms: int
+    #: How long the publication waits for its decode engine: its expiry is publication
+    #: time + this, moved on by extensions (:class:`broker.transfers.Extend`).
+    ttl_ms: int
     expires_at_ms: int
     deadline_ms: int
     state: TransferState = TransferState.PUBLISHED

@@ -28,11 +28,12 @@ import secrets
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from broker import tracing, transfers
 from broker.api import (
     EngineView,
+    Extension,
     Lease,
     PlanQuery,
     PlanResult,
@@ -40,6 +41,7 @@ from broker.api import (
     Report,
     ReportOutcome,
     TransferListing,
+    TransferName,
 )
 from broker.clock import Clock, SystemClock
 from broker.config import ServiceConfig
@@ -53,8 +55,10 @@ from broker.errors import (
     AlreadyExistsError,
     LimitExceededError,
     NotFoundError,
+    PdbrokerError,
     PreconditionError,
     RequestError,
+    StoreUnavailableError,
 )
 from broker.layout import EngineLayout
 from broker.observer import ServiceObserver
@@ -91,7 +95,7 @@ class BrokerService:
         self.effects = Effects(
             self.store,
             self.observer,
-            transfers.Rules(config.retention_ms, config.max_read_ms),
+            transfers.Rules(config.retention_ms, config.max_read_ms, config.max_ttl_ms),
             (config.release_backlog_bytes, config.release_backlog_total_bytes),
         )
         self.engines = EngineCatalog(config.planner_cache_size)
@@ -356,6 +360,34 @@ class BrokerService:
         if step.refusal is not None:
             raise Refusal(step.refusal)
         return outcome
+
+    def extend(
+        self, engine_id: str, names: Sequence[TransferName | PdbrokerError]
+    ) -> list[Extension]:
+        """Decode engine ``engine_id`` (registered, reading) keeps the transfers it waits for
+        alive (:class:`~broker.transfers.Extend`), each in a unit of work of its own, so one
+        refused entry (an error of ``names`` already: refused by the caller) leaves the
+        others alone. Only an unavailable store fails the whole call."""
+        decode = self.store.transact(lambda: self.engines.engine(self.store, engine_id))
+        if not decode.role.reads:
+            raise PreconditionError("engine_id", f"engine {engine_id!r} is a prefill engine")
+        return [self._extension(engine_id, name) for name in names]
+
+    def _extension(self, engine_id: str, name: TransferName | PdbrokerError) -> Extension:
+        if isinstance(name, PdbrokerError):
+            return Extension(error=name)
+        try:
+            t = self._extend(engine_id, *name)
+        except StoreUnavailableError:
+            raise
+        except PdbrokerError as refusal:
+            return Extension(error=refusal)
+        return Extension(t.expires_at_ms, t.ttl_ms)
+
+    @atomic
+    def _extend(self, engine_id: str, transfer_id: str, prefill_engine_id: str) -> TransferRecord:
+        t = self._find(transfer_id, prefill_engine_id)
+        return self.effects.decide(t, transfers.Extend(engine_id), self.clock.now_ms())
 
     @atomic
     def abort(self, transfer_id: str, reason: str, prefill_engine_id: str = "") -> TransferState:

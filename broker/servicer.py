@@ -296,6 +296,17 @@ class BrokerServicer(pb_grpc.BrokerServicer):
             state=convert.state_to_proto(outcome.state),
         )
 
+    async def ExtendTransfers(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        """A large request (many entries of long ids) is parsed on the worker thread."""
+        try:
+            request = await self.parsed(request)
+            self.authorize(context, _as_engine, request)
+            names = convert.extension_from_proto(request)
+            extensions = self.in_context(context, self.service.extend, *names)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a status
+            await abort(context, exc)
+        return convert.extensions_to_proto(extensions, lambda e: status_code(e).value[0])
+
     async def AbortTransfer(
         self, request: pb.AbortTransferRequest, context: grpc.aio.ServicerContext
     ) -> pb.AbortTransferResponse:

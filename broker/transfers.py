@@ -21,6 +21,8 @@ IN_PROGRESS           :class:`HandOut`              plan live (its sources fence
 IN_PROGRESS           :class:`Report` DONE          ranks whose readers are all DONE released;
                                                     COMPLETED once every plan is DONE
 IN_PROGRESS           :class:`Report` FAILED        FAILED; unfenced ranks released
+PUBLISHED/IN_PROGRESS :class:`Extend`               expiry moved to now + its TTL, at most
+                                                    publication + ``max_ttl_ms``
 PUBLISHED/IN_PROGRESS :class:`Abort`                ABORTED; unfenced ranks released
 PUBLISHED/IN_PROGRESS :class:`Tick` past expiry     EXPIRED; unfenced ranks released
 PUBLISHED/IN_PROGRESS :class:`LoseRank` prefill     FAILED (ABORTED releases)
@@ -49,6 +51,7 @@ from broker.errors import (
     AbortedError,
     AlreadyExistsError,
     PdbrokerError,
+    PermissionDeniedError,
     PreconditionError,
     RequestError,
 )
@@ -64,11 +67,13 @@ PROBLEMS = frozenset(
 
 @dataclass(frozen=True)
 class Rules:
-    """Durations in milliseconds: how long a finished transfer stays queryable, and how
-    long a live plan may hold its prefill ranks after its transfer ended."""
+    """Durations in milliseconds: how long a finished transfer stays queryable, how long a
+    live plan may hold its prefill ranks after its transfer ended, and how long after its
+    publication a transfer may live at most, extensions included."""
 
     retention_ms: int
     max_read_ms: int
+    max_ttl_ms: int
 
 
 # --------------------------------------------------------------------------- events
@@ -102,6 +107,16 @@ class HandOut:
 
 
 @dataclass(frozen=True)
+class Extend:
+    """Decode engine ``decode_engine_id``, which will read the transfer, keeps it alive: its
+    expiry moves to now + its TTL, never earlier than it was, never past its publication +
+    ``max_ttl_ms`` (so a decode engine that stops asking, or never reads, cannot hold the
+    prefill blocks longer than that)."""
+
+    decode_engine_id: str
+
+
+@dataclass(frozen=True)
 class Abort:
     reason: str
 
@@ -122,7 +137,7 @@ class LoseRank:
     why: str
 
 
-Event = Claim | Replan | HandOut | Report | Abort | Tick | LoseRank
+Event = Claim | Replan | HandOut | Report | Extend | Abort | Tick | LoseRank
 
 
 # --------------------------------------------------------------------------- effects
@@ -194,6 +209,7 @@ def publish(
         block_ids,
         allowed_decode_engines,
         now,
+        ttl_ms,
         now + ttl_ms,
         now + ttl_ms,
         released=(None,) * prefill_tp_size,
@@ -331,6 +347,23 @@ def _report(change: _Change, event: Report) -> None:
         )
 
 
+def _extend(change: _Change, event: Extend) -> None:
+    t, engine = change.record, event.decode_engine_id
+    if not t.admits(engine):
+        raise PermissionDeniedError(
+            "transfer_id", f"transfer {t.transfer_id!r} is not for decode engine {engine!r}"
+        )
+    if t.decode_engine_id not in ("", engine):
+        raise PermissionDeniedError(
+            "transfer_id", f"transfer {t.transfer_id!r} was claimed by another decode engine"
+        )
+    change.refuse_if_ended()
+    longest = t.published_at_ms + change.rules.max_ttl_ms
+    expires = max(t.expires_at_ms, min(change.now + t.ttl_ms, longest))
+    if expires != t.expires_at_ms:
+        change.set(expires_at_ms=expires, deadline_ms=expires)
+
+
 def _abort(change: _Change, event: Abort) -> None:
     if not change.record.state.terminal:
         change.finish(TransferState.ABORTED, ReleaseReason.ABORTED, event.reason or "aborted")
@@ -391,6 +424,7 @@ _APPLY: dict[type, Callable[[_Change, Any], None]] = {
     Replan: _replan,
     HandOut: _hand_out,
     Report: _report,
+    Extend: _extend,
     Abort: _abort,
     Tick: _tick,
     LoseRank: _lose_rank,

@@ -34,7 +34,7 @@ from broker.limits import LIMITS
 from broker.logs import transfer_fields
 from broker.v1 import broker_pb2 as pb
 from broker.wire import MEMORY_KIND, Role, block_ids_to_proto
-from clients.protocol import BrokerCallError, call, get_plan
+from clients.protocol import BrokerCallError, call, extend, get_plan
 from clients.session import AsyncEngineClient, BlockingEngineClient, RankSession
 from clients.transport import Read, Region, TransferError, Transport, descriptor_array, inside
 
@@ -236,6 +236,13 @@ class AsyncDecodeClient(AsyncEngineClient):
         for source in plan.sources:
             _load_agent(session, source)
         return plan
+
+    async def extend(
+        self, transfers: Sequence[tuple[str, str]]
+    ) -> list[pb.TransferExtension | BrokerCallError]:
+        """Keep the ``(transfer_id, prefill_engine_id)`` transfers this engine waits to fetch
+        alive at the broker (:func:`~clients.protocol.extend`)."""
+        return await extend(self.stub, self.engine_id, transfers, self.call_timeout_s)
 
     async def report(
         self,
@@ -478,3 +485,8 @@ class DecodeClient(BlockingEngineClient):
                 transfer_id, block_ids, timeout_s, prefill_engine_id=prefill_engine_id
             )
         )
+
+    def extend(
+        self, transfers: Sequence[tuple[str, str]]
+    ) -> list[pb.TransferExtension | BrokerCallError]:
+        return self._run(self._async.extend(transfers))

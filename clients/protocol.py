@@ -1,7 +1,8 @@
 """The client side of ``pdbroker.v1``: the broker channel, calls that carry the trace
 context, :class:`FailoverStub` over replicas, and one builder or call per request the clients
 share, with its reconciliation rule: a registration (:func:`registration`), a publish whose
-reply was lost with its replica (:func:`publish`), an abort, a transfer's state. The engine
+reply was lost with its replica (:func:`publish`), extensions of waiting transfers
+(:func:`extend`), an abort, a transfer's state. The engine
 clients (:mod:`clients.session`, :mod:`clients.prefill`, :mod:`clients.decode`), the vLLM
 connector's scheduler and the harness all build and send these requests here.
 """
@@ -51,6 +52,7 @@ REPEATABLE = frozenset(
         "StreamTransferPlan",
         "ReportTransfer",
         "AbortTransfer",
+        "ExtendTransfers",
         "PublishBlocks",
         "GetTransfer",
         "ListEngines",
@@ -291,6 +293,36 @@ async def publish(stub: FailoverStub, request: pb.PublishBlocksRequest, timeout_
             raise exc from None
         return info.expires_at_ms
     return response.expires_at_ms
+
+
+#: gRPC status codes by number, as ``ExtendTransfers`` answers each entry.
+_STATUS_BY_CODE = {code.value[0]: code for code in grpc.StatusCode}
+
+
+async def extend(
+    stub: FailoverStub,
+    engine_id: str,
+    transfers: Sequence[tuple[str, str]],
+    timeout_s: float,
+) -> list[pb.TransferExtension | BrokerCallError]:
+    """Keep the ``(transfer_id, prefill_engine_id)`` transfers decode engine ``engine_id``
+    waits for alive (``ExtendTransfers``, at most ``max_extended_transfers`` a call); per
+    entry, its expiry and TTL now (extend again before that TTL elapses), or why the broker
+    refused that entry (NOT_FOUND, FAILED_PRECONDITION once it ended, PERMISSION_DENIED:
+    not this engine's)."""
+    request = pb.ExtendTransfersRequest(
+        engine_id=engine_id,
+        transfers=[pb.TransferName(transfer_id=t, prefill_engine_id=p) for t, p in transfers],
+    )
+    response = await call(stub, "ExtendTransfers", request, timeout_s)
+    return [
+        BrokerCallError(
+            "ExtendTransfers", _STATUS_BY_CODE.get(e.code, grpc.StatusCode.UNKNOWN), e.message
+        )
+        if e.code
+        else e
+        for e in response.transfers
+    ]
 
 
 async def abort(

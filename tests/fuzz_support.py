@@ -264,6 +264,15 @@ class Requests:
             "WatchReleases": lambda pick: pb.WatchReleasesRequest(
                 engine_id=PREFILL, tp_rank=pick([0, 1]), after_sequence=pick([0, 1, 1 << 40])
             ),
+            "ExtendTransfers": lambda pick: pb.ExtendTransfersRequest(
+                engine_id=pick([DECODE, OTHER]),
+                transfers=[
+                    pb.TransferName(
+                        transfer_id=self._transfer(pick), prefill_engine_id=pick(["", PREFILL])
+                    )
+                    for _ in range(pick([0, 1, 3]))
+                ],
+            ),
             "AbortTransfer": lambda pick: pb.AbortTransferRequest(
                 transfer_id=self._transfer(pick), reason=pick(["", "user left"])
             ),

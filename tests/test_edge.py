@@ -106,6 +106,7 @@ def live() -> Iterator[LiveBroker]:
         ("PublishBlocks", False),
         ("GetTransferPlan", False),
         ("RegisterRank", False),
+        ("ExtendTransfers", False),
     ],
 )
 def test_a_request_larger_than_its_method_needs_is_refused_unparsed(
@@ -116,6 +117,7 @@ def test_a_request_larger_than_its_method_needs_is_refused_unparsed(
         "PublishBlocks",
         "GetTransferPlan",
         "RegisterRank",
+        "ExtendTransfers",
     )
     message = getattr(pb, f"{method}Request")
     text = next(f.name for f in message.DESCRIPTOR.fields if f.type == f.TYPE_STRING)

@@ -295,6 +295,27 @@ def test_engines_act_only_as_themselves(pki: Pki, mtls_broker: str) -> None:
     assert [e.engine_id for e in engines] == ["D", "D2", "P"]
 
 
+def test_decode_engines_extend_only_as_themselves_what_they_may_read(
+    pki: Pki, mtls_broker: str
+) -> None:
+    p, d, d2 = (stub(mtls_broker, pki.mtls(c)) for c in ("P", "D", "D2"))
+    register(p, "P", pb.ROLE_PREFILL, 0)
+    register(d, "D", pb.ROLE_DECODE, 1)
+    register(d2, "D2", pb.ROLE_DECODE, 2)
+    p.PublishBlocks(publish("e1"), timeout=WAIT_S)  # for D alone
+
+    def extend(engine_id: str) -> pb.ExtendTransfersRequest:
+        name = pb.TransferName(transfer_id="e1", prefill_engine_id="P")
+        return pb.ExtendTransfersRequest(engine_id=engine_id, transfers=[name])
+
+    expect(d2.ExtendTransfers, extend("D"), DENIED, "engine_id")
+    (entry,) = d2.ExtendTransfers(extend("D2"), timeout=WAIT_S).transfers
+    assert entry.code == DENIED.value[0] and not entry.expires_at_ms
+    assert entry.message.startswith("transfers[0].transfer_id: ") and "'D'" not in entry.message
+    (entry,) = d.ExtendTransfers(extend("D"), timeout=WAIT_S).transfers
+    assert entry.code == 0 and entry.expires_at_ms and entry.ttl_ms
+
+
 def test_only_parties_and_operators_abort(pki: Pki, mtls_broker: str) -> None:
     p, p2, d, d2, ops = (stub(mtls_broker, pki.mtls(c)) for c in ("P", "P2", "D", "D2", "ops"))
     register(p, "P", pb.ROLE_PREFILL, 0)

@@ -56,6 +56,7 @@ def transfer(engine: str, transfer_id: str, deadline: int = 5_000, **changes) ->
         0,
         deadline,
         deadline,
+        deadline,
         released=(None, None),
     )
     return dataclasses.replace(record, **changes)
@@ -145,6 +146,7 @@ WRITES: dict[str, Callable[[StateStore], object]] = {
             released=(ReleaseReason.ABORTED,) * 2,
         )
     ),
+    "extend transfer": lambda s: s.put_transfer(transfer("Q", "t1", deadline=9_000)),
     "delete transfer": lambda s: s.delete_transfer(("Q", "t1")),
     "append release": lambda s: s.append_release(("P", 1), event("t1"), *UNBOUNDED),
     "mark delivered": lambda s: s.mark_delivered(("P", 0), 7),
@@ -209,6 +211,10 @@ def test_due_deadlines_come_back_until_handled(store: StateStore) -> None:
     assert store.due_transfers(50 + REDELIVER_MS) == [("P", "t1")]  # ...again if never put back
     store.put_transfer(transfer("P", "t1", deadline=10 * REDELIVER_MS))
     assert store.due_transfers(9 * REDELIVER_MS) == []
+    # Put back with a later deadline before it came due (an extension): due then, not before.
+    store.put_transfer(transfer("P", "t1", deadline=12 * REDELIVER_MS))
+    assert store.due_transfers(11 * REDELIVER_MS) == []
+    assert store.due_transfers(12 * REDELIVER_MS) == [("P", "t1")]
 
 
 # --------------------------------------------------------------------------- through the service
@@ -231,15 +237,17 @@ def _service(store: StateStore) -> tuple[BrokerService, FakeClock]:
         ("report", "append_release"),
         ("abort", "append_release"),
         ("deregister", "put_transfer"),
+        ("extend", "put_transfer"),
     ],
 )
 def test_a_service_call_failing_in_the_store_midway_changes_nothing(
     store: StateStore, monkeypatch: pytest.MonkeyPatch, call: str, failing: str
 ) -> None:
-    service, _ = _service(store)
+    service, clock = _service(store)
     service.publish(Publication("t1", "P", SC.request.prefill_block_ids, SC.request.num_tokens))
     query = PlanQuery("t1", "D", 0, SC.request.decode_block_ids)
     plan = service.get_plan(query) if call == "report" else None
+    clock.advance(1_000)  # an extension now moves the expiry
     before = snapshot(store)
     calls = {
         "publish": lambda: service.publish(
@@ -249,6 +257,7 @@ def test_a_service_call_failing_in_the_store_midway_changes_nothing(
         "report": lambda: service.report(Report(plan.plan_id, "D", 0, ReportStatus.DONE)),
         "abort": lambda: service.abort("t1", "user left"),
         "deregister": lambda: service.deregister(store.get_rank(("P", 0)).lease_id),
+        "extend": lambda: service.extend("D", [("t1", "P")]),
     }
 
     def broken(*args: object, **kwargs: object) -> None:

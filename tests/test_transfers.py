@@ -12,12 +12,19 @@ from hypothesis import strategies as st
 
 from broker import transfers
 from broker.api import Report
-from broker.errors import AbortedError, AlreadyExistsError, PreconditionError, RequestError
+from broker.errors import (
+    AbortedError,
+    AlreadyExistsError,
+    PermissionDeniedError,
+    PreconditionError,
+    RequestError,
+)
 from broker.planner import RankPlan, SourceReads
 from broker.records import PlanRecord, TransferRecord
 from broker.transfers import (
     Abort,
     Claim,
+    Extend,
     HandOut,
     LoseRank,
     Release,
@@ -27,8 +34,10 @@ from broker.transfers import (
 )
 from broker.wire import ReleaseReason, ReportStatus, TransferState
 
-RULES = Rules(retention_ms=1_000, max_read_ms=5_000)
 TTL_MS = 30_000
+#: Extensions reach the cap within a few random events.
+MAX_TTL_MS = TTL_MS + 15_000
+RULES = Rules(retention_ms=1_000, max_read_ms=5_000, max_ttl_ms=MAX_TTL_MS)
 BLOCKS = ((1, 2), (3,))
 BYTES = 16  # every source reads one run of 16 bytes
 
@@ -41,8 +50,8 @@ def rank_plan(decode_rank: int, sources: frozenset[int]) -> RankPlan:
     return RankPlan(decode_rank, reads, 0, 0)
 
 
-def published(p_tp: int, now: int = 0) -> TransferRecord:
-    step = transfers.publish("t", "P", 1, p_tp, 10, BLOCKS, frozenset(), now, TTL_MS)
+def published(p_tp: int, now: int = 0, allowed: frozenset[str] = frozenset()) -> TransferRecord:
+    step = transfers.publish("t", "P", 1, p_tp, 10, BLOCKS, allowed, now, TTL_MS)
     assert step.record is not None
     return step.record
 
@@ -113,6 +122,10 @@ def check(before: TransferRecord, event: transfers.Event, step: transfers.Step, 
         assert t.state.terminal and all(t.released)
     if not t.state.terminal:
         assert t.deadline_ms == t.expires_at_ms
+    # Extensions never shorten a transfer's life nor carry it past publication + max_ttl_ms.
+    assert before.expires_at_ms <= t.expires_at_ms <= t.published_at_ms + RULES.max_ttl_ms
+    if isinstance(event, Extend) and step.refusal is None:
+        assert t.expires_at_ms == min(now + TTL_MS, t.published_at_ms + RULES.max_ttl_ms)
 
 
 @given(p_tp=st.integers(1, 3), d_tp=st.integers(1, 3), data=st.data())
@@ -132,7 +145,8 @@ def test_random_event_sequences_keep_the_invariants(p_tp: int, d_tp: int, data) 
             break
         run.now += data.draw(st.sampled_from([0, 1, 500, 4_000, 12_000]), label="ms passing")
         unreported = [p.decode_rank for p in t.plans if p.live]
-        choices = ["tick", "tick", "abort", "lose"] + (["claim"] * 4 if not t.plans else [])
+        choices = ["tick", "tick", "abort", "lose", "extend", "extend"]
+        choices += ["claim"] * 4 if not t.plans else []
         choices += ["hand_out"] * 4 + ["replan"] if t.plans else []
         choices += ["done"] * 6 + ["failed"] if unreported else []
         kind = data.draw(st.sampled_from(choices), label="event")
@@ -145,6 +159,8 @@ def test_random_event_sequences_keep_the_invariants(p_tp: int, d_tp: int, data) 
             d = data.draw(st.sampled_from(unreported), label="reporting rank")
             status = ReportStatus.DONE if kind == "done" else ReportStatus.FAILED
             run.apply(report(t, d, status))
+        elif kind == "extend":
+            run.apply(Extend(data.draw(st.sampled_from(["D", "X"]), label="extending engine")))
         elif kind == "abort":
             run.apply(Abort("user left"))
         elif kind == "tick":
@@ -229,6 +245,48 @@ def test_a_failed_report_fails_the_transfer_and_fences_live_readers() -> None:
     late = run.apply(report(run.record, 1))
     assert isinstance(late.refusal, AbortedError) and not late.record.plans[1].intact
     assert run.releases[-1] == (1, ReleaseReason.CONSUMER_FAILED)
+
+
+def test_extend_moves_the_expiry_by_the_ttl_up_to_publication_plus_max_ttl() -> None:
+    run = Run(published(1))
+    for now, expires in ((5_000, 35_000), (10_000, 40_000), (20_000, MAX_TTL_MS)):
+        run.now = now
+        step = run.apply(Extend("D"))
+        assert step.refusal is None and step.effects == ()
+        assert (step.record.expires_at_ms, step.record.deadline_ms) == (expires, expires)
+    run.now = MAX_TTL_MS - 1
+    assert run.apply(Extend("D")).record is run.record  # at the cap: nothing changes
+    run.now = MAX_TTL_MS
+    step = run.apply(Extend("D"))
+    assert isinstance(step.refusal, PreconditionError) and step.refusal.field == "transfer_id"
+    assert step.record.state is TransferState.EXPIRED
+    assert run.releases == [(0, ReleaseReason.EXPIRED)]
+
+
+def test_extend_never_shortens_a_transfer() -> None:
+    """A broker restarted with a lower ``max_ttl_ms`` keeps the expiry it promised."""
+    record = published(1)
+    rules = Rules(RULES.retention_ms, RULES.max_read_ms, max_ttl_ms=TTL_MS // 3)
+    step = transfers.step(record, Extend("D"), 5_000, rules)
+    assert step.refusal is None and step.record.expires_at_ms == TTL_MS
+
+
+def test_extend_is_for_the_decode_engine_that_may_read_and_only_while_live() -> None:
+    run = Run(published(1, allowed=frozenset({"D"})))
+    run.now = 1_000
+    step = run.apply(Extend("X"))
+    assert isinstance(step.refusal, PermissionDeniedError) and "'D'" not in str(step.refusal)
+    assert step.record.expires_at_ms == TTL_MS
+    run.apply(claim([frozenset({0})]))
+    assert run.apply(Extend("D")).record.expires_at_ms == 1_000 + TTL_MS  # claimed: still D's
+
+    run = Run(published(1))
+    run.apply(claim([frozenset({0})]))
+    step = run.apply(Extend("X"))  # any decode engine could claim it, but D did
+    assert isinstance(step.refusal, PermissionDeniedError) and "'D'" not in str(step.refusal)
+    run.apply(Abort("user left"))
+    step = run.apply(Extend("D"))
+    assert isinstance(step.refusal, PreconditionError) and step.effects == ()
 
 
 def test_abort_and_expiry_release_what_no_live_plan_reads() -> None:

@@ -43,7 +43,7 @@ from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.utils import clip_ssm_state_blocks
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.kv_cache_interface import MambaSpec
-from vllm.v1.request import RequestStatus
+from vllm.v1.request import Request, RequestStatus
 
 from broker.v1 import broker_pb2 as pb
 from broker.v1 import broker_pb2_grpc as pb_grpc
@@ -116,7 +116,12 @@ def decode(
     """Run the decode leg to its end while the prefill engine keeps stepping (it collects
     releases). Returns what happened: the blocks the load wrote into, the tokens each
     compute step scheduled for the request, and whether the prefill engine freed its blocks."""
-    request = engine.add(request_id, prompt, max_tokens, params)
+    return follow(engine, engine.add(request_id, prompt, max_tokens, params), prefill_engine)
+
+
+def follow(engine: Engine, request: Request, prefill_engine: Engine) -> dict[str, Any]:
+    """:func:`decode` of a request already added to ``engine``."""
+    request_id = request.request_id
     seen: dict[str, Any] = {"scheduled": [], "released": False, "blocks": None}
     deadline = time.monotonic() + DEADLINE_S
     while time.monotonic() < deadline:

@@ -82,7 +82,7 @@ _INT_OPTIONS = (
         "--max-ttl-ms",
         "PDBROKER_MAX_TTL_MS",
         _DEFAULTS.max_ttl_ms,
-        "largest TTL a publish may ask for",
+        "largest TTL a publish may ask for; extensions keep no transfer longer after its publish",
     ),
     ("--lease-ttl-ms", "PDBROKER_LEASE_TTL_MS", _DEFAULTS.lease_ttl_ms, "rank lease TTL"),
     (

@@ -174,6 +174,7 @@ def encode_transfer(t: TransferRecord, plans_token: str) -> str:
             "ids": _plain(t.block_ids),
             "allowed": sorted(t.allowed_decode_engines),
             "times": [t.published_at_ms, t.expires_at_ms, t.deadline_ms, t.finished_at_ms],
+            "ttl": t.ttl_ms,
             "state": t.state.value,
             "decode": [t.decode_engine_id, t.decode_generation],
             "plans": [
@@ -235,6 +236,7 @@ def decode_transfer(values: dict[str, Any], runs: dict[int, RankPlan]) -> Transf
         _ids(values["ids"]),
         frozenset(values["allowed"]),
         published,
+        values.get("ttl", expires - published),  # stored before extensions: never extended
         expires,
         deadline,
         TransferState(values["state"]),

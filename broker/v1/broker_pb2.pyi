@@ -355,6 +355,40 @@ class AbortTransferResponse(_message.Message):
     state: TransferState
     def __init__(self, state: _Optional[_Union[TransferState, str]] = ...) -> None: ...
 
+class TransferName(_message.Message):
+    __slots__ = ("transfer_id", "prefill_engine_id")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    prefill_engine_id: str
+    def __init__(self, transfer_id: _Optional[str] = ..., prefill_engine_id: _Optional[str] = ...) -> None: ...
+
+class ExtendTransfersRequest(_message.Message):
+    __slots__ = ("engine_id", "transfers")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    transfers: _containers.RepeatedCompositeFieldContainer[TransferName]
+    def __init__(self, engine_id: _Optional[str] = ..., transfers: _Optional[_Iterable[_Union[TransferName, _Mapping]]] = ...) -> None: ...
+
+class TransferExtension(_message.Message):
+    __slots__ = ("expires_at_ms", "ttl_ms", "code", "message")
+    EXPIRES_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    expires_at_ms: int
+    ttl_ms: int
+    code: int
+    message: str
+    def __init__(self, expires_at_ms: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class ExtendTransfersResponse(_message.Message):
+    __slots__ = ("transfers",)
+    TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    transfers: _containers.RepeatedCompositeFieldContainer[TransferExtension]
+    def __init__(self, transfers: _Optional[_Iterable[_Union[TransferExtension, _Mapping]]] = ...) -> None: ...
+
 class ListEnginesRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

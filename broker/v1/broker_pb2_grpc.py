@@ -79,6 +79,11 @@ class BrokerStub:
                 request_serializer=broker_dot_v1_dot_broker__pb2.AbortTransferRequest.SerializeToString,
                 response_deserializer=broker_dot_v1_dot_broker__pb2.AbortTransferResponse.FromString,
                 _registered_method=True)
+        self.ExtendTransfers = channel.unary_unary(
+                '/pdbroker.v1.Broker/ExtendTransfers',
+                request_serializer=broker_dot_v1_dot_broker__pb2.ExtendTransfersRequest.SerializeToString,
+                response_deserializer=broker_dot_v1_dot_broker__pb2.ExtendTransfersResponse.FromString,
+                _registered_method=True)
         self.ListEngines = channel.unary_unary(
                 '/pdbroker.v1.Broker/ListEngines',
                 request_serializer=broker_dot_v1_dot_broker__pb2.ListEnginesRequest.SerializeToString,
@@ -173,6 +178,19 @@ class BrokerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExtendTransfers(self, request, context):
+        """A decode engine keeps transfers it waits to read alive (requests queued behind others):
+        each one's expiry moves to now + its publication's ttl_ms, never earlier than it was and
+        never past its publication + the broker's maximum TTL (--max-ttl-ms). Each entry is
+        answered on its own (one refused entry does not fail the call): FAILED_PRECONDITION once
+        the transfer ended, NOT_FOUND for an unknown one, PERMISSION_DENIED for a transfer
+        claimed by another decode engine or whose allowed_decode_engines leave this one out.
+        At most 1024 entries a call (RESOURCE_EXHAUSTED, field `transfers`).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListEngines(self, request, context):
         """Operators: registered engines and their ranks.
         """
@@ -241,6 +259,11 @@ def add_BrokerServicer_to_server(servicer, server):
                     servicer.AbortTransfer,
                     request_deserializer=broker_dot_v1_dot_broker__pb2.AbortTransferRequest.FromString,
                     response_serializer=broker_dot_v1_dot_broker__pb2.AbortTransferResponse.SerializeToString,
+            ),
+            'ExtendTransfers': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExtendTransfers,
+                    request_deserializer=broker_dot_v1_dot_broker__pb2.ExtendTransfersRequest.FromString,
+                    response_serializer=broker_dot_v1_dot_broker__pb2.ExtendTransfersResponse.SerializeToString,
             ),
             'ListEngines': grpc.unary_unary_rpc_method_handler(
                     servicer.ListEngines,
@@ -501,6 +524,33 @@ class Broker:
             '/pdbroker.v1.Broker/AbortTransfer',
             broker_dot_v1_dot_broker__pb2.AbortTransferRequest.SerializeToString,
             broker_dot_v1_dot_broker__pb2.AbortTransferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExtendTransfers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdbroker.v1.Broker/ExtendTransfers',
+            broker_dot_v1_dot_broker__pb2.ExtendTransfersRequest.SerializeToString,
+            broker_dot_v1_dot_broker__pb2.ExtendTransfersResponse.FromString,
             options,
             channel_credentials,
             insecure,

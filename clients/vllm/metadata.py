@@ -71,7 +71,10 @@ class ConnectorSettings:
     ``model_name``: what prefill and decode engines of one model both call it (default: the
     served model name), prefixed to the layout digest in the model fingerprint.
     ``progress_interval_s``: how often a prefill rank polls its NIXL agent (readers' wire-up
-    and their notifications need it). ``tls_ca``, ``tls_cert``, ``tls_key``, ``token_file``:
+    and their notifications need it). ``extend_interval_s``: how often a decode engine renews
+    the publications its queued requests wait for, all in one call (0: a third of the
+    shortest TTL the broker reports for them, so each is renewed twice before it could
+    expire; the first renewal goes at once). ``tls_ca``, ``tls_cert``, ``tls_key``, ``token_file``:
     the broker connection's :class:`~broker.client_security.ChannelSecurity` (files; plaintext when
     ``tls_ca`` is empty); a client certificate or token must name the engine's ``engine_id``
     as configured: vLLM's data-parallel ranks run as ``engine_id_dp<N>``, which that name
@@ -86,6 +89,7 @@ class ConnectorSettings:
     call_timeout_s: float = 10.0
     read_timeout_s: float = 30.0
     progress_interval_s: float = 0.001
+    extend_interval_s: float = 0.0
     model_name: str = ""
     tls_ca: str = ""
     tls_cert: str = ""

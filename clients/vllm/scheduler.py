@@ -11,13 +11,20 @@ Decode engine (``kv_consumer``): :meth:`get_num_new_matched_tokens` offers the p
 tokens, :meth:`update_state_after_alloc` records the blocks vLLM allocated for them, and
 :meth:`build_connector_meta` hands the loads to the workers. A request that will never load
 (finished before its load, or a full local prefix-cache hit) has its transfer aborted so the
-prefill engine frees the blocks at once rather than at expiry.
+prefill engine frees the blocks at once rather than at expiry. While a request waits in
+vLLM's queue (from :meth:`on_new_request`, which vLLM calls for every request it admits, even
+those queued behind others that the scheduler never shows the connector, until its load
+starts, it finishes or is aborted), its publication is kept alive: every step checks whether
+the engine's waiting transfers are due and renews them all in one ``ExtendTransfers`` call
+(:meth:`SchedulerHalf._keep_waiting_alive`), so a busy engine does not let them expire and
+recompute whole prompts.
 
 Broker calls from the scheduler process go through the same client code as the workers'
 (:mod:`clients.protocol` on a :class:`~clients.session.LoopThread`): a
 :class:`~clients.protocol.FailoverStub` over the ``broker`` addresses, a publish whose reply
 was lost with its replica reconciled. A publish blocks the scheduler thread (its answer
-decides the request's output) for at most ``call_timeout_s``; aborts are fire and forget.
+decides the request's output) for at most ``call_timeout_s``; aborts and renewals are fire
+and forget (a renewal's answer is read on a later step, on the scheduler thread).
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import secrets
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +41,8 @@ from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec, MambaSpec, it
 from vllm.v1.request import RequestStatus
 
 from broker import tracing
+from broker.limits import LIMITS
+from broker.v1 import broker_pb2 as pb
 from clients import protocol
 from clients.protocol import BrokerCallError, FailoverStub
 from clients.session import LoopThread
@@ -55,6 +65,10 @@ log = logging.getLogger(__name__)
 #: Marks a prefill-leg request whose prompt was already cut short (preemption re-runs it).
 _TRUNCATED = "_pdbroker_truncated"
 _PUBLISHABLE = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+#: The broker's default publication TTL (ms): what renewals assume until it reports one.
+_BROKER_DEFAULT_TTL_MS = 30_000
+#: A renewal's outcome per waiting request: the broker's answer, or why it refused it.
+Renewed = list[tuple[str, "pb.TransferExtension | BrokerCallError"]]
 
 
 class SchedulerHalf:
@@ -80,12 +94,22 @@ class SchedulerHalf:
         self._loop: LoopThread | None = None
         self._stub: FailoverStub | None = None
         self._aborts: set[concurrent.futures.Future[None]] = set()  # not finished yet
+        #: Decode-leg requests waiting to load: request id -> (transfer id, prefill engine).
+        self._waiting: dict[str, tuple[str, str]] = {}
+        self._renewal: concurrent.futures.Future[Renewed] | None = None  # in flight
+        self._renewed_at = -float("inf")  # time.monotonic() when the last one started
+        #: The shortest TTL (ms) the broker reported for the waiting transfers.
+        self._ttl_ms = settings.publish_ttl_ms or _BROKER_DEFAULT_TTL_MS
 
     # ---------------------------------------------------------------- prefill leg
 
     def on_new_request(self, request: Request) -> None:
-        """Cut a prefill-leg prompt short by :attr:`backoff` tokens and let it emit one token."""
+        """Keep a decode-leg request's publication alive until its load starts; cut a
+        prefill-leg prompt short by :attr:`backoff` tokens and let it emit one token."""
         params = request.kv_transfer_params
+        pending = pending_transfer(params)
+        if pending is not None:
+            self._waiting[request.request_id] = (pending.transfer_id, pending.prefill_engine)
         if (
             not params
             or not params.get(DO_REMOTE_DECODE)
@@ -113,6 +137,7 @@ class SchedulerHalf:
         leg that never loaded: abort its transfer. Returns vLLM's ``(delay_free, params)``."""
         params = request.kv_transfer_params
         pending = pending_transfer(params)
+        self._waiting.pop(request.request_id, None)
         if pending is not None:
             assert params is not None
             params[DO_REMOTE_PREFILL] = False
@@ -177,6 +202,7 @@ class SchedulerHalf:
         pending = pending_transfer(params)
         if pending is None:
             return
+        self._waiting.pop(request.request_id, None)  # loads now (or never): renewed no more
         assert params is not None
         params[DO_REMOTE_PREFILL] = False
         if num_external_tokens <= 0:
@@ -202,18 +228,24 @@ class SchedulerHalf:
     # ---------------------------------------------------------------- both
 
     def build_connector_meta(self) -> PdBrokerMetadata:
-        """This step's loads and newly published transfers, handed over once."""
+        """This step's loads and newly published transfers, handed over once; waiting
+        transfers renewed when due."""
+        self._keep_waiting_alive()
         meta = PdBrokerMetadata(loads=self._loads, sends=self._sends)
         self._loads, self._sends = {}, {}
         return meta
 
     def shutdown(self) -> None:
-        """Let pending aborts finish, close the broker channels, stop the loop thread."""
+        """Let pending aborts and renewals finish, close the broker channels, stop the loop
+        thread."""
         loop, self._loop = self._loop, None
         if loop is None:
             return
+        in_flight: list[concurrent.futures.Future[Any]] = [*self._aborts]
+        if self._renewal is not None:
+            in_flight.append(self._renewal)
         try:
-            concurrent.futures.wait(list(self._aborts))
+            concurrent.futures.wait(in_flight)
             if self._stub is not None:
                 loop.run(self._stub.close())
         finally:
@@ -244,6 +276,63 @@ class SchedulerHalf:
             },
         ):
             loop.run(protocol.publish(stub, request, self.settings.call_timeout_s))
+
+    def _keep_waiting_alive(self) -> None:
+        """Read the last renewal's answer once it came; when renewals are due (at once for
+        the first waiting request, then every ``extend_interval_s``: by default a third of
+        the shortest TTL the broker reported) and none is in flight, start one for every
+        waiting request (the broker's per-call limit at a time)."""
+        if self._renewal is not None:
+            if not self._renewal.done():
+                return
+            self._renewed(self._renewal)
+            self._renewal = None
+        now = time.monotonic()
+        interval = self.settings.extend_interval_s or self._ttl_ms / 3000
+        if not self._waiting or now < self._renewed_at + interval:
+            return
+        loop, stub = self._broker()
+        waiting = list(self._waiting.items())
+
+        async def renew() -> Renewed:
+            outcomes: Renewed = []
+            limit = LIMITS.max_extended_transfers
+            for start in range(0, len(waiting), limit):
+                batch = waiting[start : start + limit]
+                answers = await protocol.extend(
+                    stub, self.engine_id, [t for _, t in batch], self.settings.call_timeout_s
+                )
+                outcomes += zip([r for r, _ in batch], answers)
+            return outcomes
+
+        self._renewal = loop.submit(renew())
+        self._renewed_at = now
+
+    def _renewed(self, renewal: concurrent.futures.Future[Renewed]) -> None:
+        """Learn the waiting transfers' TTL from a renewal's answer; stop renewing those the
+        broker refused (ended, unknown, not this engine's: their loads fail and vLLM
+        recomputes)."""
+        try:
+            outcomes = renewal.result()
+        except Exception as exc:  # noqa: BLE001 - best effort: it never stops the scheduler
+            log.warning(
+                "cannot renew %d waiting transfers (%s); trying again when due",
+                len(self._waiting),
+                exc,
+            )
+            return
+        ttls = [o.ttl_ms for _, o in outcomes if isinstance(o, pb.TransferExtension)]
+        if ttls:
+            self._ttl_ms = min(ttls)
+        for request_id, outcome in outcomes:
+            if isinstance(outcome, BrokerCallError):
+                log.warning(
+                    "transfer of request %s cannot be kept alive (%s: %s)",
+                    request_id,
+                    outcome.code.name,
+                    outcome.details,
+                )
+                self._waiting.pop(request_id, None)
 
     def _abort(self, transfer_id: str, prefill_engine_id: str, reason: str) -> None:
         """Tell the broker (in the background) that nobody will read ``transfer_id`` of
