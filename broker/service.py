@@ -390,13 +390,20 @@ class BrokerService:
         return self.effects.decide(t, transfers.Extend(engine_id), self.clock.now_ms())
 
     @atomic
-    def abort(self, transfer_id: str, reason: str, prefill_engine_id: str = "") -> TransferState:
-        """End a transfer now; returns its (possibly earlier) terminal state."""
+    def abort(
+        self,
+        transfer_id: str,
+        reason: str,
+        prefill_engine_id: str = "",
+        held_by_decode: bool = False,
+    ) -> TransferState:
+        """End a transfer now (see :class:`~broker.transfers.Abort`); returns its (possibly
+        earlier) terminal state."""
         now = self.clock.now_ms()
         t = self._settle_time(self._find(transfer_id, prefill_engine_id), now)
         if not t.state.terminal:
             with tracing.span("broker.abort", t.traceparent, {"pdbroker.transfer_id": transfer_id}):
-                t = self.effects.decide(t, transfers.Abort(reason), now)
+                t = self.effects.decide(t, transfers.Abort(reason, held_by_decode), now)
         return t.state
 
     @atomic

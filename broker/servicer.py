@@ -317,6 +317,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
                 ident(request.transfer_id, "transfer_id"),
                 text(request.reason),
                 self._publisher(context, request),
+                request.held_by_decode,
             )
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status
             await abort(context, exc)

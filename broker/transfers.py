@@ -23,6 +23,8 @@ IN_PROGRESS           :class:`Report` DONE          ranks whose readers are all 
 IN_PROGRESS           :class:`Report` FAILED        FAILED; unfenced ranks released
 PUBLISHED/IN_PROGRESS :class:`Extend`               expiry moved to now + its TTL, at most
                                                     publication + ``max_ttl_ms``
+PUBLISHED             :class:`Abort` held by decode COMPLETED (nothing read); every rank
+                                                    released
 PUBLISHED/IN_PROGRESS :class:`Abort`                ABORTED; unfenced ranks released
 PUBLISHED/IN_PROGRESS :class:`Tick` past expiry     EXPIRED; unfenced ranks released
 PUBLISHED/IN_PROGRESS :class:`LoseRank` prefill     FAILED (ABORTED releases)
@@ -118,7 +120,11 @@ class Extend:
 
 @dataclass(frozen=True)
 class Abort:
+    """End the transfer now. ``held_by_decode``: the decode engine needs nothing read (its
+    prefix cache holds every published token), which completes a transfer not yet claimed."""
+
     reason: str
+    held_by_decode: bool = False
 
 
 @dataclass(frozen=True)
@@ -365,7 +371,16 @@ def _extend(change: _Change, event: Extend) -> None:
 
 
 def _abort(change: _Change, event: Abort) -> None:
-    if not change.record.state.terminal:
+    state = change.record.state
+    if state.terminal:
+        return
+    if event.held_by_decode and state is TransferState.PUBLISHED:
+        change.finish(
+            TransferState.COMPLETED,
+            ReleaseReason.COMPLETED,
+            event.reason or "decode holds every published token; nothing read",
+        )
+    else:
         change.finish(TransferState.ABORTED, ReleaseReason.ABORTED, event.reason or "aborted")
 
 

@@ -331,12 +331,18 @@ async def abort(
     reason: str,
     timeout_s: float,
     prefill_engine_id: str = "",
+    held_by_decode: bool = False,
 ) -> TransferState:
     """Tell the broker nobody will read ``transfer_id`` of ``prefill_engine_id`` (its
     publisher; '' when only one engine published that id); the prefill ranks are released
-    ABORTED. Returns the transfer's state after the call (an ended transfer keeps its own)."""
+    ABORTED, or COMPLETED when ``held_by_decode`` (decode's prefix cache holds every published
+    token) ends a transfer nobody claimed. Returns the transfer's state after the call (an
+    ended transfer keeps its own)."""
     request = pb.AbortTransferRequest(
-        transfer_id=transfer_id, reason=reason, prefill_engine_id=prefill_engine_id
+        transfer_id=transfer_id,
+        reason=reason,
+        prefill_engine_id=prefill_engine_id,
+        held_by_decode=held_by_decode,
     )
     response = await call(stub, "AbortTransfer", request, timeout_s)
     return TRANSFER_STATE.from_proto(response.state, "state")

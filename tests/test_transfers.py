@@ -162,7 +162,7 @@ def test_random_event_sequences_keep_the_invariants(p_tp: int, d_tp: int, data) 
         elif kind == "extend":
             run.apply(Extend(data.draw(st.sampled_from(["D", "X"]), label="extending engine")))
         elif kind == "abort":
-            run.apply(Abort("user left"))
+            run.apply(Abort("user left", data.draw(st.booleans(), label="held by decode")))
         elif kind == "tick":
             run.apply(Tick())
         elif kind == "lose":
@@ -287,6 +287,21 @@ def test_extend_is_for_the_decode_engine_that_may_read_and_only_while_live() -> 
     run.apply(Abort("user left"))
     step = run.apply(Extend("D"))
     assert isinstance(step.refusal, PreconditionError) and step.effects == ()
+
+
+def test_a_transfer_decode_holds_already_completes_without_a_read() -> None:
+    run = Run(published(2))
+    step = run.apply(Abort("held", held_by_decode=True))
+    assert step.record.state is TransferState.COMPLETED and step.record.end_detail == "held"
+    assert sorted(run.releases) == [(0, ReleaseReason.COMPLETED), (1, ReleaseReason.COMPLETED)]
+    assert run.apply(Abort("again", held_by_decode=True)).effects == ()
+
+    # Once a decode engine claimed it, reads may be under way: a plain abort.
+    run = Run(published(2))
+    run.apply(claim([frozenset({0}), frozenset({1})]))
+    step = run.apply(Abort("held", held_by_decode=True))
+    assert step.record.state is TransferState.ABORTED
+    assert sorted(run.releases) == [(0, ReleaseReason.ABORTED), (1, ReleaseReason.ABORTED)]
 
 
 def test_abort_and_expiry_release_what_no_live_plan_reads() -> None:

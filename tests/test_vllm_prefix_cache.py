@@ -32,15 +32,19 @@ from vllm_engines import (
     Engine,
     engine_config,
     init_vllm_distributed,
+    kv_cache_config,
     shutdown_vllm_distributed,
     storage_bytes,
     write_model,
 )
 
 # isort: split
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_utils import BlockHashWithGroupId, KVCacheBlock
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from clients.vllm.metadata import TRANSFER_ID
+from clients.vllm.scheduler import held_tokens
 from harness.brokers import BrokerProcess
 
 #: Room for both turns' blocks (with a Mamba block per attention page in align mode).
@@ -182,8 +186,41 @@ def test_a_prompt_decode_holds_whole_moves_nothing(broker: BrokerProcess, tmp_pa
         assert seen["blocks"] is None  # never waited for a load
         for before, cache in zip(memory, consumer.caches):
             assert torch.equal(before, storage_bytes(next(iter(cache.values()))))
-        assert transfer_state(broker, params[TRANSFER_ID]) == "TRANSFER_STATE_ABORTED"
+        # Done, not abandoned: the transfer completes without a read, prefill's blocks freed.
+        assert transfer_state(broker, params[TRANSFER_ID]) == "TRANSFER_STATE_COMPLETED"
         assert producer.free_blocks == free
     finally:
         consumer.close()
         producer.close()
+
+
+def test_held_tokens_are_the_cached_pages_every_attention_group_starts_with(
+    tmp_path: Path,
+) -> None:
+    """What decode says it holds when it needs nothing read: its cached attention pages (a
+    hit vLLM reconciled below the published tokens is no such claim)."""
+    model = write_model("qwen3.5-0.8b", tmp_path / "m")
+    kv_config = kv_cache_config(engine_config(model, 1), NUM_BLOCKS)
+    g = next(
+        i
+        for i, group in enumerate(kv_config.kv_cache_groups)
+        if isinstance(group.kv_cache_spec, FullAttentionSpec)
+    )
+    block_size = kv_config.kv_cache_groups[g].kv_cache_spec.block_size
+
+    def block(block_id: int, cached: bool) -> KVCacheBlock:
+        made = KVCacheBlock(block_id)
+        if cached:
+            made.set_block_hash(BlockHashWithGroupId(block_id.to_bytes(8, "little")))
+        return made
+
+    def held(attention: list[bool]) -> int:
+        groups = tuple(
+            [block(10 + j, c) for j, c in enumerate(attention)] if i == g else [block(i, False)]
+            for i in range(len(kv_config.kv_cache_groups))
+        )
+        return held_tokens(kv_config, KVCacheBlocks(groups))
+
+    assert held([True, True, False]) == 2 * block_size
+    assert held([False, False, False]) == 0
+    assert held([]) == 0

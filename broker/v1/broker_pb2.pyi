@@ -340,14 +340,16 @@ class ReleaseEvent(_message.Message):
     def __init__(self, sequence: _Optional[int] = ..., transfer_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., reason: _Optional[_Union[ReleaseReason, str]] = ..., detail: _Optional[str] = ..., released_at_ms: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class AbortTransferRequest(_message.Message):
-    __slots__ = ("transfer_id", "reason", "prefill_engine_id")
+    __slots__ = ("transfer_id", "reason", "prefill_engine_id", "held_by_decode")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    HELD_BY_DECODE_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     reason: str
     prefill_engine_id: str
-    def __init__(self, transfer_id: _Optional[str] = ..., reason: _Optional[str] = ..., prefill_engine_id: _Optional[str] = ...) -> None: ...
+    held_by_decode: bool
+    def __init__(self, transfer_id: _Optional[str] = ..., reason: _Optional[str] = ..., prefill_engine_id: _Optional[str] = ..., held_by_decode: _Optional[bool] = ...) -> None: ...
 
 class AbortTransferResponse(_message.Message):
     __slots__ = ("state",)

@@ -206,10 +206,15 @@ class SchedulerHalf:
         assert params is not None
         params[DO_REMOTE_PREFILL] = False
         if num_external_tokens <= 0:
+            published = self._published_tokens(request)
+            held = held_tokens(self.kv_cache_config, blocks)
             self._abort(
                 pending.transfer_id,
                 pending.prefill_engine,
-                f"decode request {request.request_id} needs no remote tokens",
+                f"decode's prefix cache holds all {published} published tokens"
+                if held >= published
+                else f"decode computes past its own prefix-cache hit of {held} tokens",
+                held_by_decode=held >= published,
             )
             return
         self._loads[request.request_id] = LoadSpec(
@@ -334,15 +339,23 @@ class SchedulerHalf:
                 )
                 self._waiting.pop(request_id, None)
 
-    def _abort(self, transfer_id: str, prefill_engine_id: str, reason: str) -> None:
+    def _abort(
+        self, transfer_id: str, prefill_engine_id: str, reason: str, held_by_decode: bool = False
+    ) -> None:
         """Tell the broker (in the background) that nobody will read ``transfer_id`` of
-        ``prefill_engine_id`` ('' when the request did not name its prefill engine)."""
+        ``prefill_engine_id`` ('' when the request did not name its prefill engine);
+        ``held_by_decode``: because this engine's prefix cache holds it all."""
         loop, stub = self._broker()
 
         async def abort() -> None:
             try:
                 await protocol.abort(
-                    stub, transfer_id, reason, self.settings.call_timeout_s, prefill_engine_id
+                    stub,
+                    transfer_id,
+                    reason,
+                    self.settings.call_timeout_s,
+                    prefill_engine_id,
+                    held_by_decode,
                 )
             except BrokerCallError as exc:
                 log.warning(
@@ -355,6 +368,21 @@ class SchedulerHalf:
         future = loop.submit(abort())
         self._aborts.add(future)
         future.add_done_callback(self._aborts.discard)
+
+
+def held_tokens(kv_cache_config: KVCacheConfig, blocks: KVCacheBlocks) -> int:
+    """Prompt tokens a request takes from this engine's own prefix cache: the cached pages
+    every attention group starts with (vLLM takes a Mamba state only where they end, and
+    reconciles a deeper attention hit down to one it has a state for)."""
+    return min(
+        (
+            sum(b.block_hash is not None and not b.is_null for b in group)
+            * group_spec.kv_cache_spec.block_size
+            for group, group_spec in zip(blocks.blocks, kv_cache_config.kv_cache_groups)
+            if _scratch_blocks(group_spec.kv_cache_spec) is None
+        ),
+        default=0,
+    )
 
 
 def _scratch_blocks(spec: KVCacheSpec) -> int | None:
