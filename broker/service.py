@@ -386,7 +386,7 @@ class BrokerService:
 
     @atomic
     def _extend(self, engine_id: str, transfer_id: str, prefill_engine_id: str) -> TransferRecord:
-        t = self._find(transfer_id, prefill_engine_id)
+        t = self._find(transfer_id, prefill_engine_id, reader=engine_id)
         return self.effects.decide(t, transfers.Extend(engine_id), self.clock.now_ms())
 
     @atomic

@@ -108,8 +108,11 @@ def test_each_entry_is_answered_on_its_own() -> None:
     assert ok == Extension(clock.now + TTL_MS, TTL_MS)
     assert isinstance(unknown.error, NotFoundError) and unknown.error.field == "transfer_id"
     assert isinstance(ended.error, PreconditionError) and "aborted" in str(ended.error)
+    # Not for D: exactly what an unknown id gets. Claimed by D2, which D could have claimed.
+    assert type(not_allowed.error) is NotFoundError
+    assert str(not_allowed.error) == str(unknown.error).replace("unknown", "only-d2")
+    assert isinstance(taken.error, PermissionDeniedError)
     for refused in (taken, not_allowed):
-        assert isinstance(refused.error, PermissionDeniedError)
         assert refused.error.field == "transfer_id" and "D2" not in str(refused.error)
         assert (refused.expires_at_ms, refused.ttl_ms) == (0, 0)
     assert bad.error is malformed

@@ -172,7 +172,8 @@ class BrokerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def AbortTransfer(self, request, context):
-        """Ends a transfer now: every prefill rank not yet released gets an ABORTED release.
+        """Ends a transfer now: every prefill rank not yet released gets an ABORTED release (a
+        COMPLETED one when decode holds the state already: AbortTransferRequest.held_by_decode).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -183,8 +184,8 @@ class BrokerServicer:
         each one's expiry moves to now + its publication's ttl_ms, never earlier than it was and
         never past its publication + the broker's maximum TTL (--max-ttl-ms). Each entry is
         answered on its own (one refused entry does not fail the call): FAILED_PRECONDITION once
-        the transfer ended, NOT_FOUND for an unknown one, PERMISSION_DENIED for a transfer
-        claimed by another decode engine or whose allowed_decode_engines leave this one out.
+        the transfer ended, NOT_FOUND for an unknown one or one whose allowed_decode_engines
+        leave this engine out, PERMISSION_DENIED for a transfer another decode engine claimed.
         At most 1024 entries a call (RESOURCE_EXHAUSTED, field `transfers`).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
