@@ -1,7 +1,7 @@
 """Model presets and Hugging Face ``config.json`` parsing into :class:`ModelSpec`.
 
 Presets are the public ``config.json`` values of each model (only the fields read here), so
-a preset and a user's config file go through the same parser. Three families are understood:
+a preset and a user's config file go through the same parser. Four families are understood:
 
 - Nemotron-H (``model_type`` ``nemotron_h``): Mamba2 + attention, layer mix from
   ``hybrid_override_pattern`` (``M`` Mamba2, ``*`` attention, ``-`` MLP, ``E`` MoE) or the
@@ -10,6 +10,7 @@ a preset and a user's config file go through the same parser. Three families are
   + full attention, from ``layer_types`` or ``full_attention_interval``; Qwen3.5 keeps its
   text model under ``text_config``.
 - Jamba (``jamba``): Mamba1 + attention, from ``attn_layer_period`` / ``attn_layer_offset``.
+- Llama (``llama``): full attention in every layer, no Mamba state.
 
 State dtypes follow vLLM 0.33 with ``--mamba-cache-dtype auto --mamba-ssm-cache-dtype
 auto``: conv state and KV cache in the model dtype; SSM state from the config's
@@ -461,6 +462,14 @@ def _jamba(config: Mapping[str, Any], name: str) -> ModelSpec:
     return _spec(name, layers, attention, mamba)
 
 
+def _llama(config: Mapping[str, Any], name: str) -> ModelSpec:
+    """Llama: vLLM registers ``model.layers.{i}.self_attn.attn`` in every layer."""
+    dtype = _model_dtype((config, ""))
+    count = _positive_int(config, "num_hidden_layers", "")
+    layers = [(f"model.layers.{i}.self_attn.attn", GroupKind.ATTENTION) for i in range(count)]
+    return ModelSpec(name, vllm_kv_cache_groups(layers), _attention(config, "", dtype), None)
+
+
 _FAMILIES: dict[str, Callable[[Mapping[str, Any], str], ModelSpec]] = {
     "nemotron_h": _nemotron_h,
     "qwen3_next": _qwen_gdn,
@@ -469,4 +478,5 @@ _FAMILIES: dict[str, Callable[[Mapping[str, Any], str], ModelSpec]] = {
     "qwen3_5_moe": _qwen_gdn,
     "qwen3_5_moe_text": _qwen_gdn,
     "jamba": _jamba,
+    "llama": _llama,
 }

@@ -11,7 +11,7 @@ import pytest
 
 from broker.errors import LayoutError
 from broker.layout import GroupKind
-from broker.models import build_engine_layout, hma_block_size, mamba_state_bytes
+from broker.models import AttentionParams, build_engine_layout, hma_block_size, mamba_state_bytes
 from broker.presets import (
     PRESET_CONFIGS,
     model_from_hf_config,
@@ -393,12 +393,34 @@ def mutated(base: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
 
 
 NEMOTRON, QWEN = PRESET_CONFIGS["nemotron-h-8b"], PRESET_CONFIGS["qwen3.5-27b"]
+#: meta-llama/Meta-Llama-3-8B-Instruct config.json (the fields read here).
+LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "torch_dtype": "bfloat16",
+    "hidden_size": 4096,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "num_hidden_layers": 32,
+}
+
+
+def test_llama_is_one_attention_group_of_every_layer() -> None:
+    model = model_from_hf_config(LLAMA, "llama-3-8b")
+    assert model.groups == (
+        (GroupKind.ATTENTION, tuple(f"model.layers.{i}.self_attn.attn" for i in range(32))),
+    )
+    assert model.attention == AttentionParams(8, 128, "bfloat16")
+    assert model.mamba is None
+    rank = build_engine_layout(model, 4, 1).ranks[0]
+    # At TP4 each rank holds 2 KV heads of 16-token blocks, K and V of 128 each.
+    assert [(s.tensor, s.shape) for g in rank.groups for s in g.segments] == [("kv", (2, 16, 256))]
 
 
 @pytest.mark.parametrize(
     "base,path,value,field",
     [
-        (NEMOTRON, "model_type", "llama", "model_type"),
+        (NEMOTRON, "model_type", "gpt2", "model_type"),
         (NEMOTRON, "model_type", None, "model_type"),
         (NEMOTRON, "mamba_num_heads", None, "mamba_num_heads"),
         (NEMOTRON, "n_groups", 0, "n_groups"),
@@ -415,6 +437,8 @@ NEMOTRON, QWEN = PRESET_CONFIGS["nemotron-h-8b"], PRESET_CONFIGS["qwen3.5-27b"]
         (QWEN, "text_config.mamba_ssm_dtype", "fp64", "text_config.mamba_ssm_dtype"),
         (JAMBA, "attn_layer_offset", 8, "attn_layer_offset"),
         (JAMBA, "num_attention_heads", 30, "hidden_size"),
+        (LLAMA, "num_hidden_layers", 0, "num_hidden_layers"),
+        (LLAMA, "num_key_value_heads", None, "num_key_value_heads"),
     ],
 )
 def test_bad_configs_name_the_field(

@@ -89,9 +89,12 @@ def make_engine(
 # ------------------------------------------------------------------ driving requests
 
 
-def prefill(engine: Engine, request_id: str, prompt: list[int]) -> dict[str, Any] | None:
+def prefill(
+    engine: Engine, request_id: str, prompt: list[int], backoff: int = 1
+) -> dict[str, Any] | None:
     """Run the prefill leg (``do_remote_decode``), fill its pages, return its output's
-    ``kv_transfer_params``."""
+    ``kv_transfer_params``. The engine computes all prompt tokens but the last ``backoff``
+    (Mamba models: one, decode computes the last token from the state after N-1)."""
     request = engine.add(request_id, prompt, 1, {"do_remote_decode": True})
     deadline = time.monotonic() + DEADLINE_S
     while time.monotonic() < deadline:
@@ -100,7 +103,7 @@ def prefill(engine: Engine, request_id: str, prompt: list[int]) -> dict[str, Any
             if output.request_id == request_id and output.finished:
                 if request_id in engine.scheduler.requests:  # blocks kept for the decode engine
                     fill_pages(engine, request_id)
-                assert request.num_prompt_tokens == len(prompt) - 1  # Mamba: N-1 tokens
+                assert request.num_prompt_tokens == len(prompt) - backoff
                 return output.kv_transfer_params
     raise AssertionError("the prefill request did not finish")
 
@@ -208,7 +211,10 @@ def rank_state(
 
 
 def conv_pieces(engine: Engine) -> list[int]:
-    """Global rows of the conv sub-projections, from the model's config."""
+    """Global rows of the conv sub-projections, from the model's config (none without Mamba
+    layers)."""
+    if not engine.kv_config.has_mamba_layers:
+        return []
     config = engine.config.model_config.hf_text_config
     if engine.config.model_config.hf_config.model_type == "nemotron_h":
         groups = config.n_groups * config.ssm_state_size
@@ -301,12 +307,16 @@ def assert_transferred(
         assert bool((memory[untouched] == POISON).all())
 
 
-def transfer_state(broker: BrokerProcess, transfer_id: str) -> str:
+def transfer_record(broker: BrokerProcess, transfer_id: str) -> pb.GetTransferResponse:
     with grpc.insecure_channel(broker.address) as channel:
-        response = pb_grpc.BrokerStub(channel).GetTransfer(
+        response: pb.GetTransferResponse = pb_grpc.BrokerStub(channel).GetTransfer(
             pb.GetTransferRequest(transfer_id=transfer_id), timeout=10
         )
-    return pb.TransferState.Name(response.state)
+    return response
+
+
+def transfer_state(broker: BrokerProcess, transfer_id: str) -> str:
+    return pb.TransferState.Name(transfer_record(broker, transfer_id).state)
 
 
 # ------------------------------------------------------------------ tests

@@ -1,10 +1,14 @@
-"""Speculative decoding (MTP) through the connector, with real vLLM 0.33 schedulers on CPU, a
-live broker and NIXL reads of vLLM-allocated caches (see ``test_vllm_connector``).
+"""Speculative decoding (MTP on a hybrid model, EAGLE on an attention model) through the
+connector, with real vLLM 0.33 schedulers on CPU, a live broker and NIXL reads of
+vLLM-allocated caches (see ``test_vllm_connector``).
 
 With MTP, vLLM gives every Mamba/GDN group of a request speculative scratch blocks after its
 running-state block, and the drafter's attention layers join the model's in the KV cache:
 only the running state may move (never a scratch block), the drafter's KV must move with the
-model's, and decode must go straight on with the last prompt token. A prefill engine whose
+model's, and decode must go straight on with the last prompt token. With EAGLE on an
+attention model the drafter's layers join the model's one attention group, and prefill
+computes the whole prompt (vLLM's prefill backoff is 0: an EAGLE drafter reads one token
+ahead, which the prompt's last token's sampled successor supplies). A prefill engine whose
 speculative configuration differs from decode's in a way the state cannot bridge must be
 refused at the first request, saying which settings differ, not recomputed in silence.
 """
@@ -24,6 +28,7 @@ from test_vllm_connector import (
     decode,
     prefill,
     transfer_blocks,
+    transfer_record,
     transfer_state,
 )
 from vllm_engines import (
@@ -74,6 +79,46 @@ def mtp_model(directory: Path) -> Path:
     config.get("text_config", config)["mtp_num_hidden_layers"] = 1
     (model / "config.json").write_text(json.dumps(config))
     return model
+
+
+#: A small Llama-class model (Llama-3's layer structure: grouped-query attention, no head_dim).
+LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "torch_dtype": "bfloat16",
+    "hidden_size": 512,
+    "intermediate_size": 1024,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "num_hidden_layers": 4,
+    "vocab_size": 4096,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+}
+#: Its EAGLE heads: one decoder layer of the model's shape (as yuhuili/EAGLE-LLaMA3-Instruct-8B
+#: for Llama-3-8B); EAGLE-3's architecture as in yuhuili/EAGLE3-LLaMA3.1-Instruct-8B.
+EAGLE_HEADS = {
+    "eagle": {**LLAMA, "num_hidden_layers": 1},
+    "eagle3": {
+        **LLAMA,
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "num_hidden_layers": 1,
+        "draft_vocab_size": 1024,
+    },
+}
+
+
+def llama_with_eagle(directory: Path, method: str) -> tuple[Path, Path]:
+    """The model's directory and its ``method`` head's, each holding its ``config.json``."""
+    paths = (directory / "model", directory / f"{method}-head")
+    for path, config in zip(paths, (LLAMA, EAGLE_HEADS[method])):
+        path.mkdir(parents=True)
+        (path / "config.json").write_text(json.dumps(config))
+    return paths
+
+
+def eagle(method: str, head: Path, drafts: int) -> dict[str, Any]:
+    return {"method": method, "model": str(head), "num_speculative_tokens": drafts}
 
 
 def make_engine(
@@ -163,6 +208,72 @@ def test_speculative_settings_that_differ_are_refused_naming_them(
         assert transfer_state(broker, params[TRANSFER_ID]) == "TRANSFER_STATE_ABORTED"
         assert producer.free_blocks == free
         refusals = [r.getMessage() for r in caplog.records if "load of r1 failed" in r.getMessage()]
+        assert refusals and all(part in refusals[0] for part in named), refusals
+    finally:
+        consumer.close()
+        producer.close()
+
+
+@pytest.mark.parametrize(("method", "drafts", "decode_tp"), [("eagle", 3, 1), ("eagle3", 2, 2)])
+def test_eagle_moves_the_models_and_the_drafters_kv(
+    broker: BrokerProcess, tmp_path: Path, method: str, drafts: int, decode_tp: int
+) -> None:
+    """The drafter's layer (``model.layers.4``, after the model's four) shares the model's
+    attention group; prefill computes and publishes every prompt token, all of which move."""
+    model, head = llama_with_eagle(tmp_path, method)
+    speculative = eagle(method, head, drafts)
+    producer = make_engine(model, 1, "kv_producer", "prefill-0", broker.address, speculative)
+    consumer = make_engine(model, decode_tp, "kv_consumer", "decode-0", broker.address, speculative)
+    try:
+        (group,) = producer.kv_config.kv_cache_groups
+        assert group.layer_names == [f"model.layers.{i}.self_attn.attn" for i in range(5)]
+        free = producer.free_blocks
+        prompt = list(range(1, 301))
+        params = prefill(producer, "r1", prompt, backoff=0)
+        assert params is not None
+        assert transfer_record(broker, params[TRANSFER_ID]).num_tokens == len(prompt)
+        prefill_blocks = transfer_blocks(producer, "r1")
+        seen = decode(consumer, "r1", prompt, params, producer)
+        # No recompute: vLLM computes the last prompt token again for its logits, with a
+        # slot for each draft token.
+        assert seen["scheduled"][0] == 1 + drafts
+        assert_transferred(
+            producer,
+            prefill_blocks,
+            consumer,
+            transfer_blocks(consumer, "r1", seen["blocks"]),
+            len(prompt),
+        )
+        assert transfer_state(broker, params[TRANSFER_ID]) == "TRANSFER_STATE_COMPLETED"
+        assert producer.free_blocks == free
+    finally:
+        consumer.close()
+        producer.close()
+
+
+def test_an_eagle_drafter_on_decode_alone_is_refused_naming_its_layer(
+    broker: BrokerProcess, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Prefill serves the model without speculative decoding, decode with EAGLE: both publish
+    and expect every prompt token, but decode's cache holds the drafter's layer too. The first
+    request is refused naming it, the transfer aborted (prefill frees), the prompt computed."""
+    model, head = llama_with_eagle(tmp_path, "eagle")
+    producer = make_engine(model, 1, "kv_producer", "prefill-0", broker.address, None)
+    consumer = make_engine(
+        model, 1, "kv_consumer", "decode-0", broker.address, eagle("eagle", head, 2)
+    )
+    try:
+        free = producer.free_blocks
+        prompt = list(range(1, 301))
+        params = prefill(producer, "r1", prompt, backoff=0)
+        assert params is not None
+        with caplog.at_level(logging.WARNING):
+            seen = decode(consumer, "r1", prompt, params, producer)
+        assert seen["scheduled"][0] >= len(prompt)
+        assert transfer_state(broker, params[TRANSFER_ID]) == "TRANSFER_STATE_ABORTED"
+        assert producer.free_blocks == free
+        refusals = [r.getMessage() for r in caplog.records if "load of r1 failed" in r.getMessage()]
+        named = ["groups[0].layers", "decode alone has 1 (model.layers.4.self_attn.attn)"]
         assert refusals and all(part in refusals[0] for part in named), refusals
     finally:
         consumer.close()

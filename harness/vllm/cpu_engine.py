@@ -2,7 +2,7 @@
 own pieces (the connector tests and ``pdbroker bench planner`` build engines with it).
 
 A model's config comes from a preset's ``config.json`` (:data:`broker.presets.PRESET_CONFIGS`)
-through vLLM's ``ModelConfig``/``VllmConfig``; the hybrid block size from vLLM's
+through vLLM's ``ModelConfig``/``VllmConfig``; a hybrid model's block size from vLLM's
 ``Platform._align_hybrid_block_size`` for an attention backend (FlashAttention: any multiple
 of 16 tokens; FlashInfer: kernel blocks of 16, 32 or 64); Mamba state shapes and dtypes from
 the model class's ``get_mamba_state_shape_from_config``/``get_mamba_state_dtype_from_config``;
@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol, cast
 
@@ -37,6 +37,8 @@ from vllm.config import (
     VllmConfig,
 )
 from vllm.model_executor.models import ModelRegistry
+from vllm.model_executor.models.llama_eagle import EagleLlamaForCausalLM
+from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
 from vllm.platforms.interface import Platform
 from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
@@ -45,6 +47,7 @@ from vllm.v1.core.kv_cache_planning import (
     get_kv_cache_groups,
 )
 from vllm.v1.kv_cache_interface import (
+    AttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheSpec,
@@ -83,8 +86,9 @@ def vllm_config(
     **cache: Any,
 ) -> VllmConfig:
     """vLLM's config of an engine serving ``model_dir`` at ``tp`` with ``transfer``, its KV
-    cache layout the one ``connector`` (class) requires, its hybrid block size aligned for
-    ``backend``; ``speculative``: ``SpeculativeConfig`` fields (e.g. MTP); ``cache``: more
+    cache layout the one ``connector`` (class) requires, a hybrid model's block size aligned
+    for ``backend``; ``speculative``: ``SpeculativeConfig`` fields (e.g. MTP, or EAGLE with
+    its head's directory as ``model``); ``cache``: more
     ``CacheConfig`` fields (e.g. ``block_size``; prefix caching is off unless set)."""
     model = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, language_model_only=True)
     parallel = ParallelConfig(tensor_parallel_size=tp)
@@ -101,7 +105,8 @@ def vllm_config(
     )
     # The engine core resolves the layout from the connector's requirement.
     config.cache_config.kv_cache_layout = connector.get_required_kvcache_layout(config)
-    Platform._align_hybrid_block_size(config, backend)
+    if model.is_hybrid:
+        Platform._align_hybrid_block_size(config, backend)
     return config
 
 
@@ -127,16 +132,52 @@ def _layer_index(name: str) -> int:
     return int(found.group(1))
 
 
+#: Where each EAGLE drafter class numbers its decoder layers from: after the target model's
+#: layers, as the class counts them (EAGLE: this pipeline stage's, EAGLE-3: all of them).
+_EAGLE_FIRST_LAYER: dict[type, Callable[[VllmConfig], int]] = {
+    EagleLlamaForCausalLM: lambda c: c.model_config.get_num_layers(c.parallel_config),
+    Eagle3LlamaForCausalLM: lambda c: c.model_config.get_total_num_hidden_layers(),
+}
+
+
 def _drafter_layers(config: VllmConfig) -> list[str]:
-    """The attention layers an MTP drafter registers after the model's own (Qwen3.5's MTP
-    modules are full-attention decoder layers named ``mtp.layers.N``)."""
+    """The attention layers a speculative drafter registers after the model's own: Qwen3.5's
+    MTP modules (full-attention decoder layers named ``mtp.layers.N``), or an EAGLE/EAGLE-3
+    Llama head's decoder layers (``model.layers.N``, ``N`` counting on from the target's).
+    None without a draft model (n-gram drafting keeps no KV)."""
     speculative = config.speculative_config
-    if speculative is None:
+    draft = speculative.draft_model_config if speculative is not None else None
+    if speculative is None or draft is None:
         return []
-    draft = speculative.draft_model_config
-    if speculative.method != "mtp" or draft is None or draft.hf_config.model_type != "qwen3_5_mtp":
-        raise ValueError(f"no drafter layers known for {speculative.method!r} on this model")
-    return [f"mtp.layers.{i}.self_attn.attn" for i in range(draft.hf_config.n_predict or 1)]
+    if speculative.method == "mtp" and draft.hf_config.model_type == "qwen3_5_mtp":
+        return [f"mtp.layers.{i}.self_attn.attn" for i in range(draft.hf_config.n_predict or 1)]
+    if speculative.method in ("eagle", "eagle3"):
+        draft_cls, _ = ModelRegistry.resolve_model_cls(draft.architectures, model_config=draft)
+        first = _EAGLE_FIRST_LAYER.get(draft_cls)
+        if first is not None:
+            start = first(config)
+            return [
+                f"model.layers.{start + i}.self_attn.attn"
+                for i in range(draft.hf_config.num_hidden_layers)
+            ]
+    raise ValueError(f"no drafter layers known for {speculative.method!r} on this model")
+
+
+def _attention_spec(
+    model: ModelConfig, parallel: ParallelConfig, cache: CacheConfig, backend: type
+) -> AttentionSpec:
+    """The spec of ``model``'s full-attention layers at ``parallel``'s TP."""
+    return customize_attention_spec(
+        backend,
+        FullAttentionSpec(
+            block_size=cache.block_size,
+            num_kv_heads=model.get_num_kv_heads(parallel),
+            head_size=model.get_head_size(),
+            # Declared as what the user may pass (a name or a dtype); the config resolves
+            # it to a torch.dtype when it is built.
+            dtype=cast(torch.dtype, model.dtype),
+        ),
+    )
 
 
 def layer_specs(
@@ -151,22 +192,28 @@ def layer_specs(
         ((name, kind) for kind, names in spec.groups for name in names),
         key=lambda layer: _layer_index(layer[0]),
     )
+    attention = _attention_spec(model, config.parallel_config, cache, backend)
+    specs: dict[str, KVCacheSpec] = {name: attention for name, _ in layers}
+    if any(kind is GroupKind.MAMBA for _, kind in layers):
+        mamba = _mamba_spec(config)
+        specs |= {name: mamba for name, kind in layers if kind is GroupKind.MAMBA}
+    speculative = config.speculative_config
+    if speculative is None or speculative.draft_model_config is None:
+        return specs
+    drafter = _attention_spec(
+        speculative.draft_model_config, speculative.draft_parallel_config, cache, backend
+    )
+    return specs | {name: drafter for name in _drafter_layers(config)}
+
+
+def _mamba_spec(config: VllmConfig) -> MambaSpec:
+    """The spec of the model's Mamba layers, from its model class."""
+    model, cache = config.model_config, config.cache_config
     model_cls, _ = ModelRegistry.resolve_model_cls(model.architecture, model_config=model)
     # resolve_model_cls is typed as returning any module class; for these models it is one
     # with Mamba state, whose classmethods vLLM's IsHybrid protocol only partly declares.
     stateful = cast("type[_MambaStateModel]", model_cls)
-    attention = customize_attention_spec(
-        backend,
-        FullAttentionSpec(
-            block_size=cache.block_size,
-            num_kv_heads=model.get_num_kv_heads(config.parallel_config),
-            head_size=model.get_head_size(),
-            # Declared as what the user may pass (a name or a dtype); the config resolves
-            # it to a torch.dtype when it is built.
-            dtype=cast(torch.dtype, model.dtype),
-        ),
-    )
-    mamba = MambaSpec(
+    return MambaSpec(
         shapes=tuple(stateful.get_mamba_state_shape_from_config(config)),
         dtypes=tuple(stateful.get_mamba_state_dtype_from_config(config)),
         block_size=cache.mamba_block_size or cache.block_size,
@@ -175,10 +222,6 @@ def layer_specs(
         mamba_cache_mode=cache.mamba_cache_mode,
         num_speculative_blocks=config.num_speculative_tokens,
     )
-    specs: dict[str, KVCacheSpec] = {
-        name: attention if kind is GroupKind.ATTENTION else mamba for name, kind in layers
-    }
-    return specs | {name: attention for name in _drafter_layers(config)}
 
 
 def kv_cache_config(
