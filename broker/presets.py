@@ -149,6 +149,21 @@ PRESET_CONFIGS: dict[str, dict[str, Any]] = {
             "mamba_ssm_dtype": "float32",
         },
     },
+    # ai21labs/AI21-Jamba-1.5-Mini config.json.
+    "jamba-1.5-mini": {
+        "architectures": ["JambaForCausalLM"],
+        "model_type": "jamba",
+        "torch_dtype": "bfloat16",
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+        "attn_layer_period": 8,
+        "attn_layer_offset": 4,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "mamba_expand": 2,
+        "mamba_d_state": 16,
+        "mamba_d_conv": 4,
+    },
 }
 
 #: vLLM's ``auto`` model dtype keeps these checkpoint dtypes and downcasts anything else

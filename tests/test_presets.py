@@ -104,6 +104,7 @@ LAYER_MIX = {  # preset: (Mamba/GDN layers, attention layers), from the public c
     "qwen3.5-0.8b": (18, 6),
     "qwen3.5-4b": (24, 8),
     "qwen3.5-27b": (48, 16),
+    "jamba-1.5-mini": (28, 4),
 }
 
 
@@ -161,8 +162,10 @@ def test_preset_dtypes_follow_vllm_defaults() -> None:
     for name in preset_names():
         model = resolve_model(name)
         assert model.attention.dtype == model.mamba.conv_dtype == "bfloat16"
-        # Nemotron-H: mamba_ssm_cache_dtype (float32 by default); Qwen3.5: mamba_ssm_dtype.
-        assert model.mamba.ssm_dtype == "float32"
+        # Nemotron-H: mamba_ssm_cache_dtype (float32 by default); Qwen3.5: mamba_ssm_dtype;
+        # Jamba: the model dtype.
+        jamba = name.startswith("jamba")
+        assert model.mamba.ssm_dtype == ("bfloat16" if jamba else "float32")
 
 
 def test_preset_layer_names_are_vllms() -> None:

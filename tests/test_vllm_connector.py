@@ -74,14 +74,23 @@ def broker() -> Iterator[BrokerProcess]:
 
 
 def make_engine(
-    model_dir: Path, tp: int, role: str, engine_id: str, broker: str, **extra: Any
+    model_dir: Path,
+    tp: int,
+    role: str,
+    engine_id: str,
+    broker: str,
+    cache: dict[str, Any] | None = None,
+    **extra: Any,
 ) -> Engine:
+    """An engine with this connector; ``cache``: ``CacheConfig`` fields (e.g. ``cache_dtype``),
+    ``extra``: more ``kv_connector_extra_config`` keys."""
     config = engine_config(
         model_dir,
         tp,
         role=role,
         engine_id=engine_id,
         extra={"broker": broker, "model_name": "test-model", **extra},
+        **(cache or {}),
     )
     return Engine(config, NUM_BLOCKS, poison=role == "kv_consumer")
 
@@ -216,7 +225,10 @@ def conv_pieces(engine: Engine) -> list[int]:
     if not engine.kv_config.has_mamba_layers:
         return []
     config = engine.config.model_config.hf_text_config
-    if engine.config.model_config.hf_config.model_type == "nemotron_h":
+    model_type = engine.config.model_config.hf_config.model_type
+    if model_type == "jamba":  # Mamba1: x alone
+        return [config.mamba_expand * config.hidden_size]
+    if model_type == "nemotron_h":
         groups = config.n_groups * config.ssm_state_size
         return [config.mamba_num_heads * config.mamba_head_dim, groups, groups]
     keys = config.linear_num_key_heads * config.linear_key_head_dim

@@ -11,20 +11,27 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable
+from dataclasses import replace
 from itertools import pairwise
 from pathlib import Path
+from typing import Any
 
 import pytest
 from vllm_engines import allocate, engine_config, kv_cache_config, storage_bytes, write_model
 
 # isort: split
 # vllm_engines first: it configures vLLM for CPU and skips this module without vLLM.
+from vllm.config import VllmConfig
 from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
 from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
 from vllm.v1.attention.backends.flashinfer import FlashInferBackend
+from vllm.v1.kv_cache_interface import KVCacheSpec
 
-from broker.errors import LayoutError
-from broker.models import build_engine_layout
+from broker.compatibility import check_compatible
+from broker.errors import IncompatibleLayoutsError, LayoutError
+from broker.layout import EngineLayout
+from broker.models import build_engine_layout, with_kv_dtype
 from broker.presets import PRESET_CONFIGS, resolve_model
 from clients.vllm.layout import ModelFacts, derive_rank_memory, model_fingerprint
 
@@ -38,17 +45,49 @@ CASES += [
 NUM_BLOCKS = 3
 
 
-def derive(preset: str, tp: int, backend: type, tmp_path: Path):
-    config = engine_config(write_model(preset, tmp_path / preset), tp, backend=backend)
-    kv_config = kv_cache_config(config, NUM_BLOCKS, backend)
+def derive(
+    preset: str,
+    tp: int,
+    backend: type,
+    tmp_path: Path,
+    specs: Callable[[VllmConfig], dict[str, KVCacheSpec]] | None = None,
+    **cache: Any,
+):
+    """Each rank's memory as the connector derives it from vLLM's objects for ``preset`` at
+    ``tp`` (``cache``: ``CacheConfig`` fields; ``specs``: the layers' specs, by default
+    those the model's layers declare)."""
+    config = engine_config(write_model(preset, tmp_path / preset), tp, backend=backend, **cache)
+    kv_config = kv_cache_config(config, NUM_BLOCKS, backend, specs(config) if specs else None)
     caches = allocate(config, kv_config, backend)
     model = config.model_config
-    facts = ModelFacts(model.get_total_num_kv_heads(), getattr(model.hf_text_config, "n_groups", 0))
+    facts = ModelFacts(
+        model.get_total_num_kv_heads(),
+        getattr(model.hf_text_config, "n_groups", 0),
+        config.cache_config.cache_dtype,
+    )
     memories = [
         derive_rank_memory(kv_config, caches, tp, r, facts, get_conv_state_layout())
         for r in range(tp)
     ]
     return config, kv_config, caches, memories
+
+
+def expected_layout(preset: str, config: VllmConfig, kv_config, memory, kv_dtype: str | None):
+    """The planner's layout of ``preset`` with the KV cache in ``kv_dtype`` and the SSM state
+    in the dtype vLLM's platform settled on (vLLM's CPU platform stores the SSM state of
+    backends other than GDN in float32, whatever the model's dtype)."""
+    model = with_kv_dtype(resolve_model(preset), kv_dtype)
+    ssm_dtype = config.cache_config.mamba_ssm_cache_dtype
+    if model.mamba is not None and ssm_dtype != "auto":
+        model = replace(model, mamba=replace(model.mamba, ssm_dtype=ssm_dtype))
+    attention = next(g for g in memory.layout.groups if g.is_attention)
+    return build_engine_layout(
+        model,
+        config.parallel_config.tensor_parallel_size,
+        kv_config.num_blocks,
+        config.cache_config.block_size,
+        attention.kernel_block_size,
+    )
 
 
 @pytest.mark.parametrize(
@@ -60,15 +99,9 @@ def test_derived_layout_equals_the_preset(
     preset: str, tp: int, backend: type, tmp_path: Path
 ) -> None:
     config, kv_config, caches, memories = derive(preset, tp, backend, tmp_path)
-    attention = next(g for g in memories[0].layout.groups if g.is_attention)
-    expected = build_engine_layout(
-        resolve_model(preset),
-        tp,
-        kv_config.num_blocks,
-        config.cache_config.block_size,
-        attention.kernel_block_size,
-    )
+    expected = expected_layout(preset, config, kv_config, memories[0], None)
     assert [m.layout for m in memories] == list(expected.ranks)
+    attention = next(g for g in memories[0].layout.groups if g.is_attention)
     if backend is FlashInferBackend:
         assert attention.kernel_block_size == 16 < attention.block_size
     # The regions are vLLM's allocation: one per layer index, back to back, covering it all.
@@ -77,6 +110,46 @@ def test_derived_layout_equals_the_preset(
     assert regions[0].base_addr == backing.data_ptr()
     assert all(b.base_addr == a.base_addr + a.length_bytes for a, b in pairwise(regions))
     assert sum(r.length_bytes for r in regions) == backing.numel()
+
+
+@pytest.mark.parametrize("tp", [1, 4])
+@pytest.mark.parametrize(
+    ("cache_dtype", "fp8_format"),
+    [("fp8", "fp8_e4m3"), ("fp8_e4m3", "fp8_e4m3"), ("fp8_e5m2", "fp8_e5m2")],
+)
+def test_an_fp8_kv_cache_equals_the_one_byte_preset(
+    cache_dtype: str, fp8_format: str, tp: int, tmp_path: Path
+) -> None:
+    """``--kv-cache-dtype fp8*``: vLLM stores the KV cache as bytes (``uint8``) in pages half
+    the size, so the hybrid block doubles; the layout names the fp8 format the bytes hold."""
+    config, kv_config, _, memories = derive(
+        "nemotron-h-8b", tp, FlashAttentionBackend, tmp_path, cache_dtype=cache_dtype
+    )
+    expected = expected_layout("nemotron-h-8b", config, kv_config, memories[0], fp8_format)
+    assert [m.layout for m in memories] == list(expected.ranks)
+    (kv,) = next(g for g in memories[0].layout.groups if g.is_attention).segments
+    assert (kv.dtype, kv.strides[-1]) == (fp8_format, 1)
+    bf16_config = derive("nemotron-h-8b", tp, FlashAttentionBackend, tmp_path / "bf16")[0]
+    assert config.cache_config.block_size == 2 * bf16_config.cache_config.block_size
+
+
+def test_fp8_formats_and_bf16_kv_caches_are_refused_naming_the_dtype(tmp_path: Path) -> None:
+    """The byte caches of e4m3 and e5m2 look alike to NIXL; the broker must still refuse to
+    pair them, as it refuses fp8 against bfloat16."""
+    layouts = {}
+    for dtype in ("fp8", "fp8_e5m2", "auto"):
+        memories = derive(
+            "qwen3.5-0.8b", 1, FlashAttentionBackend, tmp_path / dtype, cache_dtype=dtype
+        )[3]
+        ranks = tuple(m.layout for m in memories)
+        layouts[dtype] = EngineLayout(model_fingerprint("m", ranks[0]), 1, ranks)
+    check_compatible(layouts["fp8"], layouts["fp8"])
+    for prefill, decode, message in [
+        ("fp8", "fp8_e5m2", "prefill fp8_e4m3, decode fp8_e5m2"),
+        ("fp8", "auto", "prefill fp8_e4m3, decode bfloat16"),
+    ]:
+        with pytest.raises(IncompatibleLayoutsError, match=r"segments\['kv'\]\.dtype: " + message):
+            check_compatible(layouts[prefill], layouts[decode])
 
 
 def test_the_fingerprint_names_the_model_not_its_tp(tmp_path: Path) -> None:

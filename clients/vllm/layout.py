@@ -42,13 +42,20 @@ from clients.transport import DRAM, VRAM, Region
 _DENSE_QUANT = (KVQuantMode.NONE, KVQuantMode.FP8_PER_TENSOR)
 
 
+#: ``--kv-cache-dtype`` values vLLM stores as ``uint8``, by the fp8 format they hold (``fp8``
+#: is e4m3): the cache tensors cannot tell them apart, the layout must.
+_FP8_FORMATS = {"fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
+
+
 @dataclass(frozen=True)
 class ModelFacts:
-    """What neither the specs nor the tensors say: the global KV head count, and for Mamba2
-    the global ``n_groups`` (0: treat B/C as evenly sharded)."""
+    """What neither the specs nor the tensors say: the global KV head count, for Mamba2
+    the global ``n_groups`` (0: treat B/C as evenly sharded), and the KV cache dtype setting
+    (``CacheConfig.cache_dtype``: which fp8 format a byte cache holds)."""
 
     total_kv_heads: int
     mamba2_groups: int = 0
+    kv_cache_dtype: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -235,12 +242,15 @@ def _attention_group(
             f"{facts.total_kv_heads} heads shard into {local}",
         )
     item = view.element_size()
+    dtype = _dtype_name(view.dtype)
+    if view.dtype == torch.uint8:
+        dtype = _FP8_FORMATS.get(facts.kv_cache_dtype, dtype)
     kv = Segment(
         "kv",
         0,
         (heads, kbs, content),
         tuple(s * item for s in view.stride()[1:]),
-        _dtype_name(view.dtype),
+        dtype,
         shard_axis=0,
         shard_start=start,
         global_extent=facts.total_kv_heads,

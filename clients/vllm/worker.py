@@ -90,6 +90,7 @@ class WorkerHalf:
             getattr(text_config, "n_groups", None)
             or getattr(text_config, "mamba_n_groups", None)
             or 0,
+            vllm_config.cache_config.cache_dtype,
         )
         name = settings.model_name or model_config.served_model_name or model_config.model
         self.model_name = name if isinstance(name, str) else name[0]

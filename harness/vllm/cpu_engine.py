@@ -40,6 +40,7 @@ from vllm.model_executor.models import ModelRegistry
 from vllm.model_executor.models.llama_eagle import EagleLlamaForCausalLM
 from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
 from vllm.platforms.interface import Platform
+from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
 from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from vllm.v1.core.kv_cache_planning import (
@@ -52,6 +53,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheSpec,
     MambaSpec,
+    get_kv_quant_mode,
 )
 from vllm.v1.worker.utils import (
     allocate_kv_cache,
@@ -64,6 +66,7 @@ from broker.presets import PRESET_CONFIGS, model_from_hf_file
 
 #: vLLM's Mamba backend of each model family (the mixer class's ``mamba_type``).
 MAMBA_TYPES = {
+    "jamba": MambaAttentionBackendEnum.MAMBA1,
     "nemotron_h": MambaAttentionBackendEnum.MAMBA2,
     "qwen3_5": MambaAttentionBackendEnum.GDN_ATTN,
 }
@@ -166,16 +169,16 @@ def _drafter_layers(config: VllmConfig) -> list[str]:
 def _attention_spec(
     model: ModelConfig, parallel: ParallelConfig, cache: CacheConfig, backend: type
 ) -> AttentionSpec:
-    """The spec of ``model``'s full-attention layers at ``parallel``'s TP."""
+    """The spec of ``model``'s full-attention layers at ``parallel``'s TP, stored in
+    ``cache.cache_dtype`` (``--kv-cache-dtype``) as vLLM's attention layer declares it."""
     return customize_attention_spec(
         backend,
         FullAttentionSpec(
             block_size=cache.block_size,
             num_kv_heads=model.get_num_kv_heads(parallel),
             head_size=model.get_head_size(),
-            # Declared as what the user may pass (a name or a dtype); the config resolves
-            # it to a torch.dtype when it is built.
-            dtype=cast(torch.dtype, model.dtype),
+            dtype=kv_cache_dtype_str_to_dtype(cache.cache_dtype, model),
+            kv_quant_mode=get_kv_quant_mode(cache.cache_dtype),
         ),
     )
 
@@ -225,10 +228,14 @@ def _mamba_spec(config: VllmConfig) -> MambaSpec:
 
 
 def kv_cache_config(
-    config: VllmConfig, num_blocks: int, backend: type = FlashAttentionBackend
+    config: VllmConfig,
+    num_blocks: int,
+    backend: type = FlashAttentionBackend,
+    specs: dict[str, KVCacheSpec] | None = None,
 ) -> KVCacheConfig:
-    """vLLM's grouping and placement of the model's layers over ``num_blocks`` blocks."""
-    groups = get_kv_cache_groups(config, layer_specs(config, backend))
+    """vLLM's grouping and placement of the model's layers (``specs``, by default
+    :func:`layer_specs`) over ``num_blocks`` blocks."""
+    groups = get_kv_cache_groups(config, specs or layer_specs(config, backend))
     probe = get_kv_cache_config_from_groups(config, groups, 1 << 50)
     per_block = probe.kv_cache_tensors[0].size // probe.num_blocks
     return get_kv_cache_config_from_groups(config, groups, per_block * num_blocks)
