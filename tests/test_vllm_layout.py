@@ -12,13 +12,20 @@ from __future__ import annotations
 import subprocess
 import sys
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import fields, replace
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_engines import allocate, engine_config, kv_cache_config, storage_bytes, write_model
+from vllm_engines import (
+    allocate,
+    cpu_engine,
+    engine_config,
+    kv_cache_config,
+    storage_bytes,
+    write_model,
+)
 
 # isort: split
 # vllm_engines first: it configures vLLM for CPU and skips this module without vLLM.
@@ -26,7 +33,13 @@ from vllm.config import VllmConfig
 from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
 from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
 from vllm.v1.attention.backends.flashinfer import FlashInferBackend
-from vllm.v1.kv_cache_interface import KVCacheSpec
+from vllm.v1.kv_cache_interface import (
+    AttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    RSWASpec,
+    SinkFullAttentionSpec,
+)
 
 from broker.compatibility import check_compatible
 from broker.errors import IncompatibleLayoutsError, LayoutError
@@ -70,6 +83,19 @@ def derive(
         for r in range(tp)
     ]
     return config, kv_config, caches, memories
+
+
+def attention_as(cls: type[AttentionSpec], **more: Any) -> Callable[[KVCacheSpec], KVCacheSpec]:
+    """The full-attention layers' spec as another attention type declares it (``more``: its
+    own fields); other layers' specs unchanged."""
+
+    def convert(spec: KVCacheSpec) -> KVCacheSpec:
+        if not isinstance(spec, FullAttentionSpec):
+            return spec
+        common = {f.name: getattr(spec, f.name) for f in fields(AttentionSpec)}
+        return cls(**common, **more)
+
+    return convert
 
 
 def expected_layout(preset: str, config: VllmConfig, kv_config, memory, kv_dtype: str | None):
@@ -131,6 +157,34 @@ def test_an_fp8_kv_cache_equals_the_one_byte_preset(
     assert (kv.dtype, kv.strides[-1]) == (fp8_format, 1)
     bf16_config = derive("nemotron-h-8b", tp, FlashAttentionBackend, tmp_path / "bf16")[0]
     assert config.cache_config.block_size == 2 * bf16_config.cache_config.block_size
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("kind", ["sink", "rswa"])
+def test_full_attention_subclasses_declare_full_attention_pages(
+    kind: str, tp: int, tmp_path: Path
+) -> None:
+    """Static-sink attention (its sink tokens in blocks of their own, outside every request's
+    block table) and reference sliding-window attention (all prompt blocks kept; only decode
+    tokens past the window are evicted) store a request's prompt in full-attention pages:
+    the connector accepts them and declares exactly those pages."""
+
+    def specs(config: VllmConfig) -> dict[str, KVCacheSpec]:
+        block = config.cache_config.block_size
+        convert = (
+            attention_as(SinkFullAttentionSpec, sink_len=block)
+            if kind == "sink"
+            else attention_as(RSWASpec, rswa_window=block)
+        )
+        return {name: convert(s) for name, s in cpu_engine.layer_specs(config).items()}
+
+    config, kv_config, _, memories = derive(
+        "qwen3.5-0.8b", tp, FlashAttentionBackend, tmp_path, specs
+    )
+    expected_type = SinkFullAttentionSpec if kind == "sink" else RSWASpec
+    assert any(isinstance(g.kv_cache_spec, expected_type) for g in kv_config.kv_cache_groups)
+    expected = expected_layout("qwen3.5-0.8b", config, kv_config, memories[0], None)
+    assert [m.layout for m in memories] == list(expected.ranks)
 
 
 def test_fp8_formats_and_bf16_kv_caches_are_refused_naming_the_dtype(tmp_path: Path) -> None:

@@ -63,18 +63,16 @@ class PdBrokerConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         parallel = vllm_config.parallel_config
-        if (
-            max(
-                parallel.pipeline_parallel_size,
-                parallel.decode_context_parallel_size,
-                parallel.prefill_context_parallel_size,
-            )
-            > 1
+        for name in (
+            "pipeline_parallel_size",
+            "decode_context_parallel_size",
+            "prefill_context_parallel_size",
         ):
-            raise ValueError(
-                "PdBrokerConnector supports tensor parallelism only (no pipeline "
-                "or context parallelism)"
-            )
+            if getattr(parallel, name) > 1:
+                raise ValueError(
+                    f"parallel_config.{name}: {getattr(parallel, name)}; PdBrokerConnector "
+                    "supports tensor parallelism only (no pipeline or context parallelism)"
+                )
         settings = ConnectorSettings.from_extra_config(
             self._kv_transfer_config.kv_connector_extra_config
         )
