@@ -57,8 +57,9 @@ class Segment:
 
     ``offset`` and ``strides`` are in bytes; ``shape`` in elements. Along ``shard_axis`` the
     rank holds global indices ``shard_start .. shard_start + shape[shard_axis]`` of
-    ``global_extent``; other axes are whole. ``token_axis`` indexes tokens within the kernel
-    block (attention only).
+    ``global_extent``; other axes are whole. Without a ``shard_axis`` the segment is
+    replicated: every rank holds the whole tensor (MLA's latent), so one rank is enough to
+    read it from. ``token_axis`` indexes tokens within the kernel block (attention only).
     """
 
     tensor: str
@@ -86,7 +87,14 @@ class Segment:
             axis = getattr(self, axis_field)
             if axis is not None and not 0 <= axis < len(self.shape):
                 raise LayoutError(f"{where}.{axis_field}", f"axis {axis} out of range")
-        if self.shard_axis is not None:
+        if self.shard_axis is None:
+            if self.shard_start or self.global_extent:
+                raise LayoutError(
+                    f"{where}.shard_start",
+                    "a replicated segment (no shard_axis) holds the whole tensor: "
+                    "shard_start and global_extent must be 0",
+                )
+        else:
             if self.shard_axis == self.token_axis:
                 raise LayoutError(f"{where}.shard_axis", "cannot also be the token axis")
             local = self.shape[self.shard_axis]

@@ -1,7 +1,8 @@
 """Build :class:`EngineLayout` declarations from model parameters, as vLLM 0.33 allocates.
 
 Conventions (see ``tests/data/testvectors/README.md``): attention pages are blocks-first,
-``R = block_size // kernel_block_size`` kernel blocks of ``[heads_local, kbs, 2*head_dim]``;
+``R = block_size // kernel_block_size`` kernel blocks of ``[heads_local, kbs, 2*head_dim]``
+(MLA: ``[1, kbs, head_dim]``, one latent vector per token, the same on every rank);
 Mamba pages hold the conv state in dim-first layout (sub-projections ``x|B|C``, ``Q|K|V`` or
 ``x``, each TP-sharded on its own), then the SSM state sharded on its first axis, then padding.
 Every region's page is the attention page at that rank's TP (HMA makes the pages equal).
@@ -30,11 +31,17 @@ MAMBA_KINDS = ("mamba1", "mamba2", "gdn")
 
 @dataclass(frozen=True)
 class AttentionParams:
-    """Full-attention layers: global KV heads, head size and KV-cache dtype."""
+    """Full-attention layers: global KV heads, head size and KV-cache dtype.
+
+    ``latent``: multi-head latent attention (MLA), which caches one vector of ``head_dim``
+    (``kv_lora_rank + qk_rope_head_dim``) per token instead of K and V per head, replicated
+    on every TP rank (``num_kv_heads`` is 1).
+    """
 
     num_kv_heads: int
     head_dim: int
     dtype: str = "bfloat16"
+    latent: bool = False
 
 
 @dataclass(frozen=True)
@@ -121,9 +128,12 @@ def split_or_replicate(
 
 
 def fa_bytes_per_token(attn: AttentionParams, tp: int) -> int:
-    """Bytes of K and V one token occupies on one rank."""
+    """Bytes of K and V (MLA: of the latent) one token occupies on one rank."""
+    item = dtype_bytes(attn.dtype, "attention.dtype")
+    if attn.latent:
+        return attn.head_dim * item
     heads_local = max(1, attn.num_kv_heads // tp)
-    return 2 * heads_local * attn.head_dim * dtype_bytes(attn.dtype, "attention.dtype")
+    return 2 * heads_local * attn.head_dim * item
 
 
 def _conv_projections(m: MambaParams) -> list[tuple[str, int, int]]:
@@ -209,7 +219,10 @@ def mamba_state_bytes(m: MambaParams, tp: int) -> int:
 
 
 def attention_segment(attn: AttentionParams, tp: int, rank: int, kernel_block_size: int) -> Segment:
-    """One kernel block ``[heads_local, kbs, 2*head_dim]``: K then V per head and token."""
+    """One kernel block ``[heads_local, kbs, 2*head_dim]``: K then V per head and token; MLA:
+    ``[1, kbs, head_dim]``, the latent of each token, replicated (no shard axis)."""
+    if attn.latent:
+        return latent_segment(attn, kernel_block_size)
     start, heads = split_or_replicate(
         attn.num_kv_heads, 1, tp, rank, "attention.total_num_kv_heads"
     )
@@ -226,6 +239,17 @@ def attention_segment(attn: AttentionParams, tp: int, rank: int, kernel_block_si
         global_extent=attn.num_kv_heads,
         token_axis=1,
     )
+
+
+def latent_segment(attn: AttentionParams, kernel_block_size: int) -> Segment:
+    """MLA's kernel block ``[1, kbs, head_dim]``: every rank holds the whole latent."""
+    if attn.num_kv_heads != 1:
+        raise LayoutError(
+            "attention.num_kv_heads", f"MLA caches one latent head, got {attn.num_kv_heads}"
+        )
+    shape = (1, kernel_block_size, attn.head_dim)
+    item = dtype_bytes(attn.dtype, "attention.dtype")
+    return Segment("latent", 0, shape, contiguous_strides(shape, item), attn.dtype, token_axis=1)
 
 
 def hma_block_size(

@@ -4,7 +4,8 @@ For every decode (rank, group, segment) the planner finds the prefill pieces tha
 same global elements, intersects them and emits byte runs that are contiguous on both sides.
 Which prefill rank serves a piece is decided by interval subtraction along the TP-sharded axis,
 preferring the ranks vLLM pairs with that decode rank (:meth:`PairPlanner.source_ranks`), so a
-replicated head is read once. Per (decode rank, group, chunk shape) the runs relative to the
+replicated head is read once and a replicated segment (MLA's latent: no shard axis) whole from
+the first of them. Per (decode rank, group, chunk shape) the runs relative to the
 page starts form a cached template (:mod:`broker.plan_templates`); a request only adds block
 offsets with numpy and coalesces runs that continue each other on both sides, for all its
 decode ranks in one pass. A pair of layouts is checked once (:mod:`broker.compatibility`).

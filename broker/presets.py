@@ -1,7 +1,7 @@
 """Model presets and Hugging Face ``config.json`` parsing into :class:`ModelSpec`.
 
 Presets are the public ``config.json`` values of each model (only the fields read here), so
-a preset and a user's config file go through the same parser. Four families are understood:
+a preset and a user's config file go through the same parser. Five families are understood:
 
 - Nemotron-H (``model_type`` ``nemotron_h``): Mamba2 + attention, layer mix from
   ``hybrid_override_pattern`` (``M`` Mamba2, ``*`` attention, ``-`` MLP, ``E`` MoE) or the
@@ -11,6 +11,8 @@ a preset and a user's config file go through the same parser. Four families are 
   text model under ``text_config``.
 - Jamba (``jamba``): Mamba1 + attention, from ``attn_layer_period`` / ``attn_layer_offset``.
 - Llama (``llama``): full attention in every layer, no Mamba state.
+- DeepSeek-V2/V3 (``deepseek_v2``, ``deepseek_v3``): multi-head latent attention (MLA) in
+  every layer, one ``kv_lora_rank + qk_rope_head_dim`` latent per token.
 
 State dtypes follow vLLM 0.33 with ``--mamba-cache-dtype auto --mamba-ssm-cache-dtype
 auto``: conv state and KV cache in the model dtype; SSM state from the config's
@@ -163,6 +165,21 @@ PRESET_CONFIGS: dict[str, dict[str, Any]] = {
         "mamba_expand": 2,
         "mamba_d_state": 16,
         "mamba_d_conv": 4,
+    },
+    # deepseek-ai/DeepSeek-V2-Lite config.json.
+    "deepseek-v2-lite": {
+        "architectures": ["DeepseekV2ForCausalLM"],
+        "model_type": "deepseek_v2",
+        "torch_dtype": "bfloat16",
+        "hidden_size": 2048,
+        "num_hidden_layers": 27,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "kv_lora_rank": 512,
+        "q_lora_rank": None,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
     },
 }
 
@@ -485,6 +502,20 @@ def _llama(config: Mapping[str, Any], name: str) -> ModelSpec:
     return ModelSpec(name, vllm_kv_cache_groups(layers), _attention(config, "", dtype), None)
 
 
+def _deepseek_mla(config: Mapping[str, Any], name: str) -> ModelSpec:
+    """DeepSeek-V2/V3: MLA in every layer, which vLLM registers as
+    ``model.layers.{i}.self_attn.attn``; its cache holds one latent per token (the compressed
+    KV, ``kv_lora_rank``, then the rotary key, ``qk_rope_head_dim``), the same on every rank."""
+    dtype = _model_dtype((config, ""))
+    count = _positive_int(config, "num_hidden_layers", "")
+    latent = _positive_int(config, "kv_lora_rank", "") + _positive_int(
+        config, "qk_rope_head_dim", ""
+    )
+    layers = [(f"model.layers.{i}.self_attn.attn", GroupKind.ATTENTION) for i in range(count)]
+    attention = AttentionParams(1, latent, dtype, latent=True)
+    return ModelSpec(name, vllm_kv_cache_groups(layers), attention, None)
+
+
 _FAMILIES: dict[str, Callable[[Mapping[str, Any], str], ModelSpec]] = {
     "nemotron_h": _nemotron_h,
     "qwen3_next": _qwen_gdn,
@@ -494,4 +525,6 @@ _FAMILIES: dict[str, Callable[[Mapping[str, Any], str], ModelSpec]] = {
     "qwen3_5_moe_text": _qwen_gdn,
     "jamba": _jamba,
     "llama": _llama,
+    "deepseek_v2": _deepseek_mla,
+    "deepseek_v3": _deepseek_mla,
 }

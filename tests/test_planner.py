@@ -281,3 +281,53 @@ def test_unknown_dtype_is_rejected() -> None:
     with pytest.raises(LayoutError) as err:
         build_engine_layout(hybrid(kv_dtype="int3"), 1, 8)
     assert err.value.field == "attention.dtype"
+
+
+# ----------------------------------------------------------------------------- MLA
+
+
+def mla(dtype: str = "bfloat16") -> ModelSpec:
+    """DeepSeek-style MLA: one 576-wide latent per token (kv_lora_rank 512 + rope 64)."""
+    return ModelSpec(
+        "tiny-mla",
+        ((GroupKind.ATTENTION, ("a0", "a1", "a2")),),
+        AttentionParams(1, 576, dtype, latent=True),
+        None,
+    )
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "fp8"])
+@pytest.mark.parametrize(
+    "p_tp,d_tp", [(1, 1), (2, 1), (1, 2), (4, 2), (2, 4), (4, 1), (1, 4), (8, 2)]
+)
+def test_mla_latent_is_read_once_per_decode_rank_from_vllms_rank(
+    p_tp: int, d_tp: int, dtype: str
+) -> None:
+    """Every rank holds the whole latent: each decode rank reads one copy, all of it from the
+    prefill rank vLLM's connector picks (``d * P // D``); no other prefill rank is read."""
+    sc = build_scenario(mla(dtype), p_tp, d_tp, num_tokens=100, block_size=16)
+    check_plan_by_simulation(sc.prefill, sc.decode, sc.request)
+    latent = sc.decode.groups[0].segment("latent")
+    assert latent.shard_axis is None and latent.itemsize == (1 if dtype == "fp8" else 2)
+    one_copy = 3 * 7 * 16 * 576 * latent.itemsize  # 3 layers, 7 pages of 16 tokens
+    plan = PairPlanner(sc.prefill, sc.decode).plan(sc.request)
+    for rank in plan.ranks:
+        assert rank.prefill_ranks == (rank.decode_rank * p_tp // d_tp,)
+        assert rank.nbytes == one_copy
+    assert plan.nbytes == d_tp * one_copy
+    read = {p for rank in plan.ranks for p in rank.prefill_ranks}
+    assert read == {d * p_tp // d_tp for d in range(d_tp)}
+
+
+def test_a_replicated_segment_declares_no_shard() -> None:
+    with pytest.raises(LayoutError) as err:
+        Segment("latent", 0, (1, 16, 8), contiguous_strides((1, 16, 8), 2), "bfloat16", None, 4)
+    assert err.value.field == "segment 'latent'.shard_start"
+
+
+def test_mla_layouts_keep_one_latent_head() -> None:
+    with pytest.raises(LayoutError) as err:
+        build_engine_layout(
+            dataclasses.replace(mla(), attention=AttentionParams(2, 576, latent=True)), 1, 4
+        )
+    assert err.value.field == "attention.num_kv_heads"

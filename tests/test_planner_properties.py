@@ -70,10 +70,12 @@ def hybrid_model(draw) -> ModelSpec:
         draw(st.integers(0, len(groups))),
         (GroupKind.ATTENTION, tuple(f"a.{i}" for i in range(draw(st.integers(1, regions))))),
     )
+    latent = draw(st.booleans())  # MLA: one latent head, replicated on every rank
     attention = AttentionParams(
-        draw(st.sampled_from((1, 2, 4, 8))),
+        1 if latent else draw(st.sampled_from((1, 2, 4, 8))),
         draw(st.sampled_from((1, 2, 4))),
         draw(st.sampled_from(DTYPES)),
+        latent,
     )
     return ModelSpec("random", tuple(groups), attention, draw(mamba_params()))
 

@@ -105,16 +105,18 @@ LAYER_MIX = {  # preset: (Mamba/GDN layers, attention layers), from the public c
     "qwen3.5-4b": (24, 8),
     "qwen3.5-27b": (48, 16),
     "jamba-1.5-mini": (28, 4),
+    "deepseek-v2-lite": (0, 27),
 }
+HYBRIDS = sorted(name for name, (mamba, _) in LAYER_MIX.items() if mamba)
 
 
 def test_preset_names_are_the_documented_ones() -> None:
     assert set(preset_names()) == set(LAYER_MIX)
 
 
-@pytest.mark.parametrize("name", sorted(LAYER_MIX))
+@pytest.mark.parametrize("name", HYBRIDS)
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
-def test_every_preset_builds_at_common_tp_sizes(name: str, tp: int) -> None:
+def test_every_hybrid_preset_builds_at_common_tp_sizes(name: str, tp: int) -> None:
     model = resolve_model(name)
     counts = {kind: sum(len(names) for k, names in model.groups if k is kind) for kind in GroupKind}
     assert (counts[GroupKind.MAMBA], counts[GroupKind.ATTENTION]) == LAYER_MIX[name]
@@ -159,7 +161,7 @@ def test_qwen35_27b_shapes_match_design() -> None:
 
 
 def test_preset_dtypes_follow_vllm_defaults() -> None:
-    for name in preset_names():
+    for name in HYBRIDS:
         model = resolve_model(name)
         assert model.attention.dtype == model.mamba.conv_dtype == "bfloat16"
         # Nemotron-H: mamba_ssm_cache_dtype (float32 by default); Qwen3.5: mamba_ssm_dtype;
@@ -396,6 +398,7 @@ def mutated(base: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
 
 
 NEMOTRON, QWEN = PRESET_CONFIGS["nemotron-h-8b"], PRESET_CONFIGS["qwen3.5-27b"]
+DEEPSEEK = PRESET_CONFIGS["deepseek-v2-lite"]
 #: meta-llama/Meta-Llama-3-8B-Instruct config.json (the fields read here).
 LLAMA = {
     "architectures": ["LlamaForCausalLM"],
@@ -420,6 +423,30 @@ def test_llama_is_one_attention_group_of_every_layer() -> None:
     assert [(s.tensor, s.shape) for g in rank.groups for s in g.segments] == [("kv", (2, 16, 256))]
 
 
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_deepseek_v2_lite_caches_one_latent_per_token_on_every_rank(tp: int) -> None:
+    """MLA: 512 compressed KV + 64 rotary key elements per token, whole on every rank."""
+    model = resolve_model("deepseek-v2-lite")
+    assert model.groups == (
+        (GroupKind.ATTENTION, tuple(f"model.layers.{i}.self_attn.attn" for i in range(27))),
+    )
+    assert model.attention == AttentionParams(1, 576, "bfloat16", latent=True)
+    assert model.mamba is None
+    engine = build_engine_layout(model, tp, 2)
+    for rank in engine.ranks:
+        (latent,) = rank.groups[0].segments
+        assert (latent.tensor, latent.shape, latent.shard_axis) == ("latent", (1, 16, 576), None)
+        assert rank.page_bytes == 16 * 576 * 2
+
+
+def test_deepseek_v3_reads_the_same_fields() -> None:
+    config = {**PRESET_CONFIGS["deepseek-v2-lite"], "model_type": "deepseek_v3"}
+    config |= {"num_hidden_layers": 61, "q_lora_rank": 1536}
+    model = model_from_hf_config(config, "deepseek-v3")
+    assert len(model.groups[0][1]) == 61
+    assert model.attention == AttentionParams(1, 576, "bfloat16", latent=True)
+
+
 @pytest.mark.parametrize(
     "base,path,value,field",
     [
@@ -442,6 +469,9 @@ def test_llama_is_one_attention_group_of_every_layer() -> None:
         (JAMBA, "num_attention_heads", 30, "hidden_size"),
         (LLAMA, "num_hidden_layers", 0, "num_hidden_layers"),
         (LLAMA, "num_key_value_heads", None, "num_key_value_heads"),
+        (DEEPSEEK, "kv_lora_rank", None, "kv_lora_rank"),
+        (DEEPSEEK, "qk_rope_head_dim", 0, "qk_rope_head_dim"),
+        (DEEPSEEK, "num_hidden_layers", "27", "num_hidden_layers"),
     ],
 )
 def test_bad_configs_name_the_field(

@@ -307,6 +307,12 @@ def assert_transferred(
     """Decode holds prefill's state of the request on every rank, and poison everywhere the
     request does not own."""
     assert_same_state(prefill_engine, prefill_blocks, decode_engine, decode_blocks, tokens)
+    assert_poison_elsewhere(decode_engine, decode_blocks)
+
+
+def assert_poison_elsewhere(decode_engine: Engine, decode_blocks: list[list[int]]) -> None:
+    """Every rank of the decode engine still holds poison wherever the request does not own
+    a block."""
     owned = {b for ids in decode_blocks for b in ids}
     for cache in decode_engine.caches:
         memory = storage_bytes(next(iter(cache.values())))

@@ -33,6 +33,7 @@ from vllm.config import VllmConfig
 from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
 from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
 from vllm.v1.attention.backends.flashinfer import FlashInferBackend
+from vllm.v1.attention.backends.mla.triton_mla import TritonMLABackend
 from vllm.v1.kv_cache_interface import (
     AttentionSpec,
     FullAttentionSpec,
@@ -48,7 +49,13 @@ from broker.models import build_engine_layout, with_kv_dtype
 from broker.presets import PRESET_CONFIGS, resolve_model
 from clients.vllm.layout import ModelFacts, derive_rank_memory, model_fingerprint
 
-CASES = [(preset, tp, FlashAttentionBackend) for preset in PRESET_CONFIGS for tp in (1, 2, 4, 8)]
+#: MLA models run an MLA backend (Triton MLA: kernel blocks of any multiple of 16 tokens).
+MLA_PRESETS = ("deepseek-v2-lite",)
+CASES = [
+    (preset, tp, TritonMLABackend if preset in MLA_PRESETS else FlashAttentionBackend)
+    for preset in PRESET_CONFIGS
+    for tp in (1, 2, 4, 8)
+]
 CASES += [
     ("nemotron-h-8b", 16, FlashAttentionBackend),  # replicated KV heads and B/C groups
     ("qwen3.5-4b", 16, FlashAttentionBackend),  # replicated KV heads
@@ -246,3 +253,40 @@ def test_the_broker_never_imports_vllm() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("cache_dtype", ["auto", "fp8"])
+def test_mla_latent_is_one_replicated_segment(cache_dtype: str, tmp_path: Path) -> None:
+    """Every rank declares the whole latent of each token (512 compressed KV + 64 rotary key
+    elements), in the cache dtype: bfloat16, or one byte for fp8."""
+    config = engine_config(
+        write_model("deepseek-v2-lite", tmp_path / "m"),
+        2,
+        backend=TritonMLABackend,
+        cache_dtype=cache_dtype,
+    )
+    kv_config = kv_cache_config(config, NUM_BLOCKS, TritonMLABackend)
+    caches = allocate(config, kv_config, TritonMLABackend)
+    segments = {
+        derive_rank_memory(kv_config, caches, 2, r, ModelFacts(1)).layout.groups[0].segments
+        for r in range(2)
+    }
+    ((latent,),) = segments  # the same on both ranks
+    assert (latent.tensor, latent.shape, latent.shard_axis) == ("latent", (1, 16, 576), None)
+    assert latent.itemsize == (1 if cache_dtype == "fp8" else 2)
+
+
+def test_packed_mla_cache_is_refused_naming_the_spec(tmp_path: Path) -> None:
+    """DeepSeek's packed fp8 MLA cache (latent, rope and scales in 656 bytes) is refused."""
+    config = engine_config(
+        write_model("deepseek-v2-lite", tmp_path / "m"),
+        1,
+        backend=TritonMLABackend,
+        cache_dtype="fp8_ds_mla",
+    )
+    kv_config = kv_cache_config(config, NUM_BLOCKS, TritonMLABackend)
+    with pytest.raises(LayoutError) as err:
+        derive_rank_memory(
+            kv_config, allocate(config, kv_config, TritonMLABackend), 1, 0, ModelFacts(1)
+        )
+    assert err.value.field == "kv_cache_groups[0].kv_cache_spec"

@@ -1,7 +1,8 @@
 """The page layout a vLLM 0.33 worker declares, derived from what vLLM allocated.
 
 Inputs are vLLM's own objects: the :class:`~vllm.v1.kv_cache_interface.KVCacheConfig` (groups,
-their :class:`FullAttentionSpec` / :class:`MambaSpec`, block count) and the per-layer cache
+their :class:`FullAttentionSpec` / dense :class:`MLAAttentionSpec` / :class:`MambaSpec`, block
+count) and the per-layer cache
 views vLLM hands a connector's ``register_kv_caches`` (``[blocks * R, heads, kbs, K|V]`` in the
 cache dtype for attention, ``[blocks, 1, 1, state bytes]`` int8 for Mamba). What the specs do
 not say is read from the views: region base addresses (HMA aliasing: layer *i* of every group
@@ -180,12 +181,30 @@ def _layer_spec(spec: KVCacheSpec, where: str) -> FullAttentionSpec | MambaSpec:
         (spec,) = specs
     if isinstance(spec, MambaSpec):
         return spec
+    if type(spec) is MLAAttentionSpec:
+        return _dense_mla(spec, where)
     if isinstance(spec, FullAttentionSpec) and not isinstance(spec, MLAAttentionSpec):
         return spec
     raise LayoutError(
         f"{where}.kv_cache_spec",
-        f"{type(spec).__name__} is not supported; full attention and Mamba groups are",
+        f"{type(spec).__name__} is not supported; full attention, MLA and Mamba groups are",
     )
+
+
+def _dense_mla(spec: MLAAttentionSpec, where: str) -> MLAAttentionSpec:
+    """``spec`` if it is dense MLA: one latent per token, no sparse indexer, no compression."""
+    for name, value, dense in (
+        ("topk_buffer_width", spec.topk_buffer_width, None),
+        ("is_index_group_leader", spec.is_index_group_leader, False),
+        ("model_version", spec.model_version, None),
+        ("tokens_per_state", spec.tokens_per_state, 1),
+    ):
+        if value != dense:
+            raise LayoutError(
+                f"{where}.kv_cache_spec.{name}",
+                f"sparse or compressed MLA ({value!r}) is not supported; dense MLA is",
+            )
+    return spec
 
 
 def _block_stride(views: list[torch.Tensor], blocks: int, where: str) -> int:
@@ -210,7 +229,8 @@ def _attention_group(
     where: str,
 ) -> GroupLayout:
     """One kernel block ``[heads, kbs, K|V]`` as the view strides it, heads sharded by vLLM's
-    rule (rank *r* of ``tp > heads`` holds head ``r * heads // tp``)."""
+    rule (rank *r* of ``tp > heads`` holds head ``r * heads // tp``); MLA: ``[1, kbs,
+    latent]``, the same on every rank (a replicated segment)."""
     if spec.kv_quant_mode not in _DENSE_QUANT or spec.num_head_slots or spec.state_content_bytes:
         raise LayoutError(
             f"{where}.kv_cache_spec",
@@ -232,6 +252,17 @@ def _attention_group(
             f"the spec ({spec.num_kv_heads} heads, "
             f"{spec.block_size} tokens per block)",
         )
+    item = view.element_size()
+    strides = tuple(s * item for s in view.stride()[1:])
+    kernel_block_bytes = view.stride(0) * item
+    dtype = _dtype_name(view.dtype)
+    if view.dtype == torch.uint8:
+        dtype = _FP8_FORMATS.get(facts.kv_cache_dtype, dtype)
+    if isinstance(spec, MLAAttentionSpec):
+        latent = Segment("latent", 0, (heads, kbs, content), strides, dtype, token_axis=1)
+        return GroupLayout(
+            GroupKind.ATTENTION, tuple(layers), (latent,), spec.block_size, kbs, kernel_block_bytes
+        )
     start, local = split_or_replicate(
         facts.total_kv_heads, 1, tp_size, tp_rank, "attention.total_num_kv_heads"
     )
@@ -241,15 +272,11 @@ def _attention_group(
             f"{heads} heads on rank {tp_rank} of {tp_size}, but "
             f"{facts.total_kv_heads} heads shard into {local}",
         )
-    item = view.element_size()
-    dtype = _dtype_name(view.dtype)
-    if view.dtype == torch.uint8:
-        dtype = _FP8_FORMATS.get(facts.kv_cache_dtype, dtype)
     kv = Segment(
         "kv",
         0,
         (heads, kbs, content),
-        tuple(s * item for s in view.stride()[1:]),
+        strides,
         dtype,
         shard_axis=0,
         shard_start=start,
@@ -257,7 +284,7 @@ def _attention_group(
         token_axis=1,
     )
     return GroupLayout(
-        GroupKind.ATTENTION, tuple(layers), (kv,), spec.block_size, kbs, view.stride(0) * item
+        GroupKind.ATTENTION, tuple(layers), (kv,), spec.block_size, kbs, kernel_block_bytes
     )
 
 

@@ -53,6 +53,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheSpec,
     MambaSpec,
+    MLAAttentionSpec,
     get_kv_quant_mode,
 )
 from vllm.v1.worker.utils import (
@@ -171,6 +172,8 @@ def _attention_spec(
 ) -> AttentionSpec:
     """The spec of ``model``'s full-attention layers at ``parallel``'s TP, stored in
     ``cache.cache_dtype`` (``--kv-cache-dtype``) as vLLM's attention layer declares it."""
+    if model.use_mla:
+        return customize_attention_spec(backend, _mla_spec(model, cache))
     return customize_attention_spec(
         backend,
         FullAttentionSpec(
@@ -180,6 +183,22 @@ def _attention_spec(
             dtype=kv_cache_dtype_str_to_dtype(cache.cache_dtype, model),
             kv_quant_mode=get_kv_quant_mode(cache.cache_dtype),
         ),
+    )
+
+
+def _mla_spec(model: ModelConfig, cache: CacheConfig) -> MLAAttentionSpec:
+    """The spec of an MLA model's layers, as ``MLAAttention.get_kv_cache_spec`` declares it
+    for dense MLA (no sliding window, no sparse indexer): one latent head of the model's
+    head size, the same on every TP rank."""
+    return MLAAttentionSpec(
+        block_size=cache.block_size,
+        num_kv_heads=1,
+        max_tp_shards=1,
+        head_size=model.get_head_size(),
+        dtype=kv_cache_dtype_str_to_dtype(cache.cache_dtype, model),
+        cache_dtype_str=cache.cache_dtype,
+        kv_quant_mode=get_kv_quant_mode(cache.cache_dtype),
+        state_content_bytes={"fp8_ds_mla": 656, "nvfp4_ds_mla": 352}.get(cache.cache_dtype),
     )
 
 
