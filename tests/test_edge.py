@@ -170,7 +170,8 @@ def worst_registration(engine_id: str) -> pb.RegisterRankRequest:
     del ssm.shape[:], ssm.strides[:]
     ssm.shape.extend([runs, 1])
     ssm.strides.extend([8, 4])
-    ssm.ClearField("shard_axis")
+    for field in ("shard_axis", "shard_start", "global_extent"):  # held whole
+        ssm.ClearField(field)
     request.layout.page_bytes = page = ssm.offset + 8 * runs
     base = request.regions[0].base_addr
     for i, region in enumerate(request.regions):

@@ -176,7 +176,8 @@ def _page_runs(r: pb.RegisterRankRequest) -> None:
     del segment.shape[:], segment.strides[:]
     segment.shape.extend([LIMITS.max_page_runs + 1, 1])
     segment.strides.extend([8, 4])
-    segment.ClearField("shard_axis")
+    for field in ("shard_axis", "shard_start", "global_extent"):  # held whole
+        segment.ClearField(field)
     r.layout.page_bytes = 8 * (LIMITS.max_page_runs + 2) + 288
 
 
