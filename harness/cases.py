@@ -67,6 +67,25 @@ def _mamba_params(kind: str, raw: Mapping[str, Any]) -> MambaParams:
         raise LayoutError("mamba", str(exc)) from None
 
 
+def _attention_params(raw: Mapping[str, Any]) -> AttentionParams:
+    """``kind`` ``mha`` (default): K and V per head; ``mla``: one latent of ``kv_lora_rank +
+    qk_rope_head_dim`` elements per token, held whole by every rank."""
+    kind = raw.get("kind", "mha")
+    dtype = raw.get("dtype", "bfloat16")
+    if kind == "mla":
+        latent = _positive_int(raw, "kv_lora_rank", "attention") + _positive_int(
+            raw, "qk_rope_head_dim", "attention"
+        )
+        return AttentionParams(1, latent, dtype, latent=True)
+    if kind != "mha":
+        raise LayoutError("attention.kind", f"must be mha or mla, got {kind!r}")
+    return AttentionParams(
+        _positive_int(raw, "total_num_kv_heads", "attention"),
+        _positive_int(raw, "head_dim", "attention"),
+        dtype,
+    )
+
+
 def model_from_case(case: Mapping[str, Any]) -> ModelSpec:
     groups = []
     for i, group in enumerate(_get(case, "groups", "")):
@@ -76,14 +95,7 @@ def model_from_case(case: Mapping[str, Any]) -> ModelSpec:
         groups.append((GroupKind(kind), tuple(_get(group, "layers", f"groups[{i}]"))))
     if not groups:
         raise LayoutError("groups", "at least one group is required")
-    attention = None
-    if "attention" in case:
-        raw = case["attention"]
-        attention = AttentionParams(
-            _positive_int(raw, "total_num_kv_heads", "attention"),
-            _positive_int(raw, "head_dim", "attention"),
-            raw.get("dtype", "bfloat16"),
-        )
+    attention = _attention_params(case["attention"]) if "attention" in case else None
     mamba = None
     if "mamba" in case:
         mamba = _mamba_params(_get(case, "mamba_type", ""), case["mamba"])
@@ -118,3 +130,18 @@ def load_case(case: Mapping[str, Any]) -> Case:
             _get(request, "d_block_ids", "request"),
         ),
     )
+
+
+def merge_runs(runs: list[list[int]]) -> list[tuple[int, ...]]:
+    """Sort and merge runs that continue each other on both sides (same ranks, regions)."""
+    merged: list[tuple[int, ...]] = []
+    for run in sorted(map(tuple, runs)):
+        if merged:
+            prev = merged[-1]
+            if (prev[0], prev[1], prev[3], prev[4]) == (run[0], run[1], run[3], run[4]) and (
+                prev[2] + prev[6] == run[2] and prev[5] + prev[6] == run[5]
+            ):
+                merged[-1] = (*prev[:6], prev[6] + run[6])
+                continue
+        merged.append(run)
+    return merged

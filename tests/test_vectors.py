@@ -12,25 +12,10 @@ import pytest
 
 from broker.cli import main
 from broker.planner import PairPlanner
-from harness.cases import load_case
+from harness.cases import load_case, merge_runs
 
 VECTORS = Path(__file__).parent / "data" / "testvectors"
 CASES = sorted((VECTORS / "cases").glob("*.json"))
-
-
-def merge_runs(runs: list[list[int]]) -> list[tuple[int, ...]]:
-    """Sort and merge runs that continue each other on both sides (same ranks, regions)."""
-    merged: list[tuple[int, ...]] = []
-    for run in sorted(map(tuple, runs)):
-        if merged:
-            prev = merged[-1]
-            if (prev[0], prev[1], prev[3], prev[4]) == (run[0], run[1], run[3], run[4]) and (
-                prev[2] + prev[6] == run[2] and prev[5] + prev[6] == run[5]
-            ):
-                merged[-1] = (*prev[:6], prev[6] + run[6])
-                continue
-        merged.append(run)
-    return merged
 
 
 def test_vectors_are_present() -> None:

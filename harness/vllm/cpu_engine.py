@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Protocol, cast
 
@@ -43,6 +43,10 @@ from vllm.platforms.interface import Platform
 from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
 from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+from vllm.v1.attention.backends.utils import (
+    get_supported_kv_cache_layouts,
+    resolve_kv_cache_layout,
+)
 from vllm.v1.core.kv_cache_planning import (
     get_kv_cache_config_from_groups,
     get_kv_cache_groups,
@@ -73,10 +77,12 @@ MAMBA_TYPES = {
 }
 
 
-def write_model(preset: str, directory: Path) -> Path:
-    """A model directory holding the preset's ``config.json``."""
+def write_model(preset: str | Mapping[str, Any], directory: Path) -> Path:
+    """A model directory holding the preset's ``config.json`` (or ``preset`` itself, a
+    ``config.json`` object)."""
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(PRESET_CONFIGS[preset]))
+    config = PRESET_CONFIGS[preset] if isinstance(preset, str) else preset
+    (directory / "config.json").write_text(json.dumps(config))
     return directory
 
 
@@ -107,8 +113,12 @@ def vllm_config(
         if speculative
         else None,
     )
-    # The engine core resolves the layout from the connector's requirement.
+    # The engine core resolves the layout from the connector's requirement, else (vLLM's
+    # NIXL connector under MLA) from the layouts the attention backend supports.
     config.cache_config.kv_cache_layout = connector.get_required_kvcache_layout(config)
+    if config.cache_config.kv_cache_layout is None:
+        supported = [layout.name for layout in get_supported_kv_cache_layouts([backend])]
+        resolve_kv_cache_layout(config, [supported])
     if model.is_hybrid:
         Platform._align_hybrid_block_size(config, backend)
     return config

@@ -33,11 +33,13 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 from unittest import mock
+
+import numpy as np
 
 # vLLM logs to stdout by default; keep stdout for the benchmark's table or JSON.
 os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
@@ -55,6 +57,7 @@ from harness.vllm.cpu_engine import (
 
 # isort: split
 
+import torch
 from vllm.config import KVTransferConfig, VllmConfig, set_current_vllm_config
 from vllm.config.kv_transfer import KVRole
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
@@ -70,6 +73,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
 from vllm.v1.attention.backends.flashinfer import FlashInferBackend
+from vllm.v1.attention.backends.mla.triton_mla import TritonMLABackend
 from vllm.v1.attention.selector import get_mamba_attn_backend
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec, MambaSpec
 
@@ -103,11 +107,14 @@ def _thread_stacks() -> str:
 class RecordingAgent:
     """Stands in for NIXL's ``nixl_agent``: records each call as (method, ``perf_counter_ns``
     at entry, args) and returns a fresh handle (``get_agent_metadata``: the agent's name as
-    bytes; ``add_remote_agent``: the remote agent's name)."""
+    bytes; ``add_remote_agent``: the remote agent's name). :attr:`dlists` keeps each
+    ``prep_xfer_dlist`` handle's descriptors (rows of address, length, device, stride, count:
+    ``count`` blocks of ``length`` bytes ``stride`` bytes apart)."""
 
     def __init__(self, name: str, config: Any = None) -> None:
         self.name = name
         self.calls: list[tuple[str, int, tuple[Any, ...]]] = []
+        self.dlists: dict[int, np.ndarray] = {}
         self._handles = itertools.count(1)
 
     def __getattr__(self, method: str) -> Callable[..., Any]:
@@ -117,7 +124,10 @@ class RecordingAgent:
                 return self.name.encode()
             if method == "add_remote_agent":
                 return args[0].decode()
-            return next(self._handles)
+            handle = next(self._handles)
+            if method == "prep_xfer_dlist":
+                self.dlists[handle] = np.asarray(args[1], dtype=np.int64).reshape(-1, 5)
+            return handle
 
         return record
 
@@ -169,11 +179,15 @@ class _Engine:
             model_dir, layout.tp_size, transfer, NixlConnector, backend, block_size=block_size
         )
         self.engine_id, self.backend = engine_id, backend
-        mamba = get_mamba_attn_backend(MAMBA_TYPES[self.config.model_config.hf_config.model_type])
+        self.caches: dict[int, dict[str, torch.Tensor]] = {}
+        self.workers: dict[int, NixlPullConnectorWorker] = {}
+        specs = layer_specs(self.config, backend)
         self.config.compilation_config.static_forward_context.update(
             {
-                name: _Layer(mamba if isinstance(spec, MambaSpec) else backend, spec)
-                for name, spec in layer_specs(self.config, backend).items()
+                name: _Layer(
+                    self._mamba_backend() if isinstance(spec, MambaSpec) else backend, spec
+                )
+                for name, spec in specs.items()
             }
         )
         self.kv_config: KVCacheConfig = kv_cache_config(
@@ -183,6 +197,9 @@ class _Engine:
         if self.config.cache_config.block_size != block_size or groups != len(layout.groups):
             raise ValueError(f"vLLM groups {engine_id}'s layers otherwise than the scenario")
 
+    def _mamba_backend(self) -> type:
+        return get_mamba_attn_backend(MAMBA_TYPES[self.config.model_config.hf_config.model_type])
+
     def worker(self, tp_rank: int) -> NixlPullConnectorWorker:
         """TP rank ``tp_rank``'s connector worker, its caches registered."""
         with (
@@ -190,8 +207,37 @@ class _Engine:
             set_current_vllm_config(self.config),
         ):
             worker = NixlPullConnectorWorker(self.config, self.engine_id, self.kv_config)
-            worker.register_kv_caches(allocate(self.config, self.kv_config, self.backend))
+            self.caches[tp_rank] = allocate(self.config, self.kv_config, self.backend)
+            worker.register_kv_caches(self.caches[tp_rank])
+        self.workers[tp_rank] = worker
         return worker
+
+    def regions(self, tp_rank: int) -> list[tuple[int, int, set[str]]]:
+        """The regions ``tp_rank``'s worker registered, in its order: (base address, bytes,
+        the layers whose cache starts in it)."""
+        worker = self.workers[tp_rank]
+        bases = worker.kv_caches_base_addr[self.engine_id][tp_rank]
+        sizes = [
+            stride * blocks
+            for stride, blocks in zip(
+                worker.block_stride_per_layer, worker.region_num_blocks, strict=True
+            )
+        ]
+        layers: list[set[str]] = [set() for _ in bases]
+        for name, cache in self.caches[tp_rank].items():
+            start = (cache[0] if isinstance(cache, (list, tuple)) else cache).data_ptr()
+            for region, (base, size) in enumerate(zip(bases, sizes, strict=True)):
+                if base <= start < base + size:
+                    layers[region].add(name)
+        return [(b, n, names) for b, n, names in zip(bases, sizes, layers, strict=True)]
+
+
+def _expand(dlist: np.ndarray) -> np.ndarray:
+    """(address, bytes) of each block of strided descriptor rows, in NIXL's index order."""
+    starts = np.concatenate(
+        [addr + stride * np.arange(count) for addr, _, _, stride, count in dlist]
+    )
+    return np.stack([starts, np.repeat(dlist[:, 1], dlist[:, 4])], axis=1)
 
 
 def _free_port() -> int:
@@ -201,21 +247,31 @@ def _free_port() -> int:
 
 
 class VllmDecodeSide:
-    """vLLM's decode rank 0 of ``sc`` after its handshake with the prefill ranks it reads;
-    ``preset`` names the model's ``config.json``. ``kernel_block_size`` 0: FlashAttention
-    (kernel block = logical block), else FlashInfer (which must choose that size).
-    :attr:`handshake_s` is the first request's handshake (NIXL's C++ calls recorded, not
-    run); :attr:`descriptors` what vLLM posts for the request."""
+    """vLLM's decode rank ``decode_rank`` of ``sc`` after its handshake with the prefill
+    ranks it reads; ``preset`` names the model's ``config.json`` (or is one).
+    ``kernel_block_size`` 0: FlashAttention (kernel block = logical block), else FlashInfer
+    (which must choose that size); MLA: Triton MLA. :attr:`handshake_s` is the first
+    request's handshake (NIXL's C++ calls recorded, not run); :attr:`descriptors` what vLLM
+    posts for the request; :meth:`reads` the descriptors themselves."""
 
-    def __init__(self, preset: str, sc: Scenario, kernel_block_size: int = 0) -> None:
-        backend = FlashInferBackend if kernel_block_size else FlashAttentionBackend
-        self.sc, self._requests = sc, itertools.count()
+    def __init__(
+        self,
+        preset: str | Mapping[str, Any],
+        sc: Scenario,
+        kernel_block_size: int = 0,
+        decode_rank: int = 0,
+    ) -> None:
+        backend: type = FlashInferBackend if kernel_block_size else FlashAttentionBackend
+        if sc.model.attention is not None and sc.model.attention.latent:
+            backend = TritonMLABackend
+        self.sc, self.decode_rank, self._requests = sc, decode_rank, itertools.count()
         self._workers: list[NixlPullConnectorWorker] = []
         self._scheduler: NixlPullConnectorScheduler | None = None
         with tempfile.TemporaryDirectory() as tmp:
-            model_dir = write_model(preset, Path(tmp) / preset)
+            model_dir = write_model(preset, Path(tmp) / "model")
             decode = _Engine(model_dir, sc.decode, "kv_consumer", DECODE_ID, backend)
             prefill = _Engine(model_dir, sc.prefill, "kv_producer", PREFILL_ID, backend)
+            self.decode_engine, self.prefill_engine = decode, prefill
             for attempt in range(1, HANDSHAKE_ATTEMPTS + 1):
                 try:
                     self._start(decode, prefill, kernel_block_size)
@@ -231,7 +287,7 @@ class VllmDecodeSide:
 
     def _start(self, decode: _Engine, prefill: _Engine, kernel_block_size: int) -> None:
         """Build the workers, serve the prefill ranks' handshake, run the first request."""
-        self.worker = decode.worker(0)
+        self.worker = decode.worker(self.decode_rank)
         self._workers.append(self.worker)
         if kernel_block_size and self.worker.block_size != kernel_block_size:
             raise ValueError(f"vLLM chose {self.worker.block_size}-token kernel blocks")
@@ -303,9 +359,9 @@ class VllmDecodeSide:
         self.worker._recving_transfers.clear()
         self.worker._recving_metadata.clear()
 
-    def _post(self) -> tuple[int, int]:
-        """One new request through ``start_load_kv``: nanoseconds to vLLM's last
-        ``make_prepped_xfer`` call and the descriptors it posted."""
+    def _posts(self) -> tuple[int, list[tuple[Any, ...]]]:
+        """One new request through ``start_load_kv``: its start (``perf_counter_ns``) and the
+        ``make_prepped_xfer`` calls vLLM made for it, each (entry time, args)."""
         metadata = self._metadata()
         agent = self.worker.nixl_wrapper
         agent.calls.clear()
@@ -315,7 +371,28 @@ class VllmDecodeSide:
         self._forget()
         if not posts:
             raise RuntimeError("vLLM posted no read for the request")
+        return start, posts
+
+    def _post(self) -> tuple[int, int]:
+        """Nanoseconds from a new request's ``start_load_kv`` to vLLM's last
+        ``make_prepped_xfer`` call, and the descriptors it posted."""
+        start, posts = self._posts()
         return posts[-1][0] - start, sum(len(args[2]) for _, args in posts)
+
+    def reads(self) -> list[tuple[int, int, int, int]]:
+        """Each descriptor vLLM posts for a new request: (local address, prefill rank, remote
+        address, bytes)."""
+        dlists = self.worker.nixl_wrapper.dlists
+        ranks = {h: r for r, h in self.worker.dst_xfer_side_handles[PREFILL_ID].items()}
+        reads = []
+        for _, (_, local, local_ids, remote, remote_ids) in self._posts()[1]:
+            local_descs, remote_descs = _expand(dlists[local]), _expand(dlists[remote])
+            for i, j in zip(local_ids, remote_ids, strict=True):
+                (addr, length), (remote_addr, remote_length) = local_descs[i], remote_descs[j]
+                if length != remote_length:
+                    raise RuntimeError(f"vLLM reads {remote_length} bytes into {length}")
+                reads.append((int(addr), ranks[remote], int(remote_addr), int(length)))
+        return reads
 
     def sample(self) -> int:
         """Nanoseconds vLLM's decode rank 0 takes from ``start_load_kv`` to its last

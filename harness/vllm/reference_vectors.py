@@ -1,0 +1,187 @@
+"""Reference transfer plans (``tests/data/testvectors``) from vLLM 0.33's own NIXL connector.
+
+For a planning case, every decode rank is built as vLLM's connector worker, with the prefill
+ranks it reads (:class:`harness.vllm.nixl_reference.VllmDecodeSide`), on caches shaped as
+vLLM allocates them for the case's model (a ``config.json`` made from the case: Mamba2 as
+Nemotron-H, MLA as DeepSeek-V2). The descriptors vLLM posts for the request are located in
+the cache tensors of both sides and normalised as the vectors' README says: what carries no
+state is dropped, the rest becomes maximal runs relative to region bases.
+
+    python -m harness.vllm.reference_vectors CASE.json [CASE.json ...] --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from broker.errors import LayoutError
+from broker.presets import PRESET_CONFIGS, model_from_hf_config
+from harness.cases import load_case, merge_runs
+from harness.scenarios import Scenario
+from harness.vllm.nixl_reference import VllmDecodeSide
+
+#: Nemotron-H ``hybrid_override_pattern`` code of each case layer type.
+_NEMOTRON_CODES = {"mamba": "M", "attention": "*"}
+
+
+def _layer_indices(case: Mapping[str, Any]) -> dict[int, str]:
+    """Each case layer's model index and type (names ``model.layers.N...``)."""
+    return {int(layer["name"].split(".")[2]): layer["type"] for layer in case["layers"]}
+
+
+def _nemotron_h(case: Mapping[str, Any]) -> dict[str, Any]:
+    attn, mamba = case["attention"], case["mamba"]
+    layers = _layer_indices(case)
+    pattern = "".join(
+        _NEMOTRON_CODES[layers[i]] if i in layers else "-" for i in range(max(layers) + 1)
+    )
+    if mamba["intermediate_size"] != mamba["num_heads"] * mamba["head_dim"]:
+        raise LayoutError("mamba.intermediate_size", "Nemotron-H needs num_heads * head_dim")
+    return {
+        **PRESET_CONFIGS["nemotron-h-8b"],
+        "torch_dtype": mamba["conv_dtype"],
+        "hybrid_override_pattern": pattern,
+        "num_hidden_layers": len(pattern),
+        "num_key_value_heads": attn["total_num_kv_heads"],
+        "attention_head_dim": attn["head_dim"],
+        "mamba_num_heads": mamba["num_heads"],
+        "mamba_head_dim": mamba["head_dim"],
+        "n_groups": mamba["n_groups"],
+        "ssm_state_size": mamba["state_size"],
+        "conv_kernel": mamba["conv_kernel"],
+        "mamba_ssm_cache_dtype": mamba["ssm_dtype"],
+    }
+
+
+def _deepseek_v2(case: Mapping[str, Any]) -> dict[str, Any]:
+    attn = case["attention"]
+    return {
+        **PRESET_CONFIGS["deepseek-v2-lite"],
+        "torch_dtype": attn.get("dtype", "bfloat16"),
+        "num_hidden_layers": max(_layer_indices(case)) + 1,
+        "kv_lora_rank": attn["kv_lora_rank"],
+        "qk_rope_head_dim": attn["qk_rope_head_dim"],
+    }
+
+
+def hf_config(case: Mapping[str, Any]) -> dict[str, Any]:
+    """A ``config.json`` of a model vLLM forms the case's layers and groups from: Mamba2 as
+    Nemotron-H, MLA as DeepSeek-V2; other families raise :class:`LayoutError`."""
+    if case.get("attention", {}).get("kind") == "mla" and "mamba" not in case:
+        config = _deepseek_v2(case)
+    elif case.get("mamba_type") == "mamba2" and "shapes_by_tp" not in case["mamba"]:
+        config = _nemotron_h(case)
+    else:
+        raise LayoutError("mamba_type", "reference plans are made for Mamba2 and MLA cases")
+    built = model_from_hf_config(config, "case")
+    wanted = tuple((g["type"], tuple(g["layers"])) for g in case["groups"])
+    if tuple((kind.value, names) for kind, names in built.groups) != wanted:
+        raise LayoutError("groups", "vLLM groups the case's layers otherwise")
+    return config
+
+
+#: A region vLLM registered: base address, bytes, the layers whose cache it holds.
+Region = tuple[int, int, set[str]]
+
+
+def _locate(regions: Sequence[Region], addr: int, length: int) -> tuple[int, int]:
+    """(region, offset) of ``length`` bytes at ``addr`` inside one of ``regions``."""
+    for region, (base, size, _) in enumerate(regions):
+        if base <= addr and addr + length <= base + size:
+            return region, addr - base
+    raise RuntimeError(f"vLLM reads {length} bytes at {addr:#x}, outside every region")
+
+
+def _carries_state(side: VllmDecodeSide, region: Region, offset: int) -> bool:
+    """Whether the decode bytes at ``offset`` of ``region`` hold request state: a block of a
+    group with a layer in that region, and for attention a kernel block with a token below
+    the request's length."""
+    engine, request = side.decode_engine, side.sc.request
+    page = region[1] // engine.kv_config.num_blocks
+    block = offset // page
+    group = next(g for g, ids in enumerate(request.decode_block_ids) if block in ids)
+    if not region[2] & set(engine.kv_config.kv_cache_groups[group].layer_names):
+        return False
+    if not side.sc.decode.groups[group].is_attention:
+        return True
+    ids = request.decode_block_ids[group]
+    logical = side.sc.decode.groups[group].block_size
+    ratio = side.worker._physical_blocks_per_logical_kv_block
+    first = -(-request.num_tokens // logical) - len(ids)
+    kernel = (offset % page) // (page // ratio)
+    start = ((first + ids.index(block)) * ratio + kernel) * (logical // ratio)
+    return start < request.num_tokens
+
+
+def _region_facts(regions: Sequence[Region], num_blocks: int) -> dict[str, Any]:
+    """What one rank registered: its regions and their page sizes."""
+    return {
+        "num_regions": len(regions),
+        "region_page_bytes": [size // num_blocks for _, size, _ in regions],
+    }
+
+
+def reference_plan(case: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``expected`` object of ``case`` (README schema), from vLLM's posted descriptors."""
+    config, loaded = hf_config(case), load_case(case)
+    scenario = Scenario(loaded.model, loaded.prefill, loaded.decode, loaded.request)
+    attention = [g for g in loaded.decode.groups if g.is_attention]
+    # FlashInfer for kernel blocks smaller than a page, as the case's engines use.
+    kernel = next((g.kernel_block_size for g in attention if g.kernel_blocks_per_page > 1), 0)
+    runs, kept, posted = [], 0, 0
+    engines: dict[str, dict[str, Any]] = {"prefill": {}, "decode": {}}
+    for d in range(loaded.decode.tp_size):
+        side = VllmDecodeSide(copy.deepcopy(config), scenario, kernel, d)
+        try:
+            reads = side.reads()
+            d_regions = side.decode_engine.regions(d)
+            p_regions = {p: side.prefill_engine.regions(p) for p in side.prefill_engine.caches}
+            for addr, p, remote_addr, length in reads:
+                posted += length
+                d_region, d_offset = _locate(d_regions, addr, length)
+                if not _carries_state(side, d_regions[d_region], d_offset):
+                    continue
+                kept += 1
+                p_region, p_offset = _locate(p_regions[p], remote_addr, length)
+                runs.append([d, d_region, d_offset, p, p_region, p_offset, length])
+            engines["decode"][str(d)] = {
+                **_region_facts(d_regions, loaded.decode.ranks[d].num_blocks),
+                "kernel_block_size": side.worker.block_size,
+                "physical_blocks_per_logical": side.worker._physical_blocks_per_logical_kv_block,
+            }
+            for p, regions in p_regions.items():
+                engines["prefill"][str(p)] = _region_facts(
+                    regions, loaded.prefill.ranks[p].num_blocks
+                )
+        finally:
+            side.close()
+    merged = [list(run) for run in merge_runs(runs)]
+    return {
+        "case": case.get("name", "case"),
+        "status": "ok",
+        "runs": merged,
+        "total_bytes": sum(run[6] for run in merged),
+        "vllm_descriptors": kept,
+        "vllm_bytes_incl_unused": posted,
+        "engines": engines,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("cases", nargs="+", type=Path)
+    parser.add_argument("--out", type=Path, required=True, help="directory for expected files")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    for path in args.cases:
+        expected = reference_plan(json.loads(path.read_text()))
+        (args.out / path.name).write_text(json.dumps(expected))
+
+
+if __name__ == "__main__":
+    main()
