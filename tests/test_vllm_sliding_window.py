@@ -1,12 +1,34 @@
-"""Sliding-window attention through the connector: the block lists its scheduler half
-exchanges are vLLM's NIXL connector's, less the null blocks vLLM pads skipped blocks with."""
+"""Sliding-window attention (gpt-oss: sliding and full attention in alternate layers) through
+the connector, with real vLLM 0.33 schedulers on CPU, a live broker and NIXL reads of
+vLLM-allocated caches (see ``test_vllm_connector``).
+
+A prompt several windows long: the full-attention group moves every token, the
+sliding-window group only the blocks holding the window of the token decode computes next
+(vLLM has already replaced the blocks before it with its null block, on both engines). The
+prefill engine's out-of-window pages are never read (the plans move exactly the in-window
+and full-attention bytes), decode's memory outside the request's blocks keeps its poison (the
+null block included), and decode goes straight on: an attention-only model's prefill
+computes the whole prompt (backoff 0) and decode computes the last token again for its
+logits.
+"""
 
 from __future__ import annotations
 
+import socket
+from collections.abc import Iterator
 from itertools import dropwhile
+from pathlib import Path
 
 import pytest
-from vllm_engines import write_model  # noqa: F401  (configures vLLM for CPU first)
+from test_vllm_connector import (
+    assert_transferred,
+    decode,
+    make_engine,
+    prefill,
+    transfer_blocks,
+    transfer_record,
+)
+from vllm_engines import init_vllm_distributed, shutdown_vllm_distributed, write_model
 
 # isort: split
 import torch
@@ -21,8 +43,100 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
-from clients.vllm.metadata import ConnectorSettings
+from broker.v1 import broker_pb2 as pb
+from clients.vllm.metadata import TRANSFER_ID, ConnectorSettings
 from clients.vllm.scheduler import SchedulerHalf
+from harness.brokers import BrokerProcess
+
+#: gpt-oss-20b: 24 layers, half of them in each group; 8 KV heads of 64, K and V, bfloat16.
+LAYERS_PER_GROUP = 12
+KV_BYTES_PER_TOKEN = 8 * 64 * 2 * 2
+#: Blocks for a prompt of a few hundred tokens in each group (the window group frees its
+#: out-of-window blocks only once the prompt is computed).
+NUM_BLOCKS = 80
+
+
+@pytest.fixture(scope="module", autouse=True)
+def vllm_distributed() -> Iterator[None]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    init_vllm_distributed(port)
+    yield
+    shutdown_vllm_distributed()
+
+
+@pytest.fixture
+def broker() -> Iterator[BrokerProcess]:
+    process = BrokerProcess()
+    yield process
+    process.stop()
+
+
+@pytest.mark.parametrize(
+    ("prefill_tp", "decode_tp", "prompt_len"),
+    [
+        (1, 1, 512),  # the window starts on a block: prefill's null block is in vLLM's tail
+        (1, 2, 500),  # KV heads split on decode; the window starts inside a block
+        (2, 1, 456),  # gathered from two prefill ranks
+    ],
+)
+def test_the_full_group_and_the_window_move(
+    broker: BrokerProcess, tmp_path: Path, prefill_tp: int, decode_tp: int, prompt_len: int
+) -> None:
+    model = write_model("gpt-oss-20b", tmp_path / "m")
+    producer = make_engine(
+        model, prefill_tp, "kv_producer", "prefill-0", broker.address, num_blocks=NUM_BLOCKS
+    )
+    consumer = make_engine(
+        model, decode_tp, "kv_consumer", "decode-0", broker.address, num_blocks=NUM_BLOCKS
+    )
+    try:
+        specs = [g.kv_cache_spec for g in producer.kv_config.kv_cache_groups]
+        sliding = [g for g, s in enumerate(specs) if isinstance(s, SlidingWindowSpec)]
+        assert sliding == [0] and len(specs) == 2
+        window, block = specs[0].sliding_window, specs[0].block_size
+        assert (window, block) == (128, 16)
+        free = producer.free_blocks
+        prompt = list(range(1, prompt_len + 1))
+        params = prefill(producer, "r1", prompt, backoff=0)
+        assert params is not None
+        record = transfer_record(broker, params[TRANSFER_ID])
+        assert record.num_tokens == prompt_len
+        # The blocks holding the window of token prompt_len (from prompt_len - window + 1 on),
+        # on both engines: the same positions in each request's block table.
+        first = (prompt_len - window + 1) // block
+        held = transfer_blocks(producer, "r1")
+        in_window = [held[0][first:], held[1]]
+        assert set(held[0][:first]) == {0}  # vLLM's null block: out of the window, freed
+        assert 0 not in in_window[0]
+        # vLLM's own clipping (the window's blocks plus one) keeps a null block when the
+        # window starts on a block boundary; the published list holds only real pages.
+        assert held[0][-(window // block + 1) :].count(0) == (prompt_len % block == 0)
+        assert [list(g.ids) for g in record.block_ids] == in_window
+        seen = decode(consumer, "r1", prompt, params, producer)
+        # No recompute: vLLM computes the last prompt token again for its logits.
+        assert seen["scheduled"][0] == 1
+        loaded = transfer_blocks(consumer, "r1", seen["blocks"])
+        assert set(loaded[0][:first]) == {0}
+        window_tokens = prompt_len - first * block
+        assert_transferred(
+            producer,
+            in_window,
+            consumer,
+            [loaded[0][first:], loaded[1]],
+            [window_tokens, prompt_len],
+        )
+        record = transfer_record(broker, params[TRANSFER_ID])
+        assert pb.TransferState.Name(record.state) == "TRANSFER_STATE_COMPLETED"
+        # Whole pages (the kernel block is the page): the window's, and every full one.
+        pages = -(-prompt_len // block)
+        moved = sum(p.total_bytes for p in record.plans)
+        assert moved == LAYERS_PER_GROUP * KV_BYTES_PER_TOKEN * ((pages - first) + pages) * block
+        assert producer.free_blocks == free  # the release freed the prefill blocks
+    finally:
+        consumer.close()
+        producer.close()
 
 
 @pytest.mark.parametrize(("window", "block_size"), [(128, 16), (129, 16), (100, 32)])
