@@ -2,7 +2,7 @@
 passes before any plan is made.
 
 Both sides must serve the same model with TP sizes that divide one another, the same KV-cache
-groups over the same layers, and per group the same tensors with equal dtypes, sharded axes and
+groups over the same layers with the same sliding windows, and per group the same tensors with equal dtypes, sharded axes and
 global shapes (token extents aside: block sizes may differ). Errors name the offending field.
 """
 
@@ -39,6 +39,12 @@ def check_compatible(prefill: EngineLayout, decode: EngineLayout) -> None:
             )
         if pg.layers != dg.layers:
             raise IncompatibleLayoutsError(f"{where}.layers", _layer_difference(pg, dg))
+        if pg.sliding_window != dg.sliding_window:
+            raise IncompatibleLayoutsError(
+                f"{where}.sliding_window",
+                f"prefill {pg.sliding_window} tokens, decode {dg.sliding_window} "
+                "(0: full attention); both must serve the same attention windows",
+            )
     if prefill.ranks[0].num_regions != decode.ranks[0].num_regions:
         raise IncompatibleLayoutsError(
             "num_regions",

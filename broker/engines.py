@@ -27,7 +27,7 @@ from broker.errors import (
     PreconditionError,
     RequestError,
 )
-from broker.layout import EngineLayout
+from broker.layout import EngineLayout, attention_shortfall
 from broker.planner import PairPlanner
 from broker.records import RankRecord, RankRegistration
 from broker.store.contract import StateStore
@@ -180,11 +180,8 @@ def check_published_blocks(layout: EngineLayout, block_ids: BlockIds, num_tokens
                     raise RequestError(f"block_ids[{g}]", f"block id {b} appears twice")
                 seen.add(b)
     for g, (group, group_ids) in enumerate(zip(layout.groups, block_ids)):
-        if group.is_attention and len(group_ids) * group.block_size < num_tokens:
-            raise RequestError(
-                f"block_ids[{g}]",
-                f"{len(group_ids)} blocks of {group.block_size} "
-                f"tokens cannot hold num_tokens={num_tokens}",
-            )
+        shortfall = group.is_attention and attention_shortfall(group, num_tokens, len(group_ids))
+        if shortfall:
+            raise RequestError(f"block_ids[{g}]", shortfall)
         if not group.is_attention and not group_ids:
             raise RequestError(f"block_ids[{g}]", "a Mamba group needs its state block")

@@ -163,6 +163,48 @@ class Segment:
         return (self.shard_start, self.shard_start + self.shape[self.shard_axis])
 
 
+def window_blocks(sliding_window: int, block_size: int) -> int:
+    """Blocks a sliding-window group's lists keep (0: a full-attention group keeps all), as
+    vLLM's NIXL connector computes them: the window's blocks plus one, as the window need not
+    start at a block boundary."""
+    return -(-sliding_window // block_size) + 1 if sliding_window else 0
+
+
+def window_tail(block_ids: list[int], sliding_window: int, block_size: int) -> list[int]:
+    """The blocks of ``block_ids`` (a group's, in request order) that a sliding-window group
+    moves: its last :func:`window_blocks`; a full-attention group's whole list."""
+    keep = window_blocks(sliding_window, block_size)
+    return block_ids[-keep:] if keep else block_ids
+
+
+def tail_start(num_tokens: int, num_blocks: int, block_size: int) -> int:
+    """First token a list of a request's last ``num_blocks`` blocks holds (0 when it holds
+    the request's first block: a longer list holds blocks past its tokens)."""
+    return max(0, -(-num_tokens // block_size) - num_blocks) * block_size
+
+
+def attention_shortfall(group: GroupLayout, num_tokens: int, num_blocks: int) -> str | None:
+    """Why a list of ``num_blocks`` of ``group``'s blocks cannot hold what a request of
+    ``num_tokens`` needs (every token; a sliding-window group: those from the window's first
+    token on), or None when it can."""
+    held = tail_start(num_tokens, num_blocks, group.block_size)
+    if not group.sliding_window:
+        if held:
+            return (
+                f"{num_blocks} blocks of {group.block_size} tokens cannot hold "
+                f"num_tokens={num_tokens}"
+            )
+        return None
+    needed = max(0, num_tokens - group.sliding_window + 1)
+    if held > needed:
+        return (
+            f"{num_blocks} blocks of {group.block_size} tokens hold tokens from {held} on, "
+            f"but the {group.sliding_window}-token window of num_tokens={num_tokens} "
+            f"starts at token {needed}"
+        )
+    return None
+
+
 def contiguous_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
     """Byte strides of a C-contiguous array."""
     strides, step = [], itemsize
@@ -180,6 +222,10 @@ class GroupLayout:
     (tokens per kernel block) and ``kernel_block_bytes`` (stride between kernel blocks);
     their segment offsets are relative to the kernel block. Mamba groups leave them 0: one
     block is one indivisible state snapshot.
+
+    ``sliding_window`` (tokens; 0 = full attention) declares a sliding-window attention group:
+    its block lists hold only the request's last blocks (:func:`window_blocks` of them, as
+    vLLM's NIXL connector clips them), which must reach back to the window's first token.
     """
 
     kind: GroupKind
@@ -188,6 +234,7 @@ class GroupLayout:
     block_size: int = 0
     kernel_block_size: int = 0
     kernel_block_bytes: int = 0
+    sliding_window: int = 0
 
     @property
     def is_attention(self) -> bool:
@@ -242,6 +289,8 @@ class RankLayout:
             if group.is_attention:
                 self._check_attention(group, gwhere)
             else:
+                if group.sliding_window:
+                    raise LayoutError(f"{gwhere}.sliding_window", "mamba groups have no window")
                 for seg in group.segments:
                     if seg.token_axis is not None:
                         raise LayoutError(f"{gwhere}.segments", "mamba segments have no token axis")
@@ -253,6 +302,8 @@ class RankLayout:
             _check_disjoint(group, gwhere)
 
     def _check_attention(self, group: GroupLayout, gwhere: str) -> None:
+        if group.sliding_window < 0:
+            raise LayoutError(f"{gwhere}.sliding_window", "must be >= 0")
         if group.block_size <= 0 or group.kernel_block_size <= 0:
             raise LayoutError(f"{gwhere}.block_size", "attention groups need positive block sizes")
         if group.block_size % group.kernel_block_size:
@@ -316,7 +367,14 @@ def _signature(group: GroupLayout) -> tuple[object, ...]:
     tensors = sorted(
         (s.tensor, s.dtype, s.shard_axis, s.token_axis, s.global_shape) for s in group.segments
     )
-    return (group.kind, group.layers, group.block_size, group.kernel_block_size, tensors)
+    return (
+        group.kind,
+        group.layers,
+        group.block_size,
+        group.kernel_block_size,
+        group.sliding_window,
+        tensors,
+    )
 
 
 @dataclass(frozen=True)
@@ -346,7 +404,7 @@ class EngineLayout:
             if [_signature(g) for g in rank.groups] != [_signature(g) for g in first.groups]:
                 raise LayoutError(
                     f"{where}.groups",
-                    "ranks disagree on the groups (kinds, layers, block sizes, tensors, "
+                    "ranks disagree on the groups (kinds, layers, block sizes, windows, tensors, "
                     "their dtypes, axes or global shapes)",
                 )
 

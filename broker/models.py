@@ -86,6 +86,8 @@ class ModelSpec:
     groups: tuple[tuple[GroupKind, tuple[str, ...]], ...]
     attention: AttentionParams | None
     mamba: MambaParams | None
+    #: Per group, the sliding window in tokens (0: full attention); empty: no window at all.
+    sliding_windows: tuple[int, ...] = ()
 
     @property
     def num_regions(self) -> int:
@@ -94,8 +96,15 @@ class ModelSpec:
     @property
     def fingerprint(self) -> str:
         """Identifies the model's state shapes; prefill and decode must agree on it."""
-        digest = hashlib.sha256(repr((self.groups, self.attention, self.mamba)).encode())
+        state: tuple[object, ...] = (self.groups, self.attention, self.mamba)
+        if any(self.sliding_windows):
+            state += (self.sliding_windows,)
+        digest = hashlib.sha256(repr(state).encode())
         return f"{self.name}:{digest.hexdigest()[:12]}"
+
+    def sliding_window(self, group: int) -> int:
+        """Group ``group``'s sliding window in tokens (0: full attention or Mamba)."""
+        return self.sliding_windows[group] if self.sliding_windows else 0
 
 
 def with_kv_dtype(model: ModelSpec, kv_dtype: str | None) -> ModelSpec:
@@ -285,12 +294,20 @@ def build_rank_layout(
             f"{mamba_bytes}-byte Mamba state at tp={tp}; use >= {hma_block_size(model, tp)}",
         )
     page_bytes = page_bytes or mamba_bytes
-    for kind, layers in model.groups:
+    for g, (kind, layers) in enumerate(model.groups):
         if kind is GroupKind.ATTENTION:
             if model.attention is None:
                 raise LayoutError("attention", "an attention group needs attention parameters")
             groups.append(
-                GroupLayout(kind, layers, (kv,), block_size, kernel_block_size, kv.nbytes)
+                GroupLayout(
+                    kind,
+                    layers,
+                    (kv,),
+                    block_size,
+                    kernel_block_size,
+                    kv.nbytes,
+                    model.sliding_window(g),
+                )
             )
         else:
             if model.mamba is None:

@@ -29,7 +29,7 @@ import numpy as np
 
 from broker.compatibility import check_compatible
 from broker.errors import LimitExceededError, RequestError
-from broker.layout import EngineLayout
+from broker.layout import EngineLayout, attention_shortfall, tail_start
 from broker.limits import LIMITS
 from broker.plan_templates import (
     LENGTH,
@@ -53,7 +53,9 @@ class TransferRequest:
     (each group a tuple, or an ``array('q')`` as the wire decodes long ones).
 
     A decode attention list shorter than the request needs means decode already holds a
-    prefix: its blocks are the request's last ones. Mamba lists pair from the prefill tail.
+    prefix: its blocks are the request's last ones. A sliding-window group's lists hold only
+    the request's last blocks on both sides (:func:`broker.layout.window_tail`). Mamba lists
+    pair from the prefill tail.
     """
 
     num_tokens: int
@@ -423,14 +425,11 @@ class PairPlanner:
                 "a decode block id appears twice; two groups would write the same page",
             )
         for g in self._attention_groups:
-            block_size = self.prefill.groups[g].block_size
-            held = len(request.prefill_block_ids[g]) * block_size
-            if held < request.num_tokens:
-                raise RequestError(
-                    f"prefill_block_ids[{g}]",
-                    f"{len(request.prefill_block_ids[g])} blocks of {block_size} "
-                    f"tokens cannot hold num_tokens={request.num_tokens}",
-                )
+            shortfall = attention_shortfall(
+                self.prefill.groups[g], request.num_tokens, len(request.prefill_block_ids[g])
+            )
+            if shortfall:
+                raise RequestError(f"prefill_block_ids[{g}]", shortfall)
 
     def _attention_chunks(
         self,
@@ -444,12 +443,14 @@ class PairPlanner:
         both block ids per chunk, and the number of decode pages written."""
         p_group, d_group = self.prefill.groups[g], self.decode.groups[g]
         p_bs, d_bs = p_group.block_size, d_group.block_size
-        needed = -(-num_tokens // d_bs)
-        skip = max(0, needed - len(d_ids))  # decode already holds a prefix of `skip` pages
-        first = skip * d_bs
+        # Both lists hold the request's last blocks: decode's a shorter list when it already
+        # holds a prefix (or keeps only a window), prefill's when it keeps only a window.
+        d_first = tail_start(num_tokens, len(d_ids), d_bs)
+        p_first = tail_start(num_tokens, len(p_ids), p_bs)
+        first = max(d_first, p_first)
         # Decode kernel blocks holding a token below num_tokens arrive whole (as vLLM moves
         # them), as far as prefill's pages reach.
-        last = min(_round_up(num_tokens, d_group.kernel_block_size), len(p_ids) * p_bs)
+        last = min(_round_up(num_tokens, d_group.kernel_block_size), p_first + len(p_ids) * p_bs)
         if last <= first or not d_ids:
             return [], [], [], 0
         if p_bs == d_bs:  # chunks are whole pages but the last
@@ -458,20 +459,27 @@ class PairPlanner:
             shapes = (
                 [((0, 0, d_bs), count - 1), ((0, 0, tail), 1)] if count > 1 else [((0, 0, tail), 1)]
             )
-            return shapes, list(p_ids[skip : skip + count]), list(d_ids[:count]), count
+            p_at, d_at = (first - p_first) // p_bs, (first - d_first) // d_bs
+            return (
+                shapes,
+                list(p_ids[p_at : p_at + count]),
+                list(d_ids[d_at : d_at + count]),
+                count,
+            )
         starts = np.union1d(
-            np.arange(first, last, d_bs, dtype=_I64),
+            np.arange(_round_up(first, d_bs), last, d_bs, dtype=_I64),
             np.arange(_round_up(first, p_bs), last, p_bs, dtype=_I64),
         )
         starts = np.union1d(starts, [first])
         ends = np.append(starts[1:], last)
-        p_index, d_index = starts // p_bs, starts // d_bs
+        p_index = (starts - p_first) // p_bs
+        d_index = (starts - d_first) // d_bs
         spans = zip(
-            (starts - p_index * p_bs).tolist(),
-            (starts - d_index * d_bs).tolist(),
+            (starts % p_bs).tolist(),
+            (starts % d_bs).tolist(),
             (ends - starts).tolist(),
         )
-        d_sel = np.asarray(d_ids, dtype=_I64)[d_index - skip]
+        d_sel = np.asarray(d_ids, dtype=_I64)[d_index]
         return (
             [(span, 1) for span in spans],
             np.asarray(p_ids, dtype=_I64)[p_index].tolist(),

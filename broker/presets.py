@@ -13,6 +13,8 @@ a preset and a user's config file go through the same parser. Five families are 
 - Llama (``llama``): full attention in every layer, no Mamba state.
 - DeepSeek-V2/V3 (``deepseek_v2``, ``deepseek_v3``): multi-head latent attention (MLA) in
   every layer, one ``kv_lora_rank + qk_rope_head_dim`` latent per token.
+- gpt-oss (``gpt_oss``): sliding-window (``sliding_window`` tokens) and full attention in
+  alternate layers, no Mamba state.
 
 State dtypes follow vLLM 0.33 with ``--mamba-cache-dtype auto --mamba-ssm-cache-dtype
 auto``: conv state and KV cache in the model dtype; SSM state from the config's
@@ -181,6 +183,17 @@ PRESET_CONFIGS: dict[str, dict[str, Any]] = {
         "qk_rope_head_dim": 64,
         "v_head_dim": 128,
     },
+    # openai/gpt-oss-20b config.json.
+    "gpt-oss-20b": {
+        "architectures": ["GptOssForCausalLM"],
+        "model_type": "gpt_oss",
+        "num_hidden_layers": 24,
+        "hidden_size": 2880,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "sliding_window": 128,
+    },
 }
 
 #: vLLM's ``auto`` model dtype keeps these checkpoint dtypes and downcasts anything else
@@ -189,28 +202,29 @@ _KEPT_MODEL_DTYPES = ("bfloat16", "float16")
 
 
 def vllm_kv_cache_groups(
-    layers: Sequence[tuple[str, GroupKind]],
+    layers: Sequence[tuple[str, GroupKind]], windows: Mapping[str, int] | None = None
 ) -> tuple[tuple[GroupKind, tuple[str, ...]], ...]:
     """KV-cache groups as vLLM 0.33's hybrid allocator forms them from ``layers`` (name, kind)
     in model (registration) order (``_get_kv_cache_groups_uniform_page_size`` in
     ``vllm/v1/core/kv_cache_planning.py``).
 
-    Layers are bucketed by KV-cache spec, which here means by kind (one attention and one
-    Mamba spec per model), buckets ordered by first appearance. The group size is the
+    Layers are bucketed by KV-cache spec, which here means by kind and sliding window
+    (``windows``: layer name -> tokens, for sliding-window layers), buckets ordered by first
+    appearance. The group size is the
     smallest bucket's length, or the largest's when that is under 1.5x the smallest; each
     bucket splits into ``ceil(len / group_size)`` groups and group *i* takes every
     ``n``-th layer starting at *i* (``layers[i::n]``), so the last groups may be one short.
     """
-    buckets: dict[GroupKind, list[str]] = {}
+    buckets: dict[tuple[GroupKind, int], list[str]] = {}
     for name, kind in layers:
-        buckets.setdefault(kind, []).append(name)
+        buckets.setdefault((kind, (windows or {}).get(name, 0)), []).append(name)
     if not buckets:
         raise LayoutError("layers", "the model has no KV-carrying layer")
     sizes = [len(names) for names in buckets.values()]
     smallest, largest = min(sizes), max(sizes)
     group_size = largest if 2 * largest < 3 * smallest else smallest
     groups: list[tuple[GroupKind, tuple[str, ...]]] = []
-    for kind, names in buckets.items():
+    for (kind, _), names in buckets.items():
         count = -(-len(names) // group_size)
         groups.extend((kind, tuple(names[i::count])) for i in range(count))
     return tuple(groups)
@@ -516,6 +530,25 @@ def _deepseek_mla(config: Mapping[str, Any], name: str) -> ModelSpec:
     return ModelSpec(name, vllm_kv_cache_groups(layers), attention, None)
 
 
+def _gpt_oss(config: Mapping[str, Any], name: str) -> ModelSpec:
+    """gpt-oss: vLLM registers ``model.layers.{i}.attn.attn`` in every layer and gives the
+    even layers a ``sliding_window`` (whatever ``layer_types`` says), the odd ones full
+    attention."""
+    dtype = _model_dtype((config, ""))
+    count = _positive_int(config, "num_hidden_layers", "")
+    window = _positive_int(config, "sliding_window", "")
+    layers = [(f"model.layers.{i}.attn.attn", GroupKind.ATTENTION) for i in range(count)]
+    windows = {name: window for name, _ in layers[::2]}
+    groups = vllm_kv_cache_groups(layers, windows)
+    return ModelSpec(
+        name,
+        groups,
+        _attention(config, "", dtype),
+        None,
+        tuple(windows.get(names[0], 0) for _, names in groups),
+    )
+
+
 _FAMILIES: dict[str, Callable[[Mapping[str, Any], str], ModelSpec]] = {
     "nemotron_h": _nemotron_h,
     "qwen3_next": _qwen_gdn,
@@ -527,4 +560,5 @@ _FAMILIES: dict[str, Callable[[Mapping[str, Any], str], ModelSpec]] = {
     "llama": _llama,
     "deepseek_v2": _deepseek_mla,
     "deepseek_v3": _deepseek_mla,
+    "gpt_oss": _gpt_oss,
 }

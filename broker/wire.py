@@ -295,6 +295,7 @@ def _group_from_proto(msg: pb.GroupLayout, where: str) -> GroupLayout:
         msg.block_size,
         msg.kernel_block_size,
         msg.kernel_block_bytes,
+        msg.sliding_window_tokens,
     )
 
 
@@ -326,6 +327,7 @@ def rank_layout_to_proto(layout: RankLayout) -> pb.RankLayout:
                 block_size=g.block_size,
                 kernel_block_size=g.kernel_block_size,
                 kernel_block_bytes=g.kernel_block_bytes,
+                sliding_window_tokens=g.sliding_window,
                 segments=[
                     pb.Segment(
                         tensor=s.tensor,

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from broker.layout import EngineLayout, RankLayout, Segment
+from broker.layout import EngineLayout, RankLayout, Segment, tail_start
 from broker.planner import RankPlan, TransferRequest
 
 UNSET = -1  # a byte nobody wrote
@@ -118,16 +118,15 @@ def placed_blocks(
     side: str,
 ) -> tuple[tuple[tuple[int, int], ...], ...]:
     """``(block, logical index)`` per group of one side of ``request``, per the request
-    semantics: a short decode attention list holds the request's *last* pages; Mamba
+    semantics: a short attention list (decode's after a prefix hit, a sliding window's on
+    both sides) holds the request's *last* pages; Mamba
     snapshots pair the prefill list's tail with the decode list's head."""
     out = []
     for g, group in enumerate(engine.groups):
         p_ids, d_ids = request.prefill_block_ids[g], request.decode_block_ids[g]
         ids = p_ids if side == "prefill" else d_ids
         if group.is_attention:
-            first = 0
-            if side == "decode":
-                first = max(0, -(-request.num_tokens // group.block_size) - len(d_ids))
+            first = tail_start(request.num_tokens, len(ids), group.block_size) // group.block_size
             out.append(tuple((b, first + i) for i, b in enumerate(ids)))
         else:
             n = min(len(p_ids), len(d_ids))

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from simulate import UNSET, apply_plan, blank_memory, label_memory, placed_blocks
 
-from broker.layout import GroupKind
+from broker.layout import GroupKind, tail_start
 from broker.models import (
     AttentionParams,
     MambaParams,
@@ -149,10 +149,10 @@ def check_plan_by_simulation(prefill, decode, request) -> None:
     # prefill pages reach.
     attention = next(g for g, group in enumerate(decode.groups) if group.is_attention)
     kbs = decode.groups[attention].kernel_block_size
-    last_token = min(
-        -(-request.num_tokens // kbs) * kbs,
-        len(request.prefill_block_ids[attention]) * prefill.groups[attention].block_size,
-    )
+    p_bs = prefill.groups[attention].block_size
+    p_count = len(request.prefill_block_ids[attention])
+    p_first = tail_start(request.num_tokens, p_count, p_bs)
+    last_token = min(-(-request.num_tokens // kbs) * kbs, p_first + p_count * p_bs)
     together = PairPlanner(prefill, decode).plan(request).ranks  # all ranks in one pass
     for d_rank, rank in enumerate(decode.ranks):
         plan = pair.plan_rank(d_rank, request)
@@ -176,10 +176,12 @@ def check_plan_by_simulation(prefill, decode, request) -> None:
             # Whatever was written is exactly what the decode layout declares there.
             np.testing.assert_array_equal(got[written], want[written])
             # Every byte of state decode needs arrived: Mamba state, tokens < num_tokens.
-            needed = (want >= 0) & ((tokens < 0) | (tokens < request.num_tokens))
+            needed = (want >= 0) & (
+                (tokens < 0) | ((tokens >= p_first) & (tokens < request.num_tokens))
+            )
             assert written[needed].all(), f"decode rank {d_rank} region {region} misses bytes"
         optimal = sum(
-            int(((e >= 0) & ((t < 0) | (t < last_token))).sum())
+            int(((e >= 0) & ((t < 0) | ((p_first <= t) & (t < last_token)))).sum())
             for e, t in zip(expected.regions, expected.tokens)
         )
         written_total = sum(int((r != UNSET).sum()) for r in d_mem.regions)

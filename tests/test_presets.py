@@ -110,8 +110,29 @@ LAYER_MIX = {  # preset: (Mamba/GDN layers, attention layers), from the public c
 HYBRIDS = sorted(name for name, (mamba, _) in LAYER_MIX.items() if mamba)
 
 
+#: Attention-only presets: their sliding-window and full-attention layers.
+ATTENTION_MIX = {"gpt-oss-20b": (12, 12)}
+
+
 def test_preset_names_are_the_documented_ones() -> None:
-    assert set(preset_names()) == set(LAYER_MIX)
+    assert set(preset_names()) == set(LAYER_MIX) | set(ATTENTION_MIX)
+
+
+def test_gpt_oss_alternates_sliding_window_and_full_attention_groups() -> None:
+    model = resolve_model("gpt-oss-20b")
+    assert model.mamba is None and model.attention == AttentionParams(8, 64, "bfloat16")
+    assert [(kind, len(layers)) for kind, layers in model.groups] == [
+        (GroupKind.ATTENTION, n) for n in ATTENTION_MIX["gpt-oss-20b"]
+    ]
+    # vLLM gives the even layers the window; its buckets are ordered by first layer.
+    assert model.groups[0][1][:2] == ("model.layers.0.attn.attn", "model.layers.2.attn.attn")
+    assert model.groups[1][1][:2] == ("model.layers.1.attn.attn", "model.layers.3.attn.attn")
+    assert model.sliding_windows == (128, 0)
+    layout = build_engine_layout(model, 2, 4, 16)
+    assert [g.sliding_window for g in layout.groups] == [128, 0]
+    with pytest.raises(LayoutError) as exc:
+        model_from_hf_config({**PRESET_CONFIGS["gpt-oss-20b"], "sliding_window": 0}, "x")
+    assert exc.value.field == "sliding_window"
 
 
 @pytest.mark.parametrize("name", HYBRIDS)

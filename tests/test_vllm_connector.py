@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +80,8 @@ def make_engine(
     engine_id: str,
     broker: str,
     cache: dict[str, Any] | None = None,
+    *,
+    num_blocks: int = NUM_BLOCKS,
     **extra: Any,
 ) -> Engine:
     """An engine with this connector; ``cache``: ``CacheConfig`` fields (e.g. ``cache_dtype``),
@@ -92,7 +94,7 @@ def make_engine(
         extra={"broker": broker, "model_name": "test-model", **extra},
         **(cache or {}),
     )
-    return Engine(config, NUM_BLOCKS, poison=role == "kv_consumer")
+    return Engine(config, num_blocks, poison=role == "kv_consumer")
 
 
 # ------------------------------------------------------------------ driving requests
@@ -191,13 +193,15 @@ def rank_state(
     engine: Engine,
     rank: int,
     blocks: list[list[int]],
-    tokens: int,
+    tokens: int | Sequence[int],
 ) -> dict[str, list[torch.Tensor]]:
     """Per layer, the request's state on one rank as vLLM's views hold it, in bytes:
-    attention ``[heads, tokens, K|V bytes]``; Mamba ``[conv (dim, rows bytes), ssm
-    (first axis, rest bytes)]`` from the page as vLLM packs it (conv state, then SSM)."""
+    attention ``[heads, tokens, K|V bytes]`` (the first ``tokens`` its blocks hold, or a
+    count per group); Mamba ``[conv (dim, rows bytes), ssm (first axis, rest bytes)]`` from
+    the page as vLLM packs it (conv state, then SSM)."""
     state: dict[str, list[torch.Tensor]] = {}
-    for group, ids in zip(engine.kv_config.kv_cache_groups, blocks):
+    counts = [tokens] * len(blocks) if isinstance(tokens, int) else tokens
+    for group, ids, count in zip(engine.kv_config.kv_cache_groups, blocks, counts):
         spec = group.kv_cache_spec
         for name in group.layer_names:
             view = engine.caches[rank][name]
@@ -215,7 +219,7 @@ def rank_state(
                 pages = [
                     view[b * ratio : (b + 1) * ratio].transpose(0, 1).flatten(1, 2) for b in ids
                 ]
-                state[name] = [torch.cat(pages, 1)[:, :tokens].contiguous().view(torch.uint8)]
+                state[name] = [torch.cat(pages, 1)[:, :count].contiguous().view(torch.uint8)]
     return state
 
 
@@ -236,7 +240,7 @@ def conv_pieces(engine: Engine) -> list[int]:
 
 
 def global_state(
-    engine: Engine, blocks: list[list[int]], tokens: int
+    engine: Engine, blocks: list[list[int]], tokens: int | Sequence[int]
 ) -> dict[str, list[torch.Tensor]]:
     """The request's global state: every rank's slices put back together (heads, each conv
     sub-projection and SSM heads split evenly over the TP ranks, in rank order)."""
@@ -284,10 +288,10 @@ def assert_same_state(
     prefill_blocks: list[list[int]],
     decode_engine: Engine,
     decode_blocks: list[list[int]],
-    tokens: int,
+    tokens: int | Sequence[int],
 ) -> None:
     """Every decode rank's blocks hold its slice of the state prefill's blocks hold (the
-    first ``tokens`` tokens of the attention blocks given)."""
+    first ``tokens`` tokens of the attention blocks given, or a count per group)."""
     state = global_state(prefill_engine, prefill_blocks, tokens)
     for rank in range(len(decode_engine.caches)):
         actual = rank_state(decode_engine, rank, decode_blocks, tokens)
@@ -302,10 +306,10 @@ def assert_transferred(
     prefill_blocks: list[list[int]],
     decode_engine: Engine,
     decode_blocks: list[list[int]],
-    tokens: int,
+    tokens: int | Sequence[int],
 ) -> None:
-    """Decode holds prefill's state of the request on every rank, and poison everywhere the
-    request does not own."""
+    """Decode holds prefill's state of the request on every rank (``tokens`` as
+    :func:`assert_same_state` takes them), and poison outside ``decode_blocks``."""
     assert_same_state(prefill_engine, prefill_blocks, decode_engine, decode_blocks, tokens)
     assert_poison_elsewhere(decode_engine, decode_blocks)
 

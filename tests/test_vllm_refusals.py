@@ -116,7 +116,7 @@ def test_attention_other_than_full_is_refused(
         caches,
         FACTS["qwen3.5-0.8b"],
         f"kv_cache_groups[{g}].kv_cache_spec",
-        f"{name} is not supported; full attention, MLA and Mamba groups are",
+        f"{name} is not supported; full attention, sliding-window attention, MLA and Mamba groups are",
     )
 
 

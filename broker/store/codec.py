@@ -102,6 +102,9 @@ def encode_registration(reg: RankRegistration) -> str:
                             ]
                             for s in g.segments
                         ],
+                        # A sliding window only where there is one: other groups stored as
+                        # before.
+                        *([g.sliding_window] if g.sliding_window else []),
                     ]
                     for g in layout.groups
                 ],
@@ -131,8 +134,11 @@ def decode_registration(text: bytes | str, agent_metadata: bytes) -> RankRegistr
                 block_size,
                 kernel_block_size,
                 kernel_block_bytes,
+                *window,
             )
-            for kind, layers, block_size, kernel_block_size, kernel_block_bytes, segments in groups
+            for kind, layers, block_size, kernel_block_size, kernel_block_bytes, segments, *window in (
+                groups
+            )
         ),
     )
     return RankRegistration(

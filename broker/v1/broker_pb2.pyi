@@ -98,20 +98,22 @@ class Segment(_message.Message):
     def __init__(self, tensor: _Optional[str] = ..., offset: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., strides: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., shard_axis: _Optional[int] = ..., shard_start: _Optional[int] = ..., global_extent: _Optional[int] = ..., token_axis: _Optional[int] = ...) -> None: ...
 
 class GroupLayout(_message.Message):
-    __slots__ = ("kind", "layers", "segments", "block_size", "kernel_block_size", "kernel_block_bytes")
+    __slots__ = ("kind", "layers", "segments", "block_size", "kernel_block_size", "kernel_block_bytes", "sliding_window_tokens")
     KIND_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     KERNEL_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     KERNEL_BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_WINDOW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     kind: GroupKind
     layers: _containers.RepeatedScalarFieldContainer[str]
     segments: _containers.RepeatedCompositeFieldContainer[Segment]
     block_size: int
     kernel_block_size: int
     kernel_block_bytes: int
-    def __init__(self, kind: _Optional[_Union[GroupKind, str]] = ..., layers: _Optional[_Iterable[str]] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., block_size: _Optional[int] = ..., kernel_block_size: _Optional[int] = ..., kernel_block_bytes: _Optional[int] = ...) -> None: ...
+    sliding_window_tokens: int
+    def __init__(self, kind: _Optional[_Union[GroupKind, str]] = ..., layers: _Optional[_Iterable[str]] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., block_size: _Optional[int] = ..., kernel_block_size: _Optional[int] = ..., kernel_block_bytes: _Optional[int] = ..., sliding_window_tokens: _Optional[int] = ...) -> None: ...
 
 class RankLayout(_message.Message):
     __slots__ = ("num_regions", "num_blocks", "page_bytes", "groups")

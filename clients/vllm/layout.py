@@ -31,6 +31,7 @@ from vllm.v1.kv_cache_interface import (
     KVQuantMode,
     MambaSpec,
     MLAAttentionSpec,
+    SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
 )
 
@@ -172,7 +173,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _layer_spec(spec: KVCacheSpec, where: str) -> FullAttentionSpec | MambaSpec:
+def _layer_spec(spec: KVCacheSpec, where: str) -> FullAttentionSpec | SlidingWindowSpec | MambaSpec:
     """The one spec all layers of a group share (unwrapping ``UniformTypeKVCacheSpecs``)."""
     if isinstance(spec, UniformTypeKVCacheSpecs):
         specs = set(spec.kv_cache_specs.values())
@@ -185,9 +186,12 @@ def _layer_spec(spec: KVCacheSpec, where: str) -> FullAttentionSpec | MambaSpec:
         return _dense_mla(spec, where)
     if isinstance(spec, FullAttentionSpec) and not isinstance(spec, MLAAttentionSpec):
         return spec
+    if type(spec) is SlidingWindowSpec and not spec.extra_retained_tokens:
+        return spec
     raise LayoutError(
         f"{where}.kv_cache_spec",
-        f"{type(spec).__name__} is not supported; full attention, MLA and Mamba groups are",
+        f"{type(spec).__name__} is not supported; full attention, sliding-window attention, "
+        "MLA and Mamba groups are",
     )
 
 
@@ -219,7 +223,7 @@ def _block_stride(views: list[torch.Tensor], blocks: int, where: str) -> int:
 
 
 def _attention_group(
-    spec: FullAttentionSpec,
+    spec: FullAttentionSpec | SlidingWindowSpec,
     view: torch.Tensor,
     layers: list[str],
     tp_size: int,
@@ -283,8 +287,15 @@ def _attention_group(
         global_extent=facts.total_kv_heads,
         token_axis=1,
     )
+    window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else 0
     return GroupLayout(
-        GroupKind.ATTENTION, tuple(layers), (kv,), spec.block_size, kbs, kernel_block_bytes
+        GroupKind.ATTENTION,
+        tuple(layers),
+        (kv,),
+        spec.block_size,
+        kbs,
+        kernel_block_bytes,
+        window,
     )
 
 

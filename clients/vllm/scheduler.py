@@ -34,13 +34,21 @@ import logging
 import secrets
 import time
 from collections.abc import Sequence
+from itertools import dropwhile
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.utils import clip_ssm_state_blocks
-from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec, MambaSpec, iter_layer_specs
+from vllm.v1.kv_cache_interface import (
+    KVCacheConfig,
+    KVCacheSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+    iter_layer_specs,
+)
 from vllm.v1.request import RequestStatus
 
 from broker import tracing
+from broker.layout import window_tail
 from broker.limits import LIMITS
 from broker.v1 import broker_pb2 as pb
 from clients import protocol
@@ -64,6 +72,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 #: Marks a prefill-leg request whose prompt was already cut short (preemption re-runs it).
 _TRUNCATED = "_pdbroker_truncated"
+#: vLLM's null block (``BlockPool.null_block``: the first block, a placeholder for skipped and
+#: padding blocks, shared by every request).
+_NULL_BLOCK = 0
 _PUBLISHABLE = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
 #: The broker's default publication TTL (ms): what renewals assume until it reports one.
 _BROKER_DEFAULT_TTL_MS = 30_000
@@ -89,6 +100,8 @@ class SchedulerHalf:
         #: Per transfer group: speculative scratch blocks trailing a Mamba group's state block
         #: (None for attention groups).
         self._scratch = [_scratch_blocks(g.kv_cache_spec) for g in kv_cache_config.transfer_groups]
+        #: Per transfer group: a sliding-window group's (window tokens, block size), else None.
+        self._windows = [_window(g.kv_cache_spec) for g in kv_cache_config.transfer_groups]
         self._loads: dict[str, LoadSpec] = {}
         self._sends: dict[str, str] = {}
         self._loop: LoopThread | None = None
@@ -169,18 +182,27 @@ class SchedulerHalf:
         return True, decode_params(transfer_id, self.settings.broker, self.engine_id)
 
     def transfer_blocks(self, block_ids: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
-        """The transfer groups' block ids as the broker takes them: attention groups whole,
-        Mamba groups only the running-state block (no speculative scratch, no null padding)."""
+        """The transfer groups' block ids as the broker takes them: full-attention groups
+        whole, sliding-window groups their in-window tail, Mamba groups only the
+        running-state block (no speculative scratch, no null padding)."""
         return self._clip(
             self.kv_cache_config.select_transfer_block_ids([list(g) for g in block_ids])
         )
 
     def _clip(self, groups: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
         """Keep a Mamba group's running-state block (vLLM's rule: its last block before the
-        speculative scratch blocks)."""
+        speculative scratch blocks) and a sliding-window group's last blocks (vLLM's
+        ``get_exchange_clipped_blocks``: the window's blocks plus one) that are not the null
+        block. vLLM pads a request's skipped out-of-window blocks with its null block (id 0)
+        and the padding can reach into that tail (a prefill request's table keeps it;
+        decode's unhashed ids leave it out). vLLM keeps it in the list and lets its worker
+        trim prefill's list to decode's length; here it goes at once: the broker reads the
+        lists as the request's tail, so a shorter list only starts later (still before the
+        window's first token), never reads a page that holds no token of the request, never
+        writes the null block every request shares, and never lists block 0 twice."""
         return tuple(
-            tuple(g) if s is None else tuple(clip_ssm_state_blocks(list(g), s))
-            for g, s in zip(groups, self._scratch)
+            _clip_group(list(g), scratch, window)
+            for g, scratch, window in zip(groups, self._scratch, self._windows)
         )
 
     # ---------------------------------------------------------------- decode leg
@@ -383,6 +405,26 @@ def held_tokens(kv_cache_config: KVCacheConfig, blocks: KVCacheBlocks) -> int:
         ),
         default=0,
     )
+
+
+def _clip_group(
+    ids: list[int], scratch: int | None, window: tuple[int, int] | None
+) -> tuple[int, ...]:
+    """One transfer group's ids clipped as :meth:`SchedulerHalf._clip` says."""
+    if scratch is not None:
+        return tuple(clip_ssm_state_blocks(ids, scratch))
+    if window is not None:
+        tail = window_tail(ids, *window)
+        return tuple(dropwhile(lambda block: block == _NULL_BLOCK, tail))
+    return tuple(ids)
+
+
+def _window(spec: KVCacheSpec) -> tuple[int, int] | None:
+    """A sliding-window group's (window tokens, block size); None for other groups."""
+    specs = list(iter_layer_specs(spec))
+    if isinstance(specs[0], SlidingWindowSpec):
+        return specs[0].sliding_window, specs[0].block_size
+    return None
 
 
 def _scratch_blocks(spec: KVCacheSpec) -> int | None:

@@ -22,6 +22,7 @@ import os
 import re
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Protocol, cast
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
@@ -36,11 +37,13 @@ from vllm.config import (
     SpeculativeConfig,
     VllmConfig,
 )
+from vllm.model_executor.layers.attention.attention import Attention
 from vllm.model_executor.models import ModelRegistry
 from vllm.model_executor.models.llama_eagle import EagleLlamaForCausalLM
 from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
 from vllm.platforms.interface import Platform
 from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
+from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from vllm.v1.attention.backends.utils import (
@@ -226,6 +229,10 @@ def layer_specs(
     )
     attention = _attention_spec(model, config.parallel_config, cache, backend)
     specs: dict[str, KVCacheSpec] = {name: attention for name, _ in layers}
+    for g, (_, names) in enumerate(spec.groups):
+        if spec.sliding_window(g):
+            window = _sliding_window_spec(config, backend, spec.sliding_window(g))
+            specs |= {name: window for name in names}
     if any(kind is GroupKind.MAMBA for _, kind in layers):
         mamba = _mamba_spec(config)
         specs |= {name: mamba for name, kind in layers if kind is GroupKind.MAMBA}
@@ -236,6 +243,25 @@ def layer_specs(
         speculative.draft_model_config, speculative.draft_parallel_config, cache, backend
     )
     return specs | {name: drafter for name in _drafter_layers(config)}
+
+
+def _sliding_window_spec(config: VllmConfig, backend: type, window: int) -> KVCacheSpec:
+    """The spec vLLM's ``Attention`` layer declares with ``per_layer_sliding_window=window``
+    (its own ``get_kv_cache_spec``, on the attributes it reads)."""
+    model, cache = config.model_config, config.cache_config
+    layer = SimpleNamespace(
+        attn_type=AttentionType.DECODER,
+        sliding_window=window,
+        attn_backend=backend,
+        num_kv_heads=model.get_num_kv_heads(config.parallel_config),
+        head_size=model.get_head_size(),
+        head_size_v=model.get_head_size(),
+        kv_cache_dtype=cache.cache_dtype,
+        kv_cache_torch_dtype=model.dtype,
+    )
+    spec = Attention.get_kv_cache_spec(cast(Attention, layer), config)
+    assert spec is not None
+    return spec
 
 
 def _mamba_spec(config: VllmConfig) -> MambaSpec:

@@ -1,0 +1,187 @@
+"""Sliding-window attention groups: the block lists hold only the in-window tail (vLLM's NIXL
+clipping rule), and the planner moves exactly those blocks' tokens."""
+
+from __future__ import annotations
+
+import dataclasses
+from itertools import chain
+
+import pytest
+from test_planner_properties import check_plan_by_simulation
+
+from broker.errors import IncompatibleLayoutsError, RequestError
+from broker.layout import GroupKind, window_blocks, window_tail
+from broker.models import AttentionParams, ModelSpec, build_engine_layout
+from broker.planner import PairPlanner, TransferRequest
+from broker.wire import rank_layout_from_proto, rank_layout_to_proto
+
+WINDOW, BLOCK = 64, 16
+
+
+CASES = [(64, 16), (128, 16), (100, 16), (4096, 32), (17, 16), (16, 16), (1, 16), (130, 48)]
+
+
+@pytest.mark.parametrize(("window", "block_size"), CASES)
+def test_window_tail_is_what_vllms_nixl_scheduler_keeps(window: int, block_size: int) -> None:
+    """vLLM's own scheduler (its ``blocks_per_sw`` and clipping at every block-id exchange)
+    keeps the same blocks of a sliding-window group, and a full group's whole list."""
+    pytest.importorskip("vllm")
+    from harness.vllm import cpu_engine  # noqa: F401  (configures vLLM for CPU first)
+
+    # isort: split
+    import torch
+    from vllm.config import CacheConfig, KVTransferConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
+        NixlPullConnectorScheduler,
+    )
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        SlidingWindowSpec,
+    )
+
+    head = {"num_kv_heads": 1, "head_size": 8, "dtype": torch.bfloat16}
+    config = VllmConfig(
+        cache_config=CacheConfig(block_size=block_size),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="NixlConnector", kv_role="kv_both", engine_id="e"
+        ),
+    )
+    groups = [
+        KVCacheGroupSpec(
+            ["s"], SlidingWindowSpec(block_size=block_size, sliding_window=window, **head)
+        ),
+        KVCacheGroupSpec(["f"], FullAttentionSpec(block_size=block_size, **head)),
+    ]
+    vllm = NixlPullConnectorScheduler(config, "e", KVCacheConfig(1, [], groups))
+    assert vllm.blocks_per_sw == [window_blocks(window, block_size), 0]
+    for length in range(3 * window_blocks(window, block_size) + 2):
+        ids = list(range(1, length + 1))
+        clipped = vllm.get_exchange_clipped_blocks((ids, ids)) if ids else ((), ())
+        assert [list(g) for g in clipped] == (
+            [window_tail(ids, window, block_size), window_tail(ids, 0, block_size)]
+            if ids
+            else [[], []]
+        )
+
+
+def swa_model(window: int = WINDOW, full: bool = True) -> ModelSpec:
+    """A sliding-window group and (``full``) a full-attention group, two layers each."""
+    groups = [(GroupKind.ATTENTION, ("s.0", "s.1"))]
+    if full:
+        groups.append((GroupKind.ATTENTION, ("f.0", "f.1")))
+    return ModelSpec("swa", tuple(groups), AttentionParams(4, 8), None, (window, 0)[: len(groups)])
+
+
+def simulate_window_group(prefill, decode, req: TransferRequest) -> None:
+    """Byte-exact simulation of the window group alone (it checks one attention group)."""
+    alone = [
+        build_engine_layout(
+            swa_model(full=False),
+            e.tp_size,
+            e.ranks[0].num_blocks,
+            g.block_size,
+            g.kernel_block_size,
+        )
+        for e, g in ((prefill, prefill.groups[0]), (decode, decode.groups[0]))
+    ]
+    check_plan_by_simulation(
+        *alone,
+        TransferRequest(req.num_tokens, req.prefill_block_ids[:1], req.decode_block_ids[:1]),
+    )
+
+
+def request(num_tokens: int, p_bs: int = BLOCK, d_bs: int = BLOCK) -> TransferRequest:
+    """Ids as the connector sends them: the window group's lists clipped by vLLM's rule."""
+    p_full = list(range(-(-num_tokens // p_bs)))
+    d_full = list(range(-(-num_tokens // d_bs)))
+    return TransferRequest.of(
+        num_tokens,
+        [window_tail([100 + b for b in p_full], WINDOW, p_bs), p_full],
+        [window_tail([100 + b for b in d_full], WINDOW, d_bs), d_full],
+    )
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 1), (1, 2), (2, 1), (4, 2)])
+@pytest.mark.parametrize("num_tokens", [200, 256, 257])
+def test_only_the_in_window_blocks_move(p_tp: int, d_tp: int, num_tokens: int) -> None:
+    prefill = build_engine_layout(swa_model(), p_tp, 128, BLOCK)
+    decode = build_engine_layout(swa_model(), d_tp, 128, BLOCK)
+    req = request(num_tokens)
+    assert len(req.prefill_block_ids[0]) == window_blocks(WINDOW, BLOCK) == 5
+    simulate_window_group(prefill, decode, req)
+    plan = PairPlanner(prefill, decode).plan(req)
+    # The window group moves its 5 tail pages, the full group all (last pages whole: the
+    # kernel block is the page).
+    held = -(-num_tokens // BLOCK) * BLOCK
+    per_token = decode.groups[0].state_bytes // BLOCK * len(decode.groups[0].layers) * d_tp
+    assert plan.nbytes == per_token * (5 * BLOCK + held)
+    # No run reads a prefill page or writes a decode page the window group dropped.
+    rows = plan.rows()
+    assert pages(rows[:, 5], rows[:, 6], prefill) == set(chain(*req.prefill_block_ids))
+    assert pages(rows[:, 2], rows[:, 6], decode) == set(chain(*req.decode_block_ids))
+
+
+def pages(offsets, lengths, engine) -> set[int]:
+    """Pages the runs at ``offsets`` of ``lengths`` bytes touch."""
+    page = engine.ranks[0].page_bytes
+    return {
+        p
+        for start, n in zip(offsets.tolist(), lengths.tolist())
+        for p in range(start // page, (start + n - 1) // page + 1)
+    }
+
+
+def test_a_request_shorter_than_the_window_moves_whole() -> None:
+    layout = build_engine_layout(swa_model(), 2, 128, BLOCK)
+    req = request(50)  # 4 blocks: all inside the window's 5
+    assert req.prefill_block_ids[0] == (100, 101, 102, 103)
+    simulate_window_group(layout, layout, req)
+    plan = PairPlanner(layout, layout).plan(req)
+    per_token = layout.groups[0].state_bytes // BLOCK * len(layout.groups[0].layers) * 2
+    assert plan.nbytes == per_token * 64 * 2  # both groups: every page
+
+
+def test_other_block_sizes_move_the_tokens_both_tails_hold() -> None:
+    prefill = build_engine_layout(swa_model(), 1, 128, 16)
+    decode = build_engine_layout(swa_model(), 2, 128, 48, 16)
+    req = request(300, 16, 48)
+    simulate_window_group(prefill, decode, req)
+    # Prefill's tail starts at token 224 (5 blocks of 16), decode's at 192 (3 blocks of 48):
+    # decode's tokens 192..223 are outside the window and the prefill list; they stay.
+    plan = PairPlanner(prefill, decode).plan(req)
+    per_token = decode.groups[0].state_bytes // 48 * 2 * 2
+    assert plan.nbytes == per_token * ((304 - 224) + 304)  # to the end of a kernel block
+
+
+def test_a_window_list_that_misses_window_tokens_is_refused() -> None:
+    layout = build_engine_layout(swa_model(), 1, 128, BLOCK)
+    req = request(256)
+    short = dataclasses.replace(
+        req, prefill_block_ids=(req.prefill_block_ids[0][2:], req.prefill_block_ids[1])
+    )
+    with pytest.raises(RequestError) as exc:
+        PairPlanner(layout, layout).plan(short)
+    assert exc.value.field == "prefill_block_ids[0]"
+    assert "from 208 on" in exc.value.detail and "starts at token 193" in exc.value.detail
+    # The full-attention group still needs every token.
+    cut = dataclasses.replace(
+        req, prefill_block_ids=(req.prefill_block_ids[0], req.prefill_block_ids[1][1:])
+    )
+    with pytest.raises(RequestError) as exc:
+        PairPlanner(layout, layout).plan(cut)
+    assert exc.value.field == "prefill_block_ids[1]"
+
+
+def test_prefill_and_decode_must_declare_the_same_window() -> None:
+    prefill = build_engine_layout(swa_model(64), 1, 128, BLOCK)
+    for other in (swa_model(128), swa_model(0)):
+        with pytest.raises(IncompatibleLayoutsError) as exc:
+            PairPlanner(prefill, build_engine_layout(other, 1, 128, BLOCK))
+        assert exc.value.field == "groups[0].sliding_window"
+
+
+def test_the_window_crosses_the_wire() -> None:
+    rank = build_engine_layout(swa_model(), 2, 128, BLOCK).ranks[1]
+    assert rank_layout_from_proto(rank_layout_to_proto(rank), 1) == rank
