@@ -1,7 +1,7 @@
 """Model presets and Hugging Face ``config.json`` parsing into :class:`ModelSpec`.
 
 Presets are the public ``config.json`` values of each model (only the fields read here), so
-a preset and a user's config file go through the same parser. Five families are understood:
+a preset and a user's config file go through the same parser. Six families are understood:
 
 - Nemotron-H (``model_type`` ``nemotron_h``): Mamba2 + attention, layer mix from
   ``hybrid_override_pattern`` (``M`` Mamba2, ``*`` attention, ``-`` MLP, ``E`` MoE) or the
@@ -13,6 +13,8 @@ a preset and a user's config file go through the same parser. Five families are 
 - Llama (``llama``): full attention in every layer, no Mamba state.
 - DeepSeek-V2/V3 (``deepseek_v2``, ``deepseek_v3``): multi-head latent attention (MLA) in
   every layer, one ``kv_lora_rank + qk_rope_head_dim`` latent per token.
+- Kimi-Linear (``kimi_linear``): Kimi Delta Attention (KDA, a Gated DeltaNet) in the layers
+  ``linear_attn_config.kda_layers`` numbers (from 1), MLA in the others.
 
 State dtypes follow vLLM 0.33 with ``--mamba-cache-dtype auto --mamba-ssm-cache-dtype
 auto``: conv state and KV cache in the model dtype; SSM state from the config's
@@ -180,6 +182,29 @@ PRESET_CONFIGS: dict[str, dict[str, Any]] = {
         "qk_nope_head_dim": 128,
         "qk_rope_head_dim": 64,
         "v_head_dim": 128,
+    },
+    # moonshotai/Kimi-Linear-48B-A3B-Instruct config.json.
+    "kimi-linear-48b-a3b": {
+        "architectures": ["KimiLinearForCausalLM"],
+        "model_type": "kimi_linear",
+        "torch_dtype": "bfloat16",
+        "hidden_size": 2304,
+        "num_hidden_layers": 27,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "kv_lora_rank": 512,
+        "q_lora_rank": None,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "mla_use_nope": True,
+        "linear_attn_config": {
+            "full_attn_layers": [4, 8, 12, 16, 20, 24, 27],
+            "kda_layers": [n for n in range(1, 27) if n % 4],  # [1, 2, 3, 5, ..., 25, 26]
+            "head_dim": 128,
+            "num_heads": 32,
+            "short_conv_kernel_size": 4,
+        },
     },
 }
 
@@ -502,18 +527,60 @@ def _llama(config: Mapping[str, Any], name: str) -> ModelSpec:
     return ModelSpec(name, vllm_kv_cache_groups(layers), _attention(config, "", dtype), None)
 
 
-def _deepseek_mla(config: Mapping[str, Any], name: str) -> ModelSpec:
-    """DeepSeek-V2/V3: MLA in every layer, which vLLM registers as
-    ``model.layers.{i}.self_attn.attn``; its cache holds one latent per token (the compressed
-    KV, ``kv_lora_rank``, then the rotary key, ``qk_rope_head_dim``), the same on every rank."""
-    dtype = _model_dtype((config, ""))
-    count = _positive_int(config, "num_hidden_layers", "")
+def _mla_attention(config: Mapping[str, Any], dtype: str) -> AttentionParams:
+    """MLA's cache: one latent per token (the compressed KV, ``kv_lora_rank``, then the rotary
+    key, ``qk_rope_head_dim``), the same on every rank."""
     latent = _positive_int(config, "kv_lora_rank", "") + _positive_int(
         config, "qk_rope_head_dim", ""
     )
+    return AttentionParams(1, latent, dtype, latent=True)
+
+
+def _deepseek_mla(config: Mapping[str, Any], name: str) -> ModelSpec:
+    """DeepSeek-V2/V3: MLA in every layer, which vLLM registers as
+    ``model.layers.{i}.self_attn.attn``."""
+    dtype = _model_dtype((config, ""))
+    count = _positive_int(config, "num_hidden_layers", "")
     layers = [(f"model.layers.{i}.self_attn.attn", GroupKind.ATTENTION) for i in range(count)]
-    attention = AttentionParams(1, latent, dtype, latent=True)
-    return ModelSpec(name, vllm_kv_cache_groups(layers), attention, None)
+    return ModelSpec(name, vllm_kv_cache_groups(layers), _mla_attention(config, dtype), None)
+
+
+def _kimi_linear(config: Mapping[str, Any], name: str) -> ModelSpec:
+    """Kimi-Linear: KDA in the layers ``linear_attn_config.kda_layers`` numbers from 1, MLA in
+    the others, as vLLM decides (``KimiLinearConfig.is_kda_layer``); vLLM registers both as
+    ``model.layers.{i}.self_attn``. KDA keeps GDN's state with as many K as V heads: a conv
+    over ``Q|K|V`` of ``num_heads * head_dim`` channels each, and a ``(num_heads, head_dim,
+    head_dim)`` recurrent state in float32 (``kda_state_dtype`` for an ``auto`` cache dtype)."""
+    where = "linear_attn_config."
+    linear = _get(config, "linear_attn_config", "")
+    if not isinstance(linear, Mapping):
+        raise LayoutError("linear_attn_config", f"must be an object, got {linear!r}")
+    count = _positive_int(config, "num_hidden_layers", "")
+    for key in ("kda_layers", "full_attn_layers"):
+        numbers = _get(linear, key, where)
+        if not isinstance(numbers, list) or not all(
+            isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= count for n in numbers
+        ):
+            raise LayoutError(f"{where}{key}", f"must list layer numbers from 1 to {count}")
+    kinds = [
+        GroupKind.MAMBA if i + 1 in linear["kda_layers"] else GroupKind.ATTENTION
+        for i in range(count)
+    ]
+    heads = _positive_int(linear, "num_heads", where)
+    head_dim = _positive_int(linear, "head_dim", where)
+    dtype = _model_dtype((config, ""))
+    mamba = MambaParams(
+        "gdn",
+        conv_kernel=_positive_int(linear, "short_conv_kernel_size", where),
+        conv_dtype=dtype,
+        ssm_dtype="float32",
+        num_k_heads=heads,
+        num_v_heads=heads,
+        head_k_dim=head_dim,
+        head_v_dim=head_dim,
+    )
+    layers = [(f"model.layers.{i}.self_attn", kind) for i, kind in enumerate(kinds)]
+    return _spec(name, layers, _mla_attention(config, dtype), mamba)
 
 
 _FAMILIES: dict[str, Callable[[Mapping[str, Any], str], ModelSpec]] = {
@@ -527,4 +594,5 @@ _FAMILIES: dict[str, Callable[[Mapping[str, Any], str], ModelSpec]] = {
     "llama": _llama,
     "deepseek_v2": _deepseek_mla,
     "deepseek_v3": _deepseek_mla,
+    "kimi_linear": _kimi_linear,
 }
