@@ -1,7 +1,7 @@
 """Model presets and Hugging Face ``config.json`` parsing into :class:`ModelSpec`.
 
 Presets are the public ``config.json`` values of each model (only the fields read here), so
-a preset and a user's config file go through the same parser. Five families are understood:
+a preset and a user's config file go through the same parser. Six families are understood:
 
 - Nemotron-H (``model_type`` ``nemotron_h``): Mamba2 + attention, layer mix from
   ``hybrid_override_pattern`` (``M`` Mamba2, ``*`` attention, ``-`` MLP, ``E`` MoE) or the
@@ -15,6 +15,8 @@ a preset and a user's config file go through the same parser. Five families are 
   every layer, one ``kv_lora_rank + qk_rope_head_dim`` latent per token.
 - gpt-oss (``gpt_oss``): sliding-window (``sliding_window`` tokens) and full attention in
   alternate layers, no Mamba state.
+- Kimi-Linear (``kimi_linear``): Kimi Delta Attention (KDA, a Gated DeltaNet) in the layers
+  ``linear_attn_config.kda_layers`` numbers (from 1), MLA in the others.
 
 State dtypes follow vLLM 0.33 with ``--mamba-cache-dtype auto --mamba-ssm-cache-dtype
 auto``: conv state and KV cache in the model dtype; SSM state from the config's
@@ -37,164 +39,7 @@ from typing import Any
 from broker.errors import LayoutError
 from broker.layout import GroupKind, dtype_bytes
 from broker.models import AttentionParams, MambaParams, ModelSpec
-
-#: ``config.json`` fields of each preset (values from the public Hugging Face configs).
-PRESET_CONFIGS: dict[str, dict[str, Any]] = {
-    # nvidia/Nemotron-H-8B-Base-8K config.json.
-    "nemotron-h-8b": {
-        "architectures": ["NemotronHForCausalLM"],
-        "model_type": "nemotron_h",
-        "torch_dtype": "bfloat16",
-        "hidden_size": 4096,
-        "hybrid_override_pattern": "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-",
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "attention_head_dim": 128,
-        "mamba_num_heads": 128,
-        "mamba_head_dim": 64,
-        "n_groups": 8,
-        "ssm_state_size": 128,
-        "conv_kernel": 4,
-    },
-    # nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16 config.json.
-    "nemotron-3-nano-30b-a3b": {
-        "architectures": ["NemotronHForCausalLM"],
-        "model_type": "nemotron_h",
-        "torch_dtype": "bfloat16",
-        "hidden_size": 2688,
-        "hybrid_override_pattern": "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
-        "num_attention_heads": 32,
-        "num_key_value_heads": 2,
-        "head_dim": 128,
-        "mamba_num_heads": 64,
-        "mamba_head_dim": 64,
-        "n_groups": 8,
-        "ssm_state_size": 128,
-        "conv_kernel": 4,
-        "mamba_ssm_cache_dtype": "float32",
-    },
-    # nvidia/NVIDIA-Nemotron-3-Super-120B-A12B config.json.
-    "nemotron-3-super-120b-a12b": {
-        "architectures": ["NemotronHForCausalLM"],
-        "model_type": "nemotron_h",
-        "dtype": "bfloat16",
-        "hidden_size": 4096,
-        "hybrid_override_pattern": (
-            "MEMEMEM*EMEMEMEM*EMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*"
-            "EMEMEMEMEM*EMEMEMEMEM*EMEMEMEM*EMEMEMEME"
-        ),
-        "num_attention_heads": 32,
-        "num_key_value_heads": 2,
-        "head_dim": 128,
-        "mamba_num_heads": 128,
-        "mamba_head_dim": 64,
-        "n_groups": 8,
-        "ssm_state_size": 128,
-        "conv_kernel": 4,
-        "mamba_ssm_cache_dtype": "float32",
-    },
-    # Qwen/Qwen3.5-0.8B config.json.
-    "qwen3.5-0.8b": {
-        "architectures": ["Qwen3_5ForConditionalGeneration"],
-        "model_type": "qwen3_5",
-        "text_config": {
-            "model_type": "qwen3_5_text",
-            "dtype": "bfloat16",
-            "num_hidden_layers": 24,
-            "full_attention_interval": 4,
-            "num_attention_heads": 8,
-            "num_key_value_heads": 2,
-            "head_dim": 256,
-            "linear_num_key_heads": 16,
-            "linear_num_value_heads": 16,
-            "linear_key_head_dim": 128,
-            "linear_value_head_dim": 128,
-            "linear_conv_kernel_dim": 4,
-            "mamba_ssm_dtype": "float32",
-        },
-    },
-    # Qwen/Qwen3.5-4B config.json.
-    "qwen3.5-4b": {
-        "architectures": ["Qwen3_5ForConditionalGeneration"],
-        "model_type": "qwen3_5",
-        "text_config": {
-            "model_type": "qwen3_5_text",
-            "dtype": "bfloat16",
-            "num_hidden_layers": 32,
-            "full_attention_interval": 4,
-            "num_attention_heads": 16,
-            "num_key_value_heads": 4,
-            "head_dim": 256,
-            "linear_num_key_heads": 16,
-            "linear_num_value_heads": 32,
-            "linear_key_head_dim": 128,
-            "linear_value_head_dim": 128,
-            "linear_conv_kernel_dim": 4,
-            "mamba_ssm_dtype": "float32",
-        },
-    },
-    # Qwen/Qwen3.5-27B config.json.
-    "qwen3.5-27b": {
-        "architectures": ["Qwen3_5ForConditionalGeneration"],
-        "model_type": "qwen3_5",
-        "text_config": {
-            "model_type": "qwen3_5_text",
-            "dtype": "bfloat16",
-            "num_hidden_layers": 64,
-            "full_attention_interval": 4,
-            "num_attention_heads": 24,
-            "num_key_value_heads": 4,
-            "head_dim": 256,
-            "linear_num_key_heads": 16,
-            "linear_num_value_heads": 48,
-            "linear_key_head_dim": 128,
-            "linear_value_head_dim": 128,
-            "linear_conv_kernel_dim": 4,
-            "mamba_ssm_dtype": "float32",
-        },
-    },
-    # ai21labs/AI21-Jamba-1.5-Mini config.json.
-    "jamba-1.5-mini": {
-        "architectures": ["JambaForCausalLM"],
-        "model_type": "jamba",
-        "torch_dtype": "bfloat16",
-        "hidden_size": 4096,
-        "num_hidden_layers": 32,
-        "attn_layer_period": 8,
-        "attn_layer_offset": 4,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "mamba_expand": 2,
-        "mamba_d_state": 16,
-        "mamba_d_conv": 4,
-    },
-    # deepseek-ai/DeepSeek-V2-Lite config.json.
-    "deepseek-v2-lite": {
-        "architectures": ["DeepseekV2ForCausalLM"],
-        "model_type": "deepseek_v2",
-        "torch_dtype": "bfloat16",
-        "hidden_size": 2048,
-        "num_hidden_layers": 27,
-        "num_attention_heads": 16,
-        "num_key_value_heads": 16,
-        "kv_lora_rank": 512,
-        "q_lora_rank": None,
-        "qk_nope_head_dim": 128,
-        "qk_rope_head_dim": 64,
-        "v_head_dim": 128,
-    },
-    # openai/gpt-oss-20b config.json.
-    "gpt-oss-20b": {
-        "architectures": ["GptOssForCausalLM"],
-        "model_type": "gpt_oss",
-        "num_hidden_layers": 24,
-        "hidden_size": 2880,
-        "num_attention_heads": 64,
-        "num_key_value_heads": 8,
-        "head_dim": 64,
-        "sliding_window": 128,
-    },
-}
+from broker.preset_configs import PRESET_CONFIGS
 
 #: vLLM's ``auto`` model dtype keeps these checkpoint dtypes and downcasts anything else
 #: (float32, or no dtype at all) to bfloat16.
@@ -516,18 +361,60 @@ def _llama(config: Mapping[str, Any], name: str) -> ModelSpec:
     return ModelSpec(name, vllm_kv_cache_groups(layers), _attention(config, "", dtype), None)
 
 
-def _deepseek_mla(config: Mapping[str, Any], name: str) -> ModelSpec:
-    """DeepSeek-V2/V3: MLA in every layer, which vLLM registers as
-    ``model.layers.{i}.self_attn.attn``; its cache holds one latent per token (the compressed
-    KV, ``kv_lora_rank``, then the rotary key, ``qk_rope_head_dim``), the same on every rank."""
-    dtype = _model_dtype((config, ""))
-    count = _positive_int(config, "num_hidden_layers", "")
+def _mla_attention(config: Mapping[str, Any], dtype: str) -> AttentionParams:
+    """MLA's cache: one latent per token (the compressed KV, ``kv_lora_rank``, then the rotary
+    key, ``qk_rope_head_dim``), the same on every rank."""
     latent = _positive_int(config, "kv_lora_rank", "") + _positive_int(
         config, "qk_rope_head_dim", ""
     )
+    return AttentionParams(1, latent, dtype, latent=True)
+
+
+def _deepseek_mla(config: Mapping[str, Any], name: str) -> ModelSpec:
+    """DeepSeek-V2/V3: MLA in every layer, which vLLM registers as
+    ``model.layers.{i}.self_attn.attn``."""
+    dtype = _model_dtype((config, ""))
+    count = _positive_int(config, "num_hidden_layers", "")
     layers = [(f"model.layers.{i}.self_attn.attn", GroupKind.ATTENTION) for i in range(count)]
-    attention = AttentionParams(1, latent, dtype, latent=True)
-    return ModelSpec(name, vllm_kv_cache_groups(layers), attention, None)
+    return ModelSpec(name, vllm_kv_cache_groups(layers), _mla_attention(config, dtype), None)
+
+
+def _kimi_linear(config: Mapping[str, Any], name: str) -> ModelSpec:
+    """Kimi-Linear: KDA in the layers ``linear_attn_config.kda_layers`` numbers from 1, MLA in
+    the others, as vLLM decides (``KimiLinearConfig.is_kda_layer``); vLLM registers both as
+    ``model.layers.{i}.self_attn``. KDA keeps GDN's state with as many K as V heads: a conv
+    over ``Q|K|V`` of ``num_heads * head_dim`` channels each, and a ``(num_heads, head_dim,
+    head_dim)`` recurrent state in float32 (``kda_state_dtype`` for an ``auto`` cache dtype)."""
+    where = "linear_attn_config."
+    linear = _get(config, "linear_attn_config", "")
+    if not isinstance(linear, Mapping):
+        raise LayoutError("linear_attn_config", f"must be an object, got {linear!r}")
+    count = _positive_int(config, "num_hidden_layers", "")
+    for key in ("kda_layers", "full_attn_layers"):
+        numbers = _get(linear, key, where)
+        if not isinstance(numbers, list) or not all(
+            isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= count for n in numbers
+        ):
+            raise LayoutError(f"{where}{key}", f"must list layer numbers from 1 to {count}")
+    kinds = [
+        GroupKind.MAMBA if i + 1 in linear["kda_layers"] else GroupKind.ATTENTION
+        for i in range(count)
+    ]
+    heads = _positive_int(linear, "num_heads", where)
+    head_dim = _positive_int(linear, "head_dim", where)
+    dtype = _model_dtype((config, ""))
+    mamba = MambaParams(
+        "gdn",
+        conv_kernel=_positive_int(linear, "short_conv_kernel_size", where),
+        conv_dtype=dtype,
+        ssm_dtype="float32",
+        num_k_heads=heads,
+        num_v_heads=heads,
+        head_k_dim=head_dim,
+        head_v_dim=head_dim,
+    )
+    layers = [(f"model.layers.{i}.self_attn", kind) for i, kind in enumerate(kinds)]
+    return _spec(name, layers, _mla_attention(config, dtype), mamba)
 
 
 def _gpt_oss(config: Mapping[str, Any], name: str) -> ModelSpec:
@@ -561,4 +448,5 @@ _FAMILIES: dict[str, Callable[[Mapping[str, Any], str], ModelSpec]] = {
     "deepseek_v2": _deepseek_mla,
     "deepseek_v3": _deepseek_mla,
     "gpt_oss": _gpt_oss,
+    "kimi_linear": _kimi_linear,
 }

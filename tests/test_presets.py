@@ -106,6 +106,7 @@ LAYER_MIX = {  # preset: (Mamba/GDN layers, attention layers), from the public c
     "qwen3.5-27b": (48, 16),
     "jamba-1.5-mini": (28, 4),
     "deepseek-v2-lite": (0, 27),
+    "kimi-linear-48b-a3b": (20, 7),
 }
 HYBRIDS = sorted(name for name, (mamba, _) in LAYER_MIX.items() if mamba)
 
@@ -419,7 +420,7 @@ def mutated(base: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
 
 
 NEMOTRON, QWEN = PRESET_CONFIGS["nemotron-h-8b"], PRESET_CONFIGS["qwen3.5-27b"]
-DEEPSEEK = PRESET_CONFIGS["deepseek-v2-lite"]
+DEEPSEEK, KIMI = PRESET_CONFIGS["deepseek-v2-lite"], PRESET_CONFIGS["kimi-linear-48b-a3b"]
 #: meta-llama/Meta-Llama-3-8B-Instruct config.json (the fields read here).
 LLAMA = {
     "architectures": ["LlamaForCausalLM"],
@@ -468,6 +469,30 @@ def test_deepseek_v3_reads_the_same_fields() -> None:
     assert model.attention == AttentionParams(1, 576, "bfloat16", latent=True)
 
 
+@pytest.mark.parametrize("tp", [1, 4])
+def test_kimi_linear_declares_kda_as_gdn_state_beside_mla(tp: int) -> None:
+    """Kimi-Linear: the layers ``kda_layers`` numbers from 1 keep GDN's state with 32 K and V
+    heads of 128 (Q|K|V conv channels and the recurrent state sharded over TP, the state in
+    float32); the others cache MLA's 512 + 64 latent, whole on every rank."""
+    model = resolve_model("kimi-linear-48b-a3b")
+    layers = {
+        kind: {n for k, names in model.groups if k is kind for n in names} for kind in GroupKind
+    }
+    full = (4, 8, 12, 16, 20, 24, 27)
+    assert layers[GroupKind.ATTENTION] == {f"model.layers.{n - 1}.self_attn" for n in full}
+    assert layers[GroupKind.MAMBA] == {
+        f"model.layers.{i}.self_attn" for i in range(27) if i + 1 not in full
+    }
+    assert model.attention == AttentionParams(1, 576, "bfloat16", latent=True)
+    assert segment_shapes("kimi-linear-48b-a3b", tp) == {
+        "conv.Q": (4096 // tp, 3),
+        "conv.K": (4096 // tp, 3),
+        "conv.V": (4096 // tp, 3),
+        "ssm": (32 // tp, 128, 128),
+    }
+    assert model.mamba is not None and model.mamba.ssm_dtype == "float32"
+
+
 @pytest.mark.parametrize(
     "base,path,value,field",
     [
@@ -493,6 +518,17 @@ def test_deepseek_v3_reads_the_same_fields() -> None:
         (DEEPSEEK, "kv_lora_rank", None, "kv_lora_rank"),
         (DEEPSEEK, "qk_rope_head_dim", 0, "qk_rope_head_dim"),
         (DEEPSEEK, "num_hidden_layers", "27", "num_hidden_layers"),
+        (KIMI, "linear_attn_config", [], "linear_attn_config"),
+        (KIMI, "linear_attn_config.kda_layers", [0, 1], "linear_attn_config.kda_layers"),
+        (KIMI, "linear_attn_config.full_attn_layers", None, "linear_attn_config.full_attn_layers"),
+        (KIMI, "linear_attn_config.num_heads", 0, "linear_attn_config.num_heads"),
+        (
+            KIMI,
+            "linear_attn_config.short_conv_kernel_size",
+            None,
+            "linear_attn_config.short_conv_kernel_size",
+        ),
+        (KIMI, "kv_lora_rank", None, "kv_lora_rank"),
     ],
 )
 def test_bad_configs_name_the_field(

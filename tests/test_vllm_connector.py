@@ -235,6 +235,9 @@ def conv_pieces(engine: Engine) -> list[int]:
     if model_type == "nemotron_h":
         groups = config.n_groups * config.ssm_state_size
         return [config.mamba_num_heads * config.mamba_head_dim, groups, groups]
+    if model_type == "kimi_linear":  # KDA: Q|K|V of as many heads each
+        linear = config.linear_attn_config
+        return [linear["num_heads"] * linear["head_dim"]] * 3
     keys = config.linear_num_key_heads * config.linear_key_head_dim
     return [keys, keys, config.linear_num_value_heads * config.linear_value_head_dim]
 

@@ -44,13 +44,13 @@ from vllm.v1.kv_cache_interface import (
 
 from broker.compatibility import check_compatible
 from broker.errors import IncompatibleLayoutsError, LayoutError
-from broker.layout import EngineLayout
+from broker.layout import EngineLayout, GroupKind
 from broker.models import build_engine_layout, with_kv_dtype
 from broker.presets import PRESET_CONFIGS, resolve_model
 from clients.vllm.layout import ModelFacts, derive_rank_memory, model_fingerprint
 
 #: MLA models run an MLA backend (Triton MLA: kernel blocks of any multiple of 16 tokens).
-MLA_PRESETS = ("deepseek-v2-lite",)
+MLA_PRESETS = ("deepseek-v2-lite", "kimi-linear-48b-a3b")
 CASES = [
     (preset, tp, TritonMLABackend if preset in MLA_PRESETS else FlashAttentionBackend)
     for preset in PRESET_CONFIGS
@@ -290,3 +290,19 @@ def test_packed_mla_cache_is_refused_naming_the_spec(tmp_path: Path) -> None:
             kv_config, allocate(config, kv_config, TritonMLABackend), 1, 0, ModelFacts(1)
         )
     assert err.value.field == "kv_cache_groups[0].kv_cache_spec"
+
+
+def test_kimi_linear_kda_layers_are_the_ones_vllm_builds(tmp_path: Path) -> None:
+    """The preset's KDA (Mamba) layers are those vLLM's ``KimiLinearConfig.is_kda_layer``
+    builds as KDA; the others are its MLA layers."""
+    preset = "kimi-linear-48b-a3b"
+    hf_config = engine_config(
+        write_model(preset, tmp_path / "m"), 1, backend=TritonMLABackend
+    ).model_config.hf_config
+    kinds = {name: kind for kind, names in resolve_model(preset).groups for name in names}
+    assert kinds == {
+        f"model.layers.{i}.self_attn": GroupKind.MAMBA
+        if hf_config.is_kda_layer(i)
+        else GroupKind.ATTENTION
+        for i in range(hf_config.num_hidden_layers)
+    }

@@ -72,11 +72,13 @@ from vllm.v1.worker.utils import (
 from broker.layout import GroupKind
 from broker.presets import PRESET_CONFIGS, model_from_hf_file
 
-#: vLLM's Mamba backend of each model family (the mixer class's ``mamba_type``).
+#: vLLM's Mamba backend of each model family (the mixer class's ``mamba_type``; Kimi-Linear's
+#: KDA layer inherits GDN's).
 MAMBA_TYPES = {
     "jamba": MambaAttentionBackendEnum.MAMBA1,
     "nemotron_h": MambaAttentionBackendEnum.MAMBA2,
     "qwen3_5": MambaAttentionBackendEnum.GDN_ATTN,
+    "kimi_linear": MambaAttentionBackendEnum.GDN_ATTN,
 }
 
 
