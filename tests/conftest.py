@@ -1,4 +1,6 @@
-"""Fixtures shared by test modules: a private ``redis-server`` and the store parametrization.
+"""Fixtures shared by test modules: a private ``redis-server``, the store parametrization, and
+a ``pdbroker serve`` process per test (``broker``; modules that need another kind of broker
+define their own).
 
 ``redis_server`` starts one ``redis-server`` per session on a free loopback port in a temporary
 directory (no other Redis is touched) and stops it at the end. Where no ``redis-server`` binary
@@ -23,6 +25,8 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 from prerequisites import require_binary
+
+from harness.brokers import BrokerProcess
 
 #: Seconds to wait for redis-server to accept connections or to exit.
 REDIS_START_S = 10.0
@@ -130,3 +134,11 @@ def default_store(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatc
         server: RedisServer = request.getfixturevalue("redis_server")
         monkeypatch.setattr(broker.service, "InMemoryStateStore", server.store)
     return request.param
+
+
+@pytest.fixture
+def broker() -> Iterator[BrokerProcess]:
+    """A ``pdbroker serve`` process of its own for one test."""
+    process = BrokerProcess()
+    yield process
+    process.stop()

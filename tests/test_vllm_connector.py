@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 import torch
-from vllm_engines import (
+from vllm_engines import (  # noqa: F401 - vllm_distributed: an autouse fixture
     POISON,
     Engine,
     engine_config,
@@ -34,6 +34,7 @@ from vllm_engines import (
     kv_cache_config,
     shutdown_vllm_distributed,
     storage_bytes,
+    vllm_distributed,
     write_model,
 )
 
@@ -53,24 +54,6 @@ from harness.brokers import BrokerProcess
 NUM_BLOCKS = 12
 #: Seconds a request may take on one engine (loads and releases travel in the background).
 DEADLINE_S = 60.0
-
-
-@pytest.fixture(scope="module", autouse=True)
-def vllm_distributed() -> Iterator[None]:
-    """A TP=1 worker's distributed state (vLLM's connector factory reads the TP rank)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    init_vllm_distributed(port)
-    yield
-    shutdown_vllm_distributed()
-
-
-@pytest.fixture
-def broker() -> Iterator[BrokerProcess]:
-    process = BrokerProcess()
-    yield process
-    process.stop()
 
 
 def make_engine(

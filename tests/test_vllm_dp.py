@@ -25,9 +25,13 @@ from test_vllm_connector import (
     decode,
     prefill,
     transfer_blocks,
-    vllm_distributed,  # noqa: F401  (autouse: the TP=1 workers' distributed state)
 )
-from vllm_engines import Engine, engine_config, write_model
+from vllm_engines import (
+    Engine,
+    engine_config,
+    vllm_distributed,  # noqa: F401 - an autouse fixture
+    write_model,
+)
 
 # isort: split
 # vllm_engines first: it configures vLLM for CPU and skips this module without vLLM.

@@ -11,8 +11,6 @@ different formats (or fp8 against bfloat16) must be refused, naming the dtype, a
 from __future__ import annotations
 
 import logging
-import socket
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,30 +22,18 @@ from test_vllm_connector import (
     transfer_blocks,
     transfer_state,
 )
-from vllm_engines import init_vllm_distributed, shutdown_vllm_distributed, write_model
+from vllm_engines import (  # noqa: F401 - vllm_distributed: an autouse fixture
+    init_vllm_distributed,
+    shutdown_vllm_distributed,
+    vllm_distributed,
+    write_model,
+)
 
 # isort: split
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 
 from clients.vllm.metadata import TRANSFER_ID
 from harness.brokers import BrokerProcess
-
-
-@pytest.fixture(scope="module", autouse=True)
-def vllm_distributed() -> Iterator[None]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    init_vllm_distributed(port)
-    yield
-    shutdown_vllm_distributed()
-
-
-@pytest.fixture
-def broker() -> Iterator[BrokerProcess]:
-    process = BrokerProcess()
-    yield process
-    process.stop()
 
 
 @pytest.mark.parametrize(

@@ -11,8 +11,6 @@ layout; the KV cache holds the preset's 27 layers.
 
 from __future__ import annotations
 
-import socket
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,10 +26,11 @@ from test_vllm_connector import (
     transfer_record,
 )
 from test_vllm_mla import make_engine, source_rank
-from vllm_engines import (
+from vllm_engines import (  # noqa: F401 - vllm_distributed: an autouse fixture
     Engine,
     init_vllm_distributed,
     shutdown_vllm_distributed,
+    vllm_distributed,
     write_model,
 )
 
@@ -49,23 +48,6 @@ MLA_LAYERS, KDA_LAYERS = 7, 20
 #: Bytes of one KDA layer's state at TP 1: the conv over Q|K|V (3 x 32 heads x 128, 3 rows,
 #: bfloat16), then the float32 recurrent state of 32 heads of 128 x 128.
 KDA_STATE = 3 * 32 * 128 * 3 * 2 + 32 * 128 * 128 * 4
-
-
-@pytest.fixture(scope="module", autouse=True)
-def vllm_distributed() -> Iterator[None]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    init_vllm_distributed(port)
-    yield
-    shutdown_vllm_distributed()
-
-
-@pytest.fixture
-def broker() -> Iterator[BrokerProcess]:
-    process = BrokerProcess()
-    yield process
-    process.stop()
 
 
 def assert_kimi_transferred(

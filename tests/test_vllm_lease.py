@@ -15,21 +15,24 @@ from pathlib import Path
 
 import grpc
 import pytest
-from vllm_engines import Engine, engine_config, write_model
+from vllm_engines import (  # noqa: F401 - vllm_distributed: an autouse fixture
+    Engine,
+    engine_config,
+    vllm_distributed,
+    write_model,
+)
 
 # isort: split
 # vllm_engines first: it configures vLLM for CPU and skips this module without vLLM.
-from test_vllm_connector import (  # noqa: F401 - broker, vllm_distributed: fixtures
+from test_vllm_connector import (
     DEADLINE_S,
     NUM_BLOCKS,
     assert_transferred,
-    broker,
     follow,
     make_engine,
     prefill,
     transfer_blocks,
     transfer_state,
-    vllm_distributed,
 )
 from vllm.v1.request import Request, RequestStatus
 
@@ -82,7 +85,7 @@ def step_while_queued(consumer: Engine, producer: Engine, request: Request, seco
     assert request.status == RequestStatus.WAITING
 
 
-def test_a_request_queued_past_its_ttl_still_loads(broker: BrokerProcess, tmp_path: Path) -> None:  # noqa: F811
+def test_a_request_queued_past_its_ttl_still_loads(broker: BrokerProcess, tmp_path: Path) -> None:
     model = write_model("qwen3.5-0.8b", tmp_path / "m")
     producer = make_engine(
         model, 1, "kv_producer", "prefill-0", broker.address, publish_ttl_ms=TTL_MS
@@ -130,7 +133,7 @@ def wait_for_release(producer: Engine, free: int) -> None:
 
 
 def test_a_publication_nobody_renews_expires_and_prefill_frees_it(
-    broker: BrokerProcess,  # noqa: F811
+    broker: BrokerProcess,
     tmp_path: Path,
 ) -> None:
     """The decode engine goes away while its request waits: renewals stop, the publication

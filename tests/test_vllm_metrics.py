@@ -19,18 +19,21 @@ from typing import Any
 
 import grpc
 import pytest
-from test_vllm_connector import (  # noqa: F401 - broker and vllm_distributed are fixtures
+from test_vllm_connector import (
     NUM_BLOCKS,
     assert_transferred,
-    broker,
     decode,
     make_engine,
     prefill,
     transfer_blocks,
     transfer_state,
-    vllm_distributed,
 )
-from vllm_engines import Engine, engine_config, write_model
+from vllm_engines import (
+    Engine,
+    engine_config,
+    vllm_distributed,  # noqa: F401 - an autouse fixture
+    write_model,
+)
 
 # isort: split
 # vllm_engines first: it configures vLLM for CPU and skips this module without vLLM.
@@ -100,7 +103,7 @@ def sample(name: str, engine: Engine) -> float | None:
 
 
 def test_a_load_is_recorded_and_exported(
-    broker: BrokerProcess,  # noqa: F811
+    broker: BrokerProcess,
     tmp_path: Path,
     prometheus: None,
 ) -> None:
@@ -151,7 +154,7 @@ def test_a_load_is_recorded_and_exported(
 
 
 def test_two_decode_workers_stats_add_up(
-    broker: BrokerProcess,  # noqa: F811
+    broker: BrokerProcess,
     tmp_path: Path,
 ) -> None:
     """A TP2 decode engine: vLLM's aggregator merges both ranks' loads; ``reduce()`` sums
@@ -184,7 +187,7 @@ def test_two_decode_workers_stats_add_up(
 
 
 def test_expired_and_failed_loads_are_counted(
-    broker: BrokerProcess,  # noqa: F811
+    broker: BrokerProcess,
     tmp_path: Path,
     prometheus: None,
 ) -> None:

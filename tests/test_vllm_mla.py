@@ -11,8 +11,6 @@ as for any attention model.
 
 from __future__ import annotations
 
-import socket
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,11 +23,12 @@ from test_vllm_connector import (
     transfer_blocks,
     transfer_record,
 )
-from vllm_engines import (
+from vllm_engines import (  # noqa: F401 - vllm_distributed: an autouse fixture
     Engine,
     engine_config,
     init_vllm_distributed,
     shutdown_vllm_distributed,
+    vllm_distributed,
     write_model,
 )
 
@@ -45,23 +44,6 @@ PRESET = "deepseek-v2-lite"
 #: Elements of one token's latent in one layer: kv_lora_rank + qk_rope_head_dim.
 LATENT = 512 + 64
 LAYERS = 27
-
-
-@pytest.fixture(scope="module", autouse=True)
-def vllm_distributed() -> Iterator[None]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    init_vllm_distributed(port)
-    yield
-    shutdown_vllm_distributed()
-
-
-@pytest.fixture
-def broker() -> Iterator[BrokerProcess]:
-    process = BrokerProcess()
-    yield process
-    process.stop()
 
 
 def make_engine(

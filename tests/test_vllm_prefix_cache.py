@@ -14,8 +14,6 @@ without a read and prefill frees its blocks at once.
 
 from __future__ import annotations
 
-import socket
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,13 +26,14 @@ from test_vllm_connector import (
     transfer_blocks,
     transfer_state,
 )
-from vllm_engines import (
+from vllm_engines import (  # noqa: F401 - vllm_distributed: an autouse fixture
     Engine,
     engine_config,
     init_vllm_distributed,
     kv_cache_config,
     shutdown_vllm_distributed,
     storage_bytes,
+    vllm_distributed,
     write_model,
 )
 
@@ -49,23 +48,6 @@ from harness.brokers import BrokerProcess
 
 #: Room for both turns' blocks (with a Mamba block per attention page in align mode).
 NUM_BLOCKS = 48
-
-
-@pytest.fixture(scope="module", autouse=True)
-def vllm_distributed() -> Iterator[None]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    init_vllm_distributed(port)
-    yield
-    shutdown_vllm_distributed()
-
-
-@pytest.fixture
-def broker() -> Iterator[BrokerProcess]:
-    process = BrokerProcess()
-    yield process
-    process.stop()
 
 
 def engines(model: Path, prefill_tp: int, broker: str) -> tuple[Engine, Engine]:

@@ -14,8 +14,6 @@ logits.
 
 from __future__ import annotations
 
-import socket
-from collections.abc import Iterator
 from itertools import dropwhile
 from pathlib import Path
 
@@ -28,7 +26,12 @@ from test_vllm_connector import (
     transfer_blocks,
     transfer_record,
 )
-from vllm_engines import init_vllm_distributed, shutdown_vllm_distributed, write_model
+from vllm_engines import (  # noqa: F401 - vllm_distributed: an autouse fixture
+    init_vllm_distributed,
+    shutdown_vllm_distributed,
+    vllm_distributed,
+    write_model,
+)
 
 # isort: split
 import torch
@@ -54,23 +57,6 @@ KV_BYTES_PER_TOKEN = 8 * 64 * 2 * 2
 #: Blocks for a prompt of a few hundred tokens in each group (the window group frees its
 #: out-of-window blocks only once the prompt is computed).
 NUM_BLOCKS = 80
-
-
-@pytest.fixture(scope="module", autouse=True)
-def vllm_distributed() -> Iterator[None]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    init_vllm_distributed(port)
-    yield
-    shutdown_vllm_distributed()
-
-
-@pytest.fixture
-def broker() -> Iterator[BrokerProcess]:
-    process = BrokerProcess()
-    yield process
-    process.stop()
 
 
 @pytest.mark.parametrize(

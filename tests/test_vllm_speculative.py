@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +29,12 @@ from test_vllm_connector import (
     transfer_record,
     transfer_state,
 )
-from vllm_engines import (
+from vllm_engines import (  # noqa: F401 - vllm_distributed: an autouse fixture
     Engine,
     engine_config,
     init_vllm_distributed,
     shutdown_vllm_distributed,
+    vllm_distributed,
     write_model,
 )
 
@@ -53,23 +52,6 @@ def mtp(drafts: int) -> dict[str, Any] | None:
     """Qwen3.5's MTP drafter (one full-attention decoder layer, run once per draft token);
     None for no speculative decoding."""
     return {"method": "mtp", "num_speculative_tokens": drafts} if drafts else None
-
-
-@pytest.fixture(scope="module", autouse=True)
-def vllm_distributed() -> Iterator[None]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    init_vllm_distributed(port)
-    yield
-    shutdown_vllm_distributed()
-
-
-@pytest.fixture
-def broker() -> Iterator[BrokerProcess]:
-    process = BrokerProcess()
-    yield process
-    process.stop()
 
 
 def mtp_model(directory: Path) -> Path:

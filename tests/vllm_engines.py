@@ -11,10 +11,12 @@ when vLLM is installed but broken (:mod:`prerequisites`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import socket
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import pytest
 from prerequisites import require_module
 
 # Before any other vLLM import: the module sets vLLM's environment for CPU.
@@ -80,6 +82,18 @@ def engine_config(
         else None
     )
     return vllm_config(model_dir, tp, transfer, PdBrokerConnector, backend, **cache)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def vllm_distributed() -> Iterator[None]:
+    """A TP=1 worker's distributed state (vLLM's connector factory reads the TP rank) for the
+    whole of a test module that imports this fixture."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    init_vllm_distributed(port)
+    yield
+    shutdown_vllm_distributed()
 
 
 def init_vllm_distributed(port: int) -> None:
