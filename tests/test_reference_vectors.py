@@ -1,6 +1,6 @@
 """The reference-plan generator (vLLM 0.33's own NIXL connector, its descriptors recorded)
-reproduces the shipped vectors: Mamba2 at homogeneous and heterogeneous TP, MLA, and
-sliding-window attention."""
+reproduces the shipped vectors: Mamba2 at homogeneous and heterogeneous TP, MLA,
+sliding-window attention and Kimi-Linear (KDA beside MLA)."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ VECTORS = Path(__file__).parent / "data" / "testvectors"
         "14_deepseek_v2_lite_mla_tp4_tp2_prefix_hit",
         "15_gpt_oss_sliding_window_tp1_tp2",
         "16_gpt_oss_sliding_window_null_padded_tp2_tp1",
+        "17_kimi_linear_kda_mla_tp2_tp1",
     ],
 )
 def test_generator_reproduces_shipped_vector(name: str) -> None:
@@ -70,6 +71,23 @@ def test_null_padded_window_block_is_read_by_vllm_and_moves_nothing() -> None:
     assert expected["vllm_bytes_incl_unused"] - expected["total_bytes"] == 2 * page
     # 13 full-attention and 8 window blocks per layer, 2 layers each, from 2 prefill ranks.
     assert expected["vllm_descriptors"] == (13 + 8) * 2 * 2
+
+
+def test_kimi_linear_gathers_kda_state_and_reads_latents_once() -> None:
+    """TP2 -> TP1: every KDA state byte comes from both prefill ranks (each holds half the
+    heads), every MLA latent from prefill rank 0 only."""
+    name = "17_kimi_linear_kda_mla_tp2_tp1"
+    case = json.loads((VECTORS / "cases" / f"{name}.json").read_text())
+    expected = json.loads((VECTORS / "expected" / f"{name}.json").read_text())
+    page = 128 * 576 * 2  # one 128-token block of bfloat16 latents
+    latent_blocks = case["request"]["d_block_ids"][3]
+    sources: dict[bool, set[int]] = {True: set(), False: set()}
+    for run in expected["runs"]:
+        sources[run[2] // page in latent_blocks].add(run[3])
+    assert sources == {True: {0}, False: {0, 1}}
+    # 2 MLA layers x 3 blocks, and 6 KDA layers x (3 x 256 x 3 conv + 4 x 64 x 64 x 4 SSM)
+    # bytes from each of the 2 prefill ranks.
+    assert expected["total_bytes"] == 2 * 3 * page + 6 * 2 * (3 * 256 * 3 * 2 + 4 * 64 * 64 * 4)
 
 
 def test_family_without_a_model_is_refused() -> None:

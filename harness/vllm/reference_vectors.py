@@ -3,7 +3,8 @@
 For a planning case, every decode rank is built as vLLM's connector worker, with the prefill
 ranks it reads (:class:`harness.vllm.nixl_reference.VllmDecodeSide`), on caches shaped as
 vLLM allocates them for the case's model (a ``config.json`` made from the case: Mamba2 as
-Nemotron-H, MLA as DeepSeek-V2, sliding windows as gpt-oss). The descriptors vLLM posts for the request are located in
+Nemotron-H, MLA as DeepSeek-V2, sliding windows as gpt-oss, GDN state beside MLA as
+Kimi-Linear). The descriptors vLLM posts for the request are located in
 the cache tensors of both sides and normalised as the vectors' README says: what carries no
 state is dropped, the rest becomes maximal runs relative to region bases.
 
@@ -31,6 +32,7 @@ from harness.vllm.nixl_reference import VllmDecodeSide
 _NULL_BLOCK = 0
 #: Nemotron-H ``hybrid_override_pattern`` code of each case layer type.
 _NEMOTRON_CODES = {"mamba": "M", "attention": "*"}
+_KINDS = tuple(_NEMOTRON_CODES)
 
 
 def _layer_indices(case: Mapping[str, Any]) -> dict[int, str]:
@@ -86,20 +88,48 @@ def _gpt_oss(case: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def _kimi_linear(case: Mapping[str, Any]) -> dict[str, Any]:
+    attn, kda = case["attention"], case["mamba"]
+    if (kda["num_k_heads"], kda["head_k_dim"]) != (kda["num_v_heads"], kda["head_v_dim"]):
+        raise LayoutError("mamba", "KDA has as many K as V heads, of one head dim")
+    if kda["ssm_dtype"] != "float32" or kda["conv_dtype"] != attn.get("dtype", "bfloat16"):
+        raise LayoutError("mamba.ssm_dtype", "KDA keeps float32 state, convs in the model dtype")
+    layers = _layer_indices(case)
+    numbers = {kind: [i + 1 for i, t in sorted(layers.items()) if t == kind] for kind in _KINDS}
+    return {
+        **PRESET_CONFIGS["kimi-linear-48b-a3b"],
+        "torch_dtype": kda["conv_dtype"],
+        "num_hidden_layers": max(layers) + 1,
+        "kv_lora_rank": attn["kv_lora_rank"],
+        "qk_rope_head_dim": attn["qk_rope_head_dim"],
+        "linear_attn_config": {
+            "full_attn_layers": numbers["attention"],
+            "kda_layers": numbers["mamba"],
+            "head_dim": kda["head_k_dim"],
+            "num_heads": kda["num_k_heads"],
+            "short_conv_kernel_size": kda["conv_kernel"],
+        },
+    }
+
+
 def hf_config(case: Mapping[str, Any]) -> dict[str, Any]:
     """A ``config.json`` of a model vLLM forms the case's layers and groups from: Mamba2 as
-    Nemotron-H, MLA as DeepSeek-V2, sliding-window attention as gpt-oss; other families
-    raise :class:`LayoutError`."""
+    Nemotron-H, MLA as DeepSeek-V2, sliding-window attention as gpt-oss, GDN state with MLA
+    as Kimi-Linear (its KDA layers); other families raise :class:`LayoutError`."""
     windowed = any("sliding_window" in g for g in case["groups"])
-    if case.get("attention", {}).get("kind") == "mla" and "mamba" not in case:
+    mla = case.get("attention", {}).get("kind") == "mla"
+    if mla and "mamba" not in case:
         config = _deepseek_v2(case)
+    elif mla and case.get("mamba_type") == "gdn" and "shapes_by_tp" not in case["mamba"]:
+        config = _kimi_linear(case)
     elif windowed and "mamba" not in case:
         config = _gpt_oss(case)
     elif case.get("mamba_type") == "mamba2" and "shapes_by_tp" not in case["mamba"]:
         config = _nemotron_h(case)
     else:
         raise LayoutError(
-            "mamba_type", "reference plans are made for Mamba2, MLA and sliding-window cases"
+            "mamba_type",
+            "reference plans are made for Mamba2, MLA, sliding-window and Kimi-Linear cases",
         )
     built = model_from_hf_config(config, "case")
     wanted = tuple(
