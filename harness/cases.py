@@ -86,20 +86,32 @@ def _attention_params(raw: Mapping[str, Any]) -> AttentionParams:
     )
 
 
+def _sliding_window(group: Mapping[str, Any], where: str) -> int:
+    """A group's ``sliding_window`` in tokens; 0 (absent): full attention or Mamba."""
+    return _positive_int(group, "sliding_window", where) if "sliding_window" in group else 0
+
+
 def model_from_case(case: Mapping[str, Any]) -> ModelSpec:
-    groups = []
+    groups, windows = [], []
     for i, group in enumerate(_get(case, "groups", "")):
         kind = _get(group, "type", f"groups[{i}]")
         if kind not in ("attention", "mamba"):
             raise LayoutError(f"groups[{i}].type", f"must be attention or mamba, got {kind!r}")
         groups.append((GroupKind(kind), tuple(_get(group, "layers", f"groups[{i}]"))))
+        windows.append(_sliding_window(group, f"groups[{i}]"))
     if not groups:
         raise LayoutError("groups", "at least one group is required")
     attention = _attention_params(case["attention"]) if "attention" in case else None
     mamba = None
     if "mamba" in case:
         mamba = _mamba_params(_get(case, "mamba_type", ""), case["mamba"])
-    return ModelSpec(case.get("name", "case"), tuple(groups), attention, mamba)
+    return ModelSpec(
+        case.get("name", "case"),
+        tuple(groups),
+        attention,
+        mamba,
+        tuple(windows) if any(windows) else (),
+    )
 
 
 def _engine(case: Mapping[str, Any], role: str, model: ModelSpec) -> EngineLayout:

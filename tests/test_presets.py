@@ -37,6 +37,16 @@ def case_groups(case: dict[str, Any]) -> tuple[tuple[GroupKind, tuple[str, ...]]
     return tuple((GroupKind(g["type"]), tuple(g["layers"])) for g in case["groups"])
 
 
+def case_windows(case: dict[str, Any]) -> dict[str, int]:
+    """Each sliding-window layer's window in tokens."""
+    return {
+        name: g["sliding_window"]
+        for g in case["groups"]
+        if "sliding_window" in g
+        for name in g["layers"]
+    }
+
+
 def layer_index(name: str) -> int:
     return int(name.split(".")[2])
 
@@ -53,7 +63,7 @@ def segment_shapes(model_name: str, tp: int) -> dict[str, tuple[int, ...]]:
 @pytest.mark.parametrize("path", CASES, ids=lambda p: p.stem)
 def test_grouping_reproduces_every_vector_case(path: Path) -> None:
     case = load(path)
-    assert vllm_kv_cache_groups(case_layers(case)) == case_groups(case)
+    assert vllm_kv_cache_groups(case_layers(case), case_windows(case)) == case_groups(case)
 
 
 def test_grouping_pads_the_last_groups_of_a_bucket() -> None:

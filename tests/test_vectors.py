@@ -66,6 +66,21 @@ def test_unplannable_case_names_the_field(tmp_path: Path) -> None:
     assert "total_num_kv_heads" in out.stderr and "tp=3" in out.stderr
 
 
+def test_bad_sliding_window_names_the_group(tmp_path: Path) -> None:
+    raw = json.loads((VECTORS / "cases" / "15_gpt_oss_sliding_window_tp1_tp2.json").read_text())
+    raw["groups"][0]["sliding_window"] = -128
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(raw))
+    out = subprocess.run(
+        [sys.executable, "-m", "broker.cli", "plan", "--case", str(bad), "--json"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert out.returncode != 0
+    assert "groups[0].sliding_window" in out.stderr
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda p: p.stem)
 def test_uncoalesced_plan_has_vllm_granularity(case: Path) -> None:
     """Without coalescing the planner issues exactly vLLM's descriptors, same bytes."""

@@ -3,7 +3,8 @@
 For a planning case, every decode rank is built as vLLM's connector worker, with the prefill
 ranks it reads (:class:`harness.vllm.nixl_reference.VllmDecodeSide`), on caches shaped as
 vLLM allocates them for the case's model (a ``config.json`` made from the case: Mamba2 as
-Nemotron-H, MLA as DeepSeek-V2). The descriptors vLLM posts for the request are located in
+Nemotron-H, MLA as DeepSeek-V2, sliding windows as gpt-oss, GDN state beside MLA as
+Kimi-Linear). The descriptors vLLM posts for the request are located in
 the cache tensors of both sides and normalised as the vectors' README says: what carries no
 state is dropped, the rest becomes maximal runs relative to region bases.
 
@@ -20,13 +21,18 @@ from pathlib import Path
 from typing import Any
 
 from broker.errors import LayoutError
+from broker.layout import window_blocks
+from broker.planner import TransferRequest
 from broker.presets import PRESET_CONFIGS, model_from_hf_config
-from harness.cases import load_case, merge_runs
+from harness.cases import Case, load_case, merge_runs
 from harness.scenarios import Scenario
 from harness.vllm.nixl_reference import VllmDecodeSide
 
+#: The block vLLM's allocator puts in place of blocks it freed (``BlockPool.null_block``).
+_NULL_BLOCK = 0
 #: Nemotron-H ``hybrid_override_pattern`` code of each case layer type.
 _NEMOTRON_CODES = {"mamba": "M", "attention": "*"}
+_KINDS = tuple(_NEMOTRON_CODES)
 
 
 def _layer_indices(case: Mapping[str, Any]) -> dict[int, str]:
@@ -69,18 +75,70 @@ def _deepseek_v2(case: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def _gpt_oss(case: Mapping[str, Any]) -> dict[str, Any]:
+    attn = case["attention"]
+    (window,) = {g["sliding_window"] for g in case["groups"] if "sliding_window" in g}
+    return {
+        **PRESET_CONFIGS["gpt-oss-20b"],
+        "torch_dtype": attn.get("dtype", "bfloat16"),
+        "num_hidden_layers": max(_layer_indices(case)) + 1,
+        "num_key_value_heads": attn["total_num_kv_heads"],
+        "head_dim": attn["head_dim"],
+        "sliding_window": window,
+    }
+
+
+def _kimi_linear(case: Mapping[str, Any]) -> dict[str, Any]:
+    attn, kda = case["attention"], case["mamba"]
+    if (kda["num_k_heads"], kda["head_k_dim"]) != (kda["num_v_heads"], kda["head_v_dim"]):
+        raise LayoutError("mamba", "KDA has as many K as V heads, of one head dim")
+    if kda["ssm_dtype"] != "float32" or kda["conv_dtype"] != attn.get("dtype", "bfloat16"):
+        raise LayoutError("mamba.ssm_dtype", "KDA keeps float32 state, convs in the model dtype")
+    layers = _layer_indices(case)
+    numbers = {kind: [i + 1 for i, t in sorted(layers.items()) if t == kind] for kind in _KINDS}
+    return {
+        **PRESET_CONFIGS["kimi-linear-48b-a3b"],
+        "torch_dtype": kda["conv_dtype"],
+        "num_hidden_layers": max(layers) + 1,
+        "kv_lora_rank": attn["kv_lora_rank"],
+        "qk_rope_head_dim": attn["qk_rope_head_dim"],
+        "linear_attn_config": {
+            "full_attn_layers": numbers["attention"],
+            "kda_layers": numbers["mamba"],
+            "head_dim": kda["head_k_dim"],
+            "num_heads": kda["num_k_heads"],
+            "short_conv_kernel_size": kda["conv_kernel"],
+        },
+    }
+
+
 def hf_config(case: Mapping[str, Any]) -> dict[str, Any]:
     """A ``config.json`` of a model vLLM forms the case's layers and groups from: Mamba2 as
-    Nemotron-H, MLA as DeepSeek-V2; other families raise :class:`LayoutError`."""
-    if case.get("attention", {}).get("kind") == "mla" and "mamba" not in case:
+    Nemotron-H, MLA as DeepSeek-V2, sliding-window attention as gpt-oss, GDN state with MLA
+    as Kimi-Linear (its KDA layers); other families raise :class:`LayoutError`."""
+    windowed = any("sliding_window" in g for g in case["groups"])
+    mla = case.get("attention", {}).get("kind") == "mla"
+    if mla and "mamba" not in case:
         config = _deepseek_v2(case)
+    elif mla and case.get("mamba_type") == "gdn" and "shapes_by_tp" not in case["mamba"]:
+        config = _kimi_linear(case)
+    elif windowed and "mamba" not in case:
+        config = _gpt_oss(case)
     elif case.get("mamba_type") == "mamba2" and "shapes_by_tp" not in case["mamba"]:
         config = _nemotron_h(case)
     else:
-        raise LayoutError("mamba_type", "reference plans are made for Mamba2 and MLA cases")
+        raise LayoutError(
+            "mamba_type",
+            "reference plans are made for Mamba2, MLA, sliding-window and Kimi-Linear cases",
+        )
     built = model_from_hf_config(config, "case")
-    wanted = tuple((g["type"], tuple(g["layers"])) for g in case["groups"])
-    if tuple((kind.value, names) for kind, names in built.groups) != wanted:
+    wanted = tuple(
+        (g["type"], tuple(g["layers"]), g.get("sliding_window", 0)) for g in case["groups"]
+    )
+    got = tuple(
+        (kind.value, names, built.sliding_window(g)) for g, (kind, names) in enumerate(built.groups)
+    )
+    if got != wanted:
         raise LayoutError("groups", "vLLM groups the case's layers otherwise")
     return config
 
@@ -100,7 +158,8 @@ def _locate(regions: Sequence[Region], addr: int, length: int) -> tuple[int, int
 def _carries_state(side: VllmDecodeSide, region: Region, offset: int) -> bool:
     """Whether the decode bytes at ``offset`` of ``region`` hold request state: a block of a
     group with a layer in that region, and for attention a kernel block with a token below
-    the request's length."""
+    the request's length (sliding window: and one from the window's first token on, the
+    first that vLLM's ``get_num_skipped_tokens`` keeps)."""
     engine, request = side.decode_engine, side.sc.request
     page = region[1] // engine.kv_config.num_blocks
     block = offset // page
@@ -115,7 +174,26 @@ def _carries_state(side: VllmDecodeSide, region: Region, offset: int) -> bool:
     first = -(-request.num_tokens // logical) - len(ids)
     kernel = (offset % page) // (page // ratio)
     start = ((first + ids.index(block)) * ratio + kernel) * (logical // ratio)
-    return start < request.num_tokens
+    window = side.sc.decode.groups[group].sliding_window
+    in_window = not window or start + logical // ratio > request.num_tokens - window + 1
+    return start < request.num_tokens and in_window
+
+
+def _vllm_request(loaded: Case) -> TransferRequest:
+    """The request as vLLM's schedulers hand it to its worker: a sliding-window group's
+    prefill list is the tail of the prefill block table, where vLLM has put its null block
+    (id 0) in place of the blocks it freed as out of window; the case lists them without it
+    (as :func:`clients.vllm.scheduler._clip_group` hands them over)."""
+    request = loaded.request
+    prefill = []
+    for group, ids in zip(loaded.prefill.groups, request.prefill_block_ids, strict=True):
+        padding = 0
+        if group.sliding_window:
+            blocks = -(-request.num_tokens // group.block_size)
+            kept = min(window_blocks(group.sliding_window, group.block_size), blocks)
+            padding = max(0, kept - len(ids))
+        prefill.append((_NULL_BLOCK,) * padding + tuple(ids))
+    return TransferRequest.of(request.num_tokens, prefill, request.decode_block_ids)
 
 
 def _region_facts(regions: Sequence[Region], num_blocks: int) -> dict[str, Any]:
@@ -129,7 +207,7 @@ def _region_facts(regions: Sequence[Region], num_blocks: int) -> dict[str, Any]:
 def reference_plan(case: Mapping[str, Any]) -> dict[str, Any]:
     """The ``expected`` object of ``case`` (README schema), from vLLM's posted descriptors."""
     config, loaded = hf_config(case), load_case(case)
-    scenario = Scenario(loaded.model, loaded.prefill, loaded.decode, loaded.request)
+    scenario = Scenario(loaded.model, loaded.prefill, loaded.decode, _vllm_request(loaded))
     attention = [g for g in loaded.decode.groups if g.is_attention]
     # FlashInfer for kernel blocks smaller than a page, as the case's engines use.
     kernel = next((g.kernel_block_size for g in attention if g.kernel_blocks_per_page > 1), 0)
