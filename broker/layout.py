@@ -185,8 +185,8 @@ def tail_start(num_tokens: int, num_blocks: int, block_size: int) -> int:
 
 def attention_shortfall(group: GroupLayout, num_tokens: int, num_blocks: int) -> str | None:
     """Why a list of ``num_blocks`` of ``group``'s blocks cannot hold what a request of
-    ``num_tokens`` needs (every token; a sliding-window group: those from the window's first
-    token on), or None when it can."""
+    ``num_tokens`` needs (every token; a sliding-window group: those in the window of token
+    ``num_tokens``, by which vLLM sizes both engines' tables), or None when it can."""
     held = tail_start(num_tokens, num_blocks, group.block_size)
     if not group.sliding_window:
         if held:

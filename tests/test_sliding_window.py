@@ -10,7 +10,7 @@ import pytest
 from test_planner_properties import check_plan_by_simulation
 
 from broker.errors import IncompatibleLayoutsError, RequestError
-from broker.layout import GroupKind, window_blocks, window_tail
+from broker.layout import GroupKind, attention_shortfall, tail_start, window_blocks, window_tail
 from broker.models import AttentionParams, ModelSpec, build_engine_layout
 from broker.planner import PairPlanner, TransferRequest
 from broker.wire import rank_layout_from_proto, rank_layout_to_proto
@@ -172,6 +172,25 @@ def test_a_window_list_that_misses_window_tokens_is_refused() -> None:
     with pytest.raises(RequestError) as exc:
         PairPlanner(layout, layout).plan(cut)
     assert exc.value.field == "prefill_block_ids[1]"
+
+
+@pytest.mark.parametrize("num_tokens", [207, 335])
+def test_the_window_boundary_is_that_of_the_token_after_the_prompt(num_tokens: int) -> None:
+    """The window of token ``num_tokens`` (a 128-token window: from ``num_tokens - 127`` on)
+    starts on a block. vLLM's sliding-window manager sizes both engines' tables by that window,
+    so the block before it is its null block there, and of the 9 blocks vLLM's connector keeps
+    only 8 are pages: they hold all the window needs. Token ``num_tokens - 128``, which the
+    window of the token decode computes again (``num_tokens - 1``) also covers, lies in that
+    null block on decode too: no list can hold it, so requiring it would refuse the request."""
+    group = build_engine_layout(swa_model(128), 1, 128, BLOCK).groups[0]
+    first = num_tokens - 128 + 1
+    assert first % BLOCK == 0
+    assert tail_start(num_tokens, window_blocks(128, BLOCK), BLOCK) == first - BLOCK
+    assert tail_start(num_tokens, window_blocks(128, BLOCK) - 1, BLOCK) == first
+    assert attention_shortfall(group, num_tokens, window_blocks(128, BLOCK) - 1) is None
+    short = attention_shortfall(group, num_tokens, window_blocks(128, BLOCK) - 2)
+    assert short is not None
+    assert f"from {first + BLOCK} on" in short and f"starts at token {first}" in short
 
 
 def test_prefill_and_decode_must_declare_the_same_window() -> None:

@@ -65,6 +65,10 @@ NUM_BLOCKS = 80
         (1, 1, 512),  # the window starts on a block: prefill's null block is in vLLM's tail
         (1, 2, 500),  # KV heads split on decode; the window starts inside a block
         (2, 1, 456),  # gathered from two prefill ranks
+        # The window of token prompt_len starts on a block: the block before it holds the
+        # first token of the window of the token decode computes again (prompt_len - 1).
+        (1, 1, 207),
+        (1, 2, 335),
     ],
 )
 def test_the_full_group_and_the_window_move(
@@ -96,15 +100,28 @@ def test_the_full_group_and_the_window_move(
         in_window = [held[0][first:], held[1]]
         assert set(held[0][:first]) == {0}  # vLLM's null block: out of the window, freed
         assert 0 not in in_window[0]
-        # vLLM's own clipping (the window's blocks plus one) keeps a null block when the
-        # window starts on a block boundary; the published list holds only real pages.
-        assert held[0][-(window // block + 1) :].count(0) == (prompt_len % block == 0)
+        # vLLM's own clipping (the window's blocks plus one) keeps the null blocks it reaches
+        # (one, at 512 and 207 tokens); the published list holds only real pages.
+        keep = window // block + 1
+        assert held[0][-keep:].count(0) == max(0, first - (len(held[0]) - keep))
         assert [list(g.ids) for g in record.block_ids] == in_window
+        # Decode computes token prompt_len - 1 again, whose window (the token itself and the
+        # window - 1 before it, as vLLM's sliding-window manager counts) starts one token
+        # earlier, at prompt_len - window. vLLM sizes the tables of both engines by the
+        # window of token prompt_len, so where that is a block start, the block holding
+        # token prompt_len - window is vLLM's null block on both engines: no connector can
+        # move the token and decode's attention reads the null block for it.
+        manager = consumer.scheduler.kv_cache_manager.coordinator.single_type_managers[0]
+        assert manager.get_num_skipped_tokens(prompt_len - 1) == prompt_len - window
+        recomputed_from = (prompt_len - window) // block
+        on_boundary = (prompt_len - window + 1) % block == 0
+        assert (held[0][recomputed_from] == 0) == on_boundary
         seen = decode(consumer, "r1", prompt, params, producer)
         # No recompute: vLLM computes the last prompt token again for its logits.
         assert seen["scheduled"][0] == 1
         loaded = transfer_blocks(consumer, "r1", seen["blocks"])
         assert set(loaded[0][:first]) == {0}
+        assert (loaded[0][recomputed_from] == 0) == on_boundary
         window_tokens = prompt_len - first * block
         assert_transferred(
             producer,
