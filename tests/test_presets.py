@@ -146,6 +146,23 @@ def test_gpt_oss_alternates_sliding_window_and_full_attention_groups() -> None:
     assert exc.value.field == "sliding_window"
 
 
+def test_a_nemotron_h_sliding_window_windows_every_attention_layer() -> None:
+    """vLLM's Nemotron-H gives its attention layers the config's ``sliding_window`` (none
+    when null or 0, as vLLM reads a window of 0); the Mamba groups stay as they are."""
+    nemotron = PRESET_CONFIGS["nemotron-h-8b"]
+    plain = resolve_model("nemotron-h-8b")
+    for off in (None, 0):
+        assert model_from_hf_config({**nemotron, "sliding_window": off}, "nemotron-h-8b") == plain
+    model = model_from_hf_config({**nemotron, "sliding_window": 1000}, "nemotron-h-8b")
+    assert model.groups == plain.groups and model.fingerprint != plain.fingerprint
+    assert model.sliding_windows == tuple(
+        1000 if kind is GroupKind.ATTENTION else 0 for kind, _ in model.groups
+    )
+    with pytest.raises(LayoutError) as exc:
+        model_from_hf_config({**nemotron, "sliding_window": -1}, "x")
+    assert exc.value.field == "sliding_window"
+
+
 @pytest.mark.parametrize("name", HYBRIDS)
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
 def test_every_hybrid_preset_builds_at_common_tp_sizes(name: str, tp: int) -> None:

@@ -11,7 +11,7 @@ from test_planner_properties import check_plan_by_simulation
 
 from broker.errors import IncompatibleLayoutsError, RequestError
 from broker.layout import GroupKind, attention_shortfall, tail_start, window_blocks, window_tail
-from broker.models import AttentionParams, ModelSpec, build_engine_layout
+from broker.models import AttentionParams, MambaParams, ModelSpec, build_engine_layout
 from broker.planner import PairPlanner, TransferRequest
 from broker.wire import rank_layout_from_proto, rank_layout_to_proto
 
@@ -204,3 +204,56 @@ def test_prefill_and_decode_must_declare_the_same_window() -> None:
 def test_the_window_crosses_the_wire() -> None:
     rank = build_engine_layout(swa_model(), 2, 128, BLOCK).ranks[1]
     assert rank_layout_from_proto(rank_layout_to_proto(rank), 1) == rank
+
+
+def windowed_mamba2_model(window: int = 100) -> ModelSpec:
+    """Nemotron-H's shape, small: Mamba2 groups around one attention group whose layers all
+    have a ``window``-token sliding window (vLLM gives every attention layer of a Nemotron-H
+    config with ``sliding_window`` one)."""
+    return ModelSpec(
+        "windowed-mamba2",
+        (
+            (GroupKind.MAMBA, ("m0.0", "m0.1")),
+            (GroupKind.ATTENTION, ("s.0", "s.1")),
+            (GroupKind.MAMBA, ("m1.0", "m1.1")),
+        ),
+        AttentionParams(4, 8),
+        MambaParams(
+            "mamba2", 4, intermediate_size=16, num_heads=8, head_dim=2, n_groups=2, state_size=3
+        ),
+        (0, window, 0),
+    )
+
+
+@pytest.mark.parametrize(
+    ("p_tp", "d_tp", "p_bs", "d_bs"), [(1, 1, 8, 8), (1, 2, 8, 16), (2, 1, 16, 8), (2, 4, 8, 8)]
+)
+@pytest.mark.parametrize("num_tokens", [301, 360])
+def test_the_window_tail_and_the_mamba_state_move_together(
+    p_tp: int, d_tp: int, p_bs: int, d_bs: int, num_tokens: int
+) -> None:
+    """A sliding-window group beside Mamba2 groups, in one plan: the window group moves its
+    in-window tail only, each Mamba group its running-state block, byte-exact."""
+    model = windowed_mamba2_model()
+
+    def lists(block_size: int) -> list[tuple[int, ...]]:
+        """As the connector sends them: the window group's tail, a state block per Mamba group."""
+        pages = -(-num_tokens // block_size)
+        return [(pages,), tuple(window_tail(list(range(pages)), 100, block_size)), (pages + 1,)]
+
+    req = TransferRequest.of(num_tokens, lists(p_bs), lists(d_bs))
+    assert len(req.prefill_block_ids[1]) == window_blocks(100, p_bs) < num_tokens // p_bs
+    prefill = build_engine_layout(model, p_tp, 64, p_bs, 8)
+    decode = build_engine_layout(model, d_tp, 64, d_bs, 8)
+    check_plan_by_simulation(prefill, decode, req)
+    # Every Mamba layer's state, and the window group's tokens both tails hold (to the end of
+    # a kernel block): nothing out of the window.
+    plan = PairPlanner(prefill, decode).plan(req)
+    mamba, window = decode.groups[0], decode.groups[1]
+    first = max(
+        tail_start(num_tokens, len(ids), bs)
+        for ids, bs in ((req.prefill_block_ids[1], p_bs), (req.decode_block_ids[1], d_bs))
+    )
+    assert first > 0 and num_tokens - first < 100 + 2 * max(p_bs, d_bs)
+    tail = -(-num_tokens // 8) * 8 - first
+    assert plan.nbytes == d_tp * (mamba.state_bytes * 4 + window.state_bytes // d_bs * 2 * tail)

@@ -43,13 +43,17 @@ from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    KVCacheSpec,
+    MambaSpec,
     SlidingWindowSpec,
 )
 
+from broker.layout import window_blocks
 from broker.v1 import broker_pb2 as pb
 from clients.vllm.metadata import TRANSFER_ID, ConnectorSettings
 from clients.vllm.scheduler import SchedulerHalf
 from harness.brokers import BrokerProcess
+from harness.vllm import cpu_engine
 
 #: gpt-oss-20b: 24 layers, half of them in each group; 8 KV heads of 64, K and V, bfloat16.
 LAYERS_PER_GROUP = 12
@@ -157,14 +161,7 @@ def test_the_window_lists_are_vllms_without_its_null_blocks(window: int, block_s
         KVCacheGroupSpec(["f"], FullAttentionSpec(block_size=block_size, **head)),
     ]
     kv_config = KVCacheConfig(256, [], groups)
-    config = VllmConfig(
-        cache_config=CacheConfig(block_size=block_size),
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="NixlConnector", kv_role="kv_both", engine_id="e"
-        ),
-    )
-    vllm = NixlPullConnectorScheduler(config, "e", kv_config)
-    ours = SchedulerHalf(config, kv_config, ConnectorSettings.from_extra_config({"broker": "x:1"}))
+    vllm, ours = both_schedulers(block_size, kv_config)
     nulls = set()
     for tokens in range(1, 8 * window):
         pages = -(-tokens // block_size)
@@ -177,3 +174,73 @@ def test_the_window_lists_are_vllms_without_its_null_blocks(window: int, block_s
             assert ours.transfer_blocks((table, full)) == expected
             assert 0 not in expected[0] and len(expected[0]) <= vllm.blocks_per_sw[0]
     assert nulls == ({0, 1, 2} if window % block_size == 1 else {0, 1})
+
+
+def nixl_config(block_size: int) -> VllmConfig:
+    """A kv_both engine's config for vLLM's NIXL connector, no model; its KV-cache layout
+    resolved (as the engine core does) to the one our connector requires."""
+    config = VllmConfig(
+        cache_config=CacheConfig(block_size=block_size),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="NixlConnector", kv_role="kv_both", engine_id="e"
+        ),
+    )
+    config.cache_config.kv_cache_layout = "LBHNC"
+    return config
+
+
+def both_schedulers(
+    block_size: int, kv_config: KVCacheConfig
+) -> tuple[NixlPullConnectorScheduler, SchedulerHalf]:
+    """vLLM's NIXL scheduler and ours over the same KV-cache groups."""
+    config = nixl_config(block_size)
+    return (
+        NixlPullConnectorScheduler(config, "e", kv_config),
+        SchedulerHalf(config, kv_config, ConnectorSettings.from_extra_config({"broker": "x:1"})),
+    )
+
+
+@pytest.mark.parametrize("speculative_blocks", [0, 2])
+def test_window_and_mamba_groups_clip_in_one_pass_as_vllms(speculative_blocks: int) -> None:
+    """A sliding-window group beside Mamba2 groups (Nemotron-H with ``sliding_window``), grouped
+    by vLLM's hybrid allocator: each exchange keeps the window group's tail (less the null
+    blocks heading it) and each Mamba group's running-state block alone, as vLLM's NIXL
+    scheduler clips both in one ``get_exchange_clipped_blocks`` pass."""
+    window, block_size = 100, 16
+    head = {"num_kv_heads": 2, "head_size": 8, "dtype": torch.bfloat16}
+    sliding = SlidingWindowSpec(block_size=block_size, sliding_window=window, **head)
+    mamba = MambaSpec(
+        block_size=block_size,
+        shapes=((3, 28), (8, 2, 3)),
+        dtypes=(torch.bfloat16, torch.float32),
+        page_size_padded=sliding.page_size_bytes,
+        num_speculative_blocks=speculative_blocks,
+    )
+    specs: dict[str, KVCacheSpec] = {f"m.{i}": mamba for i in range(4)}
+    specs |= {"s.0": sliding, "s.1": sliding}
+    kv_config = cpu_engine.kv_cache_config(nixl_config(block_size), 256, specs=specs)
+    kinds = [type(g.kv_cache_spec) for g in kv_config.transfer_groups]
+    assert sorted(k.__name__ for k in kinds) == ["MambaSpec", "MambaSpec", "SlidingWindowSpec"]
+    vllm, ours = both_schedulers(block_size, kv_config)
+    assert sorted(vllm.blocks_per_sw) == [0, 0, window_blocks(window, block_size)]
+    tail_lengths = set()
+    for tokens in range(1, 4 * window, 7):
+        pages = -(-tokens // block_size)
+        skipped = max(0, tokens - window + 1) // block_size
+        tables = {
+            SlidingWindowSpec: [0] * skipped + list(range(1 + skipped, pages + 1)),
+            MambaSpec: [0] * (pages - 1) + list(range(200, 201 + speculative_blocks)),
+        }
+        block_ids = tuple(tables[kind] for kind in kinds)
+        clipped = vllm.get_exchange_clipped_blocks(block_ids)
+        expected = tuple(
+            tuple(dropwhile(lambda b: b == 0, ids)) if kind is SlidingWindowSpec else tuple(ids)
+            for ids, kind in zip(clipped, kinds)
+        )
+        assert ours.transfer_blocks(block_ids) == expected
+        for ids, kind in zip(expected, kinds):
+            assert ids == (200,) if kind is MambaSpec else 0 not in ids
+            if kind is SlidingWindowSpec:
+                tail_lengths.add(len(ids))
+    # Short prompts move whole, long ones the window's blocks (plus one, less the null block).
+    assert min(tail_lengths) == 1 and max(tail_lengths) == window_blocks(window, block_size)
