@@ -43,6 +43,11 @@ class AttentionParams:
     dtype: str = "bfloat16"
     latent: bool = False
 
+    @classmethod
+    def mla(cls, kv_lora_rank: int, qk_rope_head_dim: int, dtype: str) -> AttentionParams:
+        """MLA's cache: one latent per token (the compressed KV, then the rotary key)."""
+        return cls(1, kv_lora_rank + qk_rope_head_dim, dtype, latent=True)
+
 
 @dataclass(frozen=True)
 class MambaParams:

@@ -375,10 +375,11 @@ def _llama(config: Mapping[str, Any], name: str) -> ModelSpec:
 def _mla_attention(config: Mapping[str, Any], dtype: str) -> AttentionParams:
     """MLA's cache: one latent per token (the compressed KV, ``kv_lora_rank``, then the rotary
     key, ``qk_rope_head_dim``), the same on every rank."""
-    latent = _positive_int(config, "kv_lora_rank", "") + _positive_int(
-        config, "qk_rope_head_dim", ""
+    return AttentionParams.mla(
+        _positive_int(config, "kv_lora_rank", ""),
+        _positive_int(config, "qk_rope_head_dim", ""),
+        dtype,
     )
-    return AttentionParams(1, latent, dtype, latent=True)
 
 
 def _deepseek_mla(config: Mapping[str, Any], name: str) -> ModelSpec:

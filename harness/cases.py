@@ -73,10 +73,11 @@ def _attention_params(raw: Mapping[str, Any]) -> AttentionParams:
     kind = raw.get("kind", "mha")
     dtype = raw.get("dtype", "bfloat16")
     if kind == "mla":
-        latent = _positive_int(raw, "kv_lora_rank", "attention") + _positive_int(
-            raw, "qk_rope_head_dim", "attention"
+        return AttentionParams.mla(
+            _positive_int(raw, "kv_lora_rank", "attention"),
+            _positive_int(raw, "qk_rope_head_dim", "attention"),
+            dtype,
         )
-        return AttentionParams(1, latent, dtype, latent=True)
     if kind != "mha":
         raise LayoutError("attention.kind", f"must be mha or mla, got {kind!r}")
     return AttentionParams(

@@ -16,7 +16,6 @@ import pytest
 from broker_helpers import FakeClock, assert_inside_regions, fake_regions, hybrid, register_request
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from test_vectors import merge_runs
 
 from broker.config import ServiceConfig
 from broker.layout import EngineLayout
@@ -26,7 +25,7 @@ from broker.service import BrokerService
 from broker.v1 import broker_pb2 as pb
 from broker.v1 import broker_pb2_grpc as pb_grpc
 from broker.wire import unpack
-from harness.cases import load_case
+from harness.cases import load_case, merge_runs
 from harness.scenarios import build_scenario
 
 #: Every test runs against the in-memory store and against Redis (tests/conftest.py).
