@@ -22,6 +22,7 @@ Not thread-safe: use one agent from one thread (the clients use their event loop
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import sys
@@ -123,14 +124,13 @@ class Transfer:
 
 
 def _nixl_logs_to_stderr() -> None:
-    """NIXL's logging configuration prints to standard output, where a command's results
-    (``--json``) go; move its handlers to standard error, beside every other log."""
-    for handler in logging.getLogger("nixl").handlers:
-        if isinstance(handler, logging.StreamHandler) and handler.stream in (
-            sys.stdout,
-            sys.__stdout__,
-        ):
-            handler.setStream(sys.stderr)
+    """NIXL's Python logging and UCX's log print to standard output, where a command's results
+    (``--json``) go; send both to standard error, beside every other log. A ``UCX_LOG_FILE``
+    already set is kept."""
+    os.environ.setdefault("UCX_LOG_FILE", "stderr")  # read when NIXL loads UCX
+    # NIXL's logging configuration binds its handler to whatever sys.stdout is at import
+    with contextlib.redirect_stdout(sys.stderr):
+        import nixl._api  # noqa: F401
 
 
 class UnavailableBackendError(ValueError):
@@ -155,9 +155,9 @@ class NixlAgent:
         "4"}``) are passed to every backend created; None keeps NIXL's defaults. Raises
         :class:`UnavailableBackendError` for a backend NIXL cannot create here (NIXL itself
         would skip one it has no plugin for)."""
+        _nixl_logs_to_stderr()
         from nixl._api import nixl_agent, nixl_agent_config
 
-        _nixl_logs_to_stderr()
         self.name = name
         self._nixl = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[]))
         plugins = self._nixl.get_plugin_list()

@@ -202,6 +202,8 @@ def run_transfer_bench(
     nbytes = plans["coalesced"].nbytes
     kind = DRAM if device == "cpu" else VRAM
     params = ucx_params_from_env()
+    # UCX settings as the caller gave them, before the agents add their log destination
+    ucx_env = {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
@@ -276,6 +278,6 @@ def run_transfer_bench(
         single_desc_gbps=round(gbps["single_desc"], 3),
         memcpy_gbps=round(memcpy, 3),
         repeats=repeats,
-        ucx_env={k: v for k, v in os.environ.items() if k.startswith("UCX_")},
+        ucx_env=ucx_env,
         ucx_params=params,
     )

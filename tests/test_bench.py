@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 from prerequisites import require_module
@@ -86,12 +89,25 @@ def test_bench_descriptors_homogeneous_tp_beats_vllm(capsys: pytest.CaptureFixtu
     assert homogeneous[0]["descriptors"] * 10 <= homogeneous[0]["vllm_descriptors"]
 
 
-def test_bench_transfer_moves_verified_bytes(capsys: pytest.CaptureFixture[str]) -> None:
+def test_bench_transfer_moves_verified_bytes_and_prints_json_alone() -> None:
+    """Run as a process with NIXL and UCX logging at INFO: standard output, file descriptor
+    and all, holds the JSON alone; their lines go to standard error."""
     require_module("nixl", "engine")
-    figures = run_json(
-        capsys, "transfer", "--tokens", "2048", "--repeats", "1", "--kernel-block-size", "16"
-    )["transfer"]
-    assert figures["bytes"] > 0
+    env = {**os.environ, "NIXL_LOG_LEVEL": "INFO", "UCX_LOG_LEVEL": "info"}
+    env.pop("UCX_LOG_FILE", None)
+    argv = ["transfer", "--tokens", "2048", "--repeats", "1", "--kernel-block-size", "16"]
+    done = subprocess.run(
+        [sys.executable, "-m", "broker.cli", "bench", *argv, "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "NIXL INFO" in done.stderr and "UCX  INFO" in done.stderr
+    figures = json.loads(done.stdout)["transfer"]
+    assert figures["bytes"] > 0 and figures["ucx_env"] == {"UCX_LOG_LEVEL": "info"}
     assert figures["coalesced_descriptors"] < figures["per_block_descriptors"]
     for key in ("coalesced_gbps", "per_block_gbps", "single_desc_gbps", "memcpy_gbps"):
         assert figures[key] > 0
