@@ -1,10 +1,10 @@
 """Engine processes of the loopback fleet (:mod:`harness.fleet`): one process per engine hosts
-all its ranks, each with its own torch KV-cache tensors, NIXL agent (UCX, DRAM), registration
-and lease, and owns the engine's block allocator, as a serving engine's scheduler does. It
-answers the coordinator's commands: prefill fills blocks with :mod:`harness.pattern` contents
-and publishes, decode fetches and compares every byte of its memory with what its own layout
-says the request must have left there, prefill frees the blocks when each rank's release
-arrives.
+all its ranks, each with its own KV-cache regions (numpy arrays in DRAM), NIXL agent (UCX),
+registration and lease, and owns the engine's block allocator, as a serving engine's scheduler
+does. It answers the coordinator's commands: prefill fills blocks with :mod:`harness.pattern`
+contents and publishes, decode fetches and compares every byte of its memory with what its own
+layout says the request must have left there, prefill frees the blocks when each rank's
+release arrives.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from broker.client_security import PLAINTEXT, ChannelSecurity
 from broker.layout import EngineLayout
@@ -95,8 +97,9 @@ def engine_main(
 
 
 class _Engine:
-    """An engine process's state: per rank torch KV tensors (numpy views for the pattern),
-    the block allocator, the pattern contents, and its client (set by :func:`engine_main`)."""
+    """An engine process's state: per rank its KV-cache regions (numpy arrays, registered with
+    NIXL as they are), the block allocator, the pattern contents, and its client (set by
+    :func:`engine_main`)."""
 
     def __init__(
         self,
@@ -107,19 +110,16 @@ class _Engine:
         send: Callable[[tuple], None],
         mamba_blocks: int,
     ) -> None:
-        import torch
-
         from harness.pattern import Contents
 
         self.engine_id, self.layout, self.peer, self.send = engine_id, layout, peer, send
         self.mamba_blocks = mamba_blocks
-        self.memory = {
+        self.arrays = {
             rank.tp_rank: [
-                torch.empty(rank.region_bytes, dtype=torch.uint8) for _ in range(rank.num_regions)
+                np.empty(rank.region_bytes, dtype=np.uint8) for _ in range(rank.num_regions)
             ]
             for rank in layout.ranks
         }
-        self.arrays = {r: [t.numpy() for t in tensors] for r, tensors in self.memory.items()}
         self.contents = Contents(layout)
         self.pool = BlockPool(layout.ranks[0].num_blocks, seed)
         self.notifications = 0
@@ -143,7 +143,7 @@ class _PrefillEngine(_Engine):
             target,
             self.engine_id,
             self.layout,
-            self.memory,
+            self.arrays,
             on_release=self.on_release,
             on_notification=self.on_notification,
             security=security,
@@ -215,7 +215,7 @@ class _DecodeEngine(_Engine):
             target,
             self.engine_id,
             self.layout,
-            self.memory,
+            self.arrays,
             read_timeout_s=REQUEST_TIMEOUT_S,
             security=security,
         )

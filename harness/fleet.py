@@ -3,9 +3,9 @@ the end-to-end tests run.
 
 Processes: a broker (``pdbroker serve``, in-memory store), and per :class:`PairSpec` one prefill
 and one decode engine process. An engine process hosts all ranks of its engine, each rank with
-its own torch KV-cache tensors, NIXL agent (UCX, DRAM), registration and lease, and owns the
-engine's block allocator, as a serving engine's scheduler does. The coordinator (the calling
-process) only sends commands and collects measurements:
+its own KV-cache regions (numpy arrays in DRAM), NIXL agent (UCX), registration and lease, and
+owns the engine's block allocator, as a serving engine's scheduler does. The coordinator (the
+calling process) only sends commands and collects measurements:
 
 1. prefill allocates blocks, fills them with :mod:`harness.pattern` contents and publishes;
 2. decode allocates blocks and fetches (plan → NIXL reads → report), then compares every byte

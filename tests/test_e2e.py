@@ -9,10 +9,12 @@ snapshots) prove decode receives the newest ones, in order. Nothing is mocked.""
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -28,6 +30,7 @@ from harness.fleet import FleetReport, PairSpec, run_fleet
 from harness.pattern import POISON, Contents, check_decode, decode_limits, fill_prefill
 from harness.scenarios import block_counts
 
+ROOT = Path(__file__).resolve().parent.parent
 REQUESTS_PER_PAIR = 3
 MAMBA2 = MambaParams(
     "mamba2",
@@ -159,15 +162,24 @@ def test_nothing_left_registered(fleet: FleetReport) -> None:
     assert fleet.leftover_engines == ()
 
 
-def test_demo_command_verifies_real_models_and_prints_a_trace() -> None:
+def test_demo_command_verifies_real_models_and_prints_a_trace(tmp_path: Path) -> None:
     """``pdbroker demo --trace``: Nemotron-3-Nano P2→D2 and Qwen3.5-0.8B P1→D2, real preset
-    layouts; the span tree of the first transfer (P2→D2) gathered from all three processes."""
+    layouts; the span tree of the first transfer (P2→D2) gathered from all three processes.
+    torch and vLLM do not import in any of its processes, as where ``scripts/demo.sh``
+    installed only what the demo needs."""
+    for package in ("torch", "vllm"):
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text(
+            f"raise ImportError('the demo imported {package}')\n"
+        )
+    path = os.pathsep.join([str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH", "")])
     done = subprocess.run(
         [sys.executable, "-m", "broker.cli", "demo", "--requests", "2", "--trace"],
         check=False,
         capture_output=True,
         text=True,
         timeout=300,
+        env={**os.environ, "PYTHONPATH": path},
     )
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.strip().splitlines()
