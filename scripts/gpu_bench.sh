@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# GPU transfer figures on a lent accelerator (see docs/BENCHMARKS.md): VRAM->VRAM through
+# GPU transfer figures on a GPU host (see docs/BENCHMARKS.md): VRAM->VRAM through
 # NIXL/UCX between two processes vs torch's device-to-device copy, under several UCX
-# configurations. Expects NIXL wheels for the machine's Python in .whl/ (the device tool's
-# README says how to fetch them); writes results.jsonl (one line per configuration),
+# configurations. Expects NIXL wheels (nixl, nixl-cu12 or nixl-cu13) for the machine's Python
+# in .whl/ (`pip download --no-deps` them where a registry is reachable); writes
+# results.jsonl (one line per configuration),
 # logs.txt and gpu.txt to ${OUT:-out}.
 # Usage: bash scripts/gpu_bench.sh [prefill_gpu] [decode_gpu]
 set -uo pipefail
