@@ -265,7 +265,7 @@ def format_status(s: dict) -> list[str]:
                         r["agent_name"],
                         f"{r['lease_left_ms'] / 1000:.1f}",
                         str(r["num_regions"]),
-                        str(r["num_blocks"]),
+                        f"{r['num_blocks']:,}",
                         f"{r['page_bytes']:,}",
                     ]
                 )
@@ -273,11 +273,13 @@ def format_status(s: dict) -> list[str]:
     t = s["transfers"]
     oldest = t["oldest_in_flight"]
     by_state = ", ".join(
-        f"{n} {state}" for state, n in t["counts"].items() if state in ("published", "in_progress")
+        f"{n:,} {state}"
+        for state, n in t["counts"].items()
+        if state in ("published", "in_progress")
     )
     lines += [
         "",
-        f"transfers in flight: {t['in_flight']}"
+        f"transfers in flight: {t['in_flight']:,}"
         + (
             f" ({by_state}); oldest {oldest['transfer_id']}, {oldest['age_ms'] / 1000:.3f} s"
             if oldest
@@ -305,7 +307,7 @@ def format_status(s: dict) -> list[str]:
                     x["state"],
                     x["prefill_engine_id"],
                     x["decode_engine_id"] or "-",
-                    str(x["num_tokens"]),
+                    f"{x['num_tokens']:,}",
                     f"{x['age_ms'] / 1000:.3f}",
                     f"{x['expires_in_ms'] / 1000:.3f}",
                     f"{x['plans_reported']}/{x['plans']}",
@@ -316,7 +318,7 @@ def format_status(s: dict) -> list[str]:
     finished = {k: n for k, n in t["counts"].items() if k not in ("published", "in_progress")}
     if finished:
         lines.append(
-            "finished, kept for queries: " + ", ".join(f"{n} {k}" for k, n in finished.items())
+            "finished, kept for queries: " + ", ".join(f"{n:,} {k}" for k, n in finished.items())
         )
     return lines
 
@@ -389,8 +391,8 @@ def format_transfer(s: dict) -> list[str]:
         f"transfer {s['transfer_id']}: {s['state']}",
         (
             f"  prefill {s['prefill_engine_id']} -> decode {s['decode_engine_id'] or '-'}, "
-            f"{s['num_tokens']} tokens; published {_utc(s['published_at_ms'])} UTC, "
-            f"{finished} after {s['duration_ms']} ms"
+            f"{s['num_tokens']:,} tokens; published {_utc(s['published_at_ms'])} UTC, "
+            f"{finished} after {s['duration_ms']:,} ms"
         ),
         f"  trace {s['trace_id'] or '- (not traced)'}",
         "timeline (ms after publication):",
@@ -404,9 +406,9 @@ def format_transfer(s: dict) -> list[str]:
                     str(p["decode_rank"]),
                     ",".join(map(str, p["prefill_ranks"])),
                     f"{p['total_bytes']:,}",
-                    str(p["num_descriptors"]),
+                    f"{p['num_descriptors']:,}",
                     p["status"] if p["handed_out"] else "not asked for",
-                    str(p["duration_us"]),
+                    f"{p['duration_us']:,}",
                     p["plan_id"] + (f"  {p['error']}" if p["error"] else ""),
                 ]
             )
