@@ -7,6 +7,7 @@ import argparse
 import importlib
 import re
 import sys
+import textwrap
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
@@ -51,11 +52,19 @@ def plain(text: str) -> str:
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Descriptions as written (docstrings as plain text); every option's default shown
-    unless it is unset (None or empty), a switch's (False) or already in its help."""
+    """Descriptions (docstrings) as plain text, each paragraph filled to the terminal's width
+    unless indented; every option's default shown unless it is unset (None or empty), a
+    switch's (False) or already in its help."""
 
     def _format_text(self, text: str) -> str:
-        return super()._format_text(plain(text))
+        width = max(self._width - self._current_indent, 11)
+        paragraphs = [
+            part
+            if re.search(r"^\s", part, re.MULTILINE)
+            else textwrap.fill(" ".join(part.split()), width, break_on_hyphens=False)
+            for part in plain(text).strip("\n").split("\n\n")
+        ]
+        return super()._format_text("\n\n".join(paragraphs) + "\n")
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help
