@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import socket
+import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,30 +30,44 @@ class ChannelSecurity:
     TLS when ``tls_ca`` is set: the broker's certificate must chain to it and name the
     target's host. ``tls_cert`` + ``tls_key`` add this client's certificate (mutual TLS);
     ``token`` is sent on every call as ``authorization: Bearer TOKEN``. The default is
-    plaintext, which logs a warning unless the target is a loopback address.
+    plaintext, which logs a warning unless the target is a loopback address. Errors and
+    warnings name the settings (``tls_ca``), or with ``flags`` the command-line flags
+    (``--tls-ca``).
     """
 
     tls_ca: str = ""
     tls_cert: str = ""
     tls_key: str = ""
     token: str = field(default="", repr=False)
+    flags: bool = field(default=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.tls_ca and (self.tls_cert or self.tls_key or self.token):
             raise ValueError(
-                "tls_ca: a client certificate or token needs TLS, which needs the CA that "
-                "signed the broker's certificate"
+                f"{self.name('tls_ca')}: a client certificate or token needs TLS, which needs "
+                "the CA that signed the broker's certificate"
             )
         if bool(self.tls_cert) != bool(self.tls_key):
-            raise ValueError("tls_cert: a client certificate needs both tls_cert and tls_key")
+            cert, key = self.name("tls_cert"), self.name("tls_key")
+            raise ValueError(f"{cert}: a client certificate needs both {cert} and {key}")
 
     @classmethod
     def from_files(
-        cls, tls_ca: str = "", tls_cert: str = "", tls_key: str = "", token_file: str = ""
+        cls,
+        tls_ca: str = "",
+        tls_cert: str = "",
+        tls_key: str = "",
+        token_file: str = "",
+        flags: bool = False,
     ) -> ChannelSecurity:
         """Like the constructor, with the token read from ``token_file`` (its only line)."""
-        token = read_file("token_file", token_file).decode().strip() if token_file else ""
-        return cls(tls_ca, tls_cert, tls_key, token)
+        where = "--token-file" if flags else "token_file"
+        token = read_file(where, token_file).decode().strip() if token_file else ""
+        return cls(tls_ca, tls_cert, tls_key, token, flags)
+
+    def name(self, setting: str) -> str:
+        """How errors and warnings name ``setting``: itself, or its flag."""
+        return "--" + setting.replace("_", "-") if self.flags else setting
 
     @property
     def tls(self) -> bool:
@@ -62,9 +78,9 @@ class ChannelSecurity:
         if not self.tls:
             return None
         credentials = grpc.ssl_channel_credentials(
-            read_file("tls_ca", self.tls_ca),
-            read_file("tls_key", self.tls_key) if self.tls_key else None,
-            read_file("tls_cert", self.tls_cert) if self.tls_cert else None,
+            read_file(self.name("tls_ca"), self.tls_ca),
+            read_file(self.name("tls_key"), self.tls_key) if self.tls_key else None,
+            read_file(self.name("tls_cert"), self.tls_cert) if self.tls_cert else None,
         )
         if self.token:
             credentials = grpc.composite_channel_credentials(
@@ -91,8 +107,9 @@ class ChannelSecurity:
         if credentials is None and not is_loopback(target):
             log.warning(
                 "connecting to the broker at %s without TLS: traffic is readable and "
-                "unauthenticated (set tls_ca to use TLS)",
+                "unauthenticated (set %s to use TLS)",
                 target,
+                self.name("tls_ca"),
             )
         return credentials
 
@@ -116,6 +133,27 @@ def is_loopback(target: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def speaks_tls(target: str, timeout_s: float = 2.0) -> bool | None:
+    """Whether the port at ``target`` (``HOST:PORT``) answers a TLS handshake: True, False
+    (it answers, not in TLS) or None (no answer: closed, unreachable). Certificates are not
+    checked: it only tells a plaintext port from a TLS one."""
+    host, _, port = target.rpartition(":")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    context.set_alpn_protocols(["h2"])
+    try:
+        address = (host.strip("[]"), int(port))
+        with socket.create_connection(address, timeout_s) as raw, context.wrap_socket(raw):
+            return True
+    except ssl.SSLError as exc:
+        if isinstance(exc, (ssl.SSLEOFError, ssl.SSLZeroReturnError)):
+            return None
+        return exc.reason != "WRONG_VERSION_NUMBER"  # any other: a TLS peer's alert
+    except (OSError, ValueError):
+        return None
 
 
 def read_file(field_name: str, path: str) -> bytes:

@@ -16,6 +16,17 @@ class PdbrokerError(ValueError):
         self.detail = message
 
 
+class UsageError(PdbrokerError):
+    """A command-line option, or the environment variable standing in for it, cannot be
+    used (malformed, contradicting another, a port already taken); ``field`` is the flag."""
+
+    @classmethod
+    def of(cls, exc: ValueError) -> UsageError:
+        """``exc``, whose message is ``--flag: why``, as a usage error."""
+        flag, _, why = str(exc).partition(": ")
+        return cls(flag, why)
+
+
 class LayoutError(PdbrokerError):
     """A layout declaration is malformed (a segment outside its page, a bad dtype, ...)."""
 

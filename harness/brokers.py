@@ -100,7 +100,10 @@ class RunningBrokers:
                 return tuple(e.engine_id for e in response.engines)
             except grpc.RpcError as exc:
                 error = exc
-        raise RuntimeError(f"no broker of {self.address} answered: {error}")
+        assert error is not None
+        raise RuntimeError(
+            f"no broker of {self.address} answered: {error.code().name}: {error.details()}"
+        )
 
     def stop(self) -> None:
         """Nothing: they were running before and keep running."""

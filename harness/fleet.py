@@ -24,6 +24,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import random
+import secrets
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -188,21 +189,25 @@ def run_fleet(
     on_progress: Callable[[FleetReport], None] | None = None,
     broker: BrokerProcess | RunningBrokers | None = None,
     credentials: Mapping[str, ChannelSecurity] | None = None,
+    run_id: str = "",
 ) -> FleetReport:
     """Run ``requests`` requests (round-robin over ``pairs``) through real processes and
     return what happened; never raises for a failed transfer (see :meth:`FleetReport.problems`).
     ``broker``: a running broker (or replicas, :class:`RunningBrokers`) to use and leave
     running; by default one is started and stopped for the run. ``credentials``: each
     engine's (by engine id: ``prefill-0``, ``decode-0``, ... for pair 0, 1, ...); plaintext
-    for engines not named."""
+    for engines not named. Transfer ids are ``req-<index>-<run_id>`` (a fresh random run id
+    by default), so runs against the same broker never collide; ``seed`` sets the requests'
+    token counts and byte patterns."""
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # inherited by the engine processes
     rng = random.Random(seed)
+    run_id = run_id or secrets.token_hex(4)
     layouts = tuple(p.layouts(inflight) for p in pairs)
     outcomes = [
         RequestOutcome(
             i,
             i % len(pairs),
-            f"req-{i:05d}-{rng.getrandbits(32):08x}",
+            f"req-{i:05d}-{run_id}",
             rng.randint(pairs[i % len(pairs)].min_tokens, pairs[i % len(pairs)].max_tokens),
             1 + rng.randrange(255),
         )

@@ -21,6 +21,14 @@ def test_nemotron_h_8b_tp1(capsys: pytest.CaptureFixture[str]) -> None:
     out = layout(capsys, "--model", "nemotron-h-8b", "--tp", "1")
     assert out["block_size"] == 1040 and out["kernel_block_size"] == 1040
     assert out["page_bytes"] == 4259840
+    assert out["mamba"].pop("segments")[-1] == {
+        "tensor": "ssm",
+        "offset": 61440,
+        "bytes": 4194304,
+        "shape": [128, 64, 128],
+        "dtype": "float32",
+        "shard": {"axis": 0, "start": 0, "end": 128, "global_extent": 128},
+    }
     assert out["mamba"] == {
         "conv_segments": [[0, 49152], [49152, 6144], [55296, 6144]],
         "ssm_offset": 61440,
@@ -34,8 +42,34 @@ def test_nemotron_h_8b_tp1(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_nemotron_h_8b_tp4(capsys: pytest.CaptureFixture[str]) -> None:
+    """The JSON holds what the text shows: model, TP, regions, the attention page and every
+    Mamba segment with its shard of the global tensor."""
     out = layout(capsys, "--model", "nemotron-h-8b", "--tp", "4")
+    assert out["model"].startswith("nemotron-h-8b:")
+    assert (out["tp"], out["rank"], out["regions"]) == (4, 0, 4)
     assert (out["block_size"], out["page_bytes"]) == (1040, 1064960)
+    assert out["attention"] == {
+        "kernel_blocks_per_page": 1,
+        "kernel_block_bytes": 1064960,
+        "segments": [
+            {
+                "tensor": "kv",
+                "offset": 0,
+                "bytes": 1064960,
+                "shape": [2, 1040, 256],
+                "dtype": "bfloat16",
+                "shard": {"axis": 0, "start": 0, "end": 2, "global_extent": 8},
+            }
+        ],
+    }
+    segments = out["mamba"].pop("segments")
+    assert [(s["tensor"], s["offset"], s["bytes"]) for s in segments] == [
+        ("conv.x", 0, 12288),
+        ("conv.B", 12288, 1536),
+        ("conv.C", 13824, 1536),
+        ("ssm", 15360, 1048576),
+    ]
+    assert [s["shard"]["global_extent"] for s in segments] == [8192, 1024, 1024, 128]
     assert out["mamba"] == {
         "conv_segments": [[0, 12288], [12288, 1536], [13824, 1536]],
         "ssm_offset": 15360,
@@ -71,6 +105,9 @@ def test_hf_config_matches_the_preset(tmp_path: Path, capsys: pytest.CaptureFixt
     from_file = layout(capsys, "--hf-config", str(config), "--tp", "2")
     from_dir = layout(capsys, "--hf-config", str(tmp_path), "--tp", "2")
     preset = layout(capsys, "--model", "nemotron-3-nano-30b-a3b", "--tp", "2")
+    # The name comes from the file's directory; the fingerprint after it from the layout.
+    fingerprints = {out.pop("model").split(":")[1] for out in (from_file, from_dir, preset)}
+    assert len(fingerprints) == 1
     assert from_file == from_dir == preset
     assert [len(g["layers"]) for g in preset["groups"]] == [6, 6, 6, 5, 6]
 
@@ -79,7 +116,7 @@ def test_text_output(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["layout", "--model", "nemotron-h-8b"]) == 0
     text = capsys.readouterr().out
     for expected in (
-        "1040 tokens",
+        "1,040 tokens",
         "4,259,840",
         "conv.x",
         "(128, 64, 128)",

@@ -327,7 +327,7 @@ def test_a_file_limit_without_room_for_connections_is_refused() -> None:
     done = subprocess.run(
         _under_file_limit(200, 200), capture_output=True, text=True, timeout=60, check=False
     )
-    assert done.returncode == 1
+    assert done.returncode == 2
     assert done.stderr.strip().endswith(
         "pdbroker serve: error: --max-connections: the open-file limit 200 leaves no room "
         "for connections beside 256 other files"

@@ -9,6 +9,7 @@ snapshots) prove decode receives the newest ones, in order. Nothing is mocked.""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import subprocess
@@ -183,8 +184,8 @@ def test_demo_command_verifies_real_models_and_prints_a_trace(tmp_path: Path) ->
     )
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.strip().splitlines()
-    match = re.fullmatch(r"demo: 2 transfers, (\d+) bytes verified, 0 mismatches", lines[-1])
-    assert match and int(match.group(1)) > 0, lines[-1]
+    match = re.fullmatch(r"demo: 2 transfers, ([\d,]+) bytes verified, 0 mismatches", lines[-1])
+    assert match and int(match.group(1).replace(",", "")) > 0, lines[-1]
     assert "releases: 3/3 completed" in done.stdout
     heading = next(i for i, line in enumerate(lines) if line.startswith("trace "))
     assert re.fullmatch(
@@ -209,6 +210,38 @@ def test_demo_command_verifies_real_models_and_prints_a_trace(tmp_path: Path) ->
         *per_decode_rank,
         *per_decode_rank,
     ]
+
+
+def demo_json(*args: str) -> dict:
+    """``pdbroker demo --json`` with ``args``: it succeeds and stdout is one JSON object."""
+    done = subprocess.run(
+        [sys.executable, "-m", "broker.cli", "demo", "--json", *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return json.loads(done.stdout)
+
+
+def test_the_demo_runs_again_against_the_same_broker() -> None:
+    """Two runs with the same seed against one running broker: each its own run id, so its
+    own transfer ids; the same requests, so the same bytes verified."""
+    broker = BrokerProcess()
+    try:
+        first, second = (demo_json("--requests", "1", "--broker", broker.address) for _ in "12")
+        assert broker.list_engines() == ()
+    finally:
+        broker.stop()
+    assert first["run_id"] != second["run_id"]
+    for run in (first, second):
+        assert run["ok"] and run["problems"] == []
+        assert (run["requests"], run["transfers"], run["mismatches"]) == (1, 1, 0)
+        assert run["releases_completed"] == run["releases"] == 2  # prefill TP2
+        assert run["pairs"][0]["transfers"] == 1 and run["pairs"][1]["transfers"] == 0
+        assert run["stages"]["read"]["n"] == 2  # decode TP2
+    assert first["bytes_verified"] == second["bytes_verified"] == first["pairs"][0]["bytes"] > 0
 
 
 def test_async_clients_and_expiry() -> None:

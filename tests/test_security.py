@@ -389,10 +389,51 @@ def test_status_command_needs_an_operator_certificate(pki: Pki, mtls_broker: str
 
     assert json.loads(status("ops").stdout)["now_ms"] > 0
     refused = status("P")
-    assert refused.returncode != 0
+    assert refused.returncode == 1
     assert "ListEngines" in refused.stderr and "PERMISSION_DENIED: authorization:" in refused.stderr
     without_ca = status("ops", ca="")
-    assert without_ca.returncode != 0 and "error: --tls-ca: " in without_ca.stderr
+    assert without_ca.returncode == 2 and "error: --tls-ca: " in without_ca.stderr
+
+
+def status_line(*flags: str) -> str:
+    """``pdbroker status`` with ``flags``: exit status 2 and one stderr line; returns it."""
+    done = subprocess.run(
+        [sys.executable, "-m", "broker.cli", "status", *flags],
+        check=False, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2 and done.stdout == "", done
+    assert done.stderr.count("\n") == 1, done.stderr
+    return done.stderr.strip()
+
+
+def test_status_says_when_it_and_the_broker_disagree_about_tls(pki: Pki, mtls_broker: str) -> None:
+    """A plaintext call to a TLS port fails as "Socket closed", a TLS call to a plaintext
+    port as a handshake failure; the command names the cause and ``--tls-ca`` instead."""
+    assert status_line("--broker", mtls_broker) == (
+        f"pdbroker status: error: --tls-ca: the broker at {mtls_broker} serves TLS: pass "
+        "--tls-ca with the CA of its certificate (and the credentials it asks for)"
+    )
+    plaintext = BrokerProcess()
+    try:
+        assert status_line("--broker", plaintext.address, "--tls-ca", pki.ca) == (
+            f"pdbroker status: error: --tls-ca: the broker at {plaintext.address} serves "
+            "plaintext (serve --insecure): leave out --tls-ca, --tls-cert, --tls-key and "
+            "--token-file"
+        )
+    finally:
+        plaintext.stop()
+
+
+def test_demo_against_a_tls_broker_says_its_engines_speak_plaintext(mtls_broker: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "broker.cli", "demo", "--broker", mtls_broker],
+        check=False, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == (
+        f"pdbroker demo: error: --broker: {mtls_broker} serve TLS; the demo's engines connect "
+        "in plaintext, to brokers started with --insecure\n"
+    )
 
 
 # --------------------------------------------------------------------------- bearer tokens
@@ -459,9 +500,10 @@ def run_serve(*flags: str, env: dict[str, str] | None = None) -> subprocess.Pope
 
 
 def refused(*flags: str) -> str:
-    """Start serve with ``flags``: it must exit non-zero at once; returns its stderr."""
+    """Start serve with ``flags``: it must exit at once with status 2 (a configuration
+    error); returns its stderr."""
     proc = run_serve(*flags)
-    assert proc.wait(30) != 0
+    assert proc.wait(30) == 2
     assert "listening on" not in proc.stdout.read()
     return proc.stderr.read()
 
@@ -487,7 +529,7 @@ def test_serve_refuses_to_start_without_tls_or_insecure(pki: Pki, tmp_path: Path
 
 
 def refused_in_one_line(flag: str, *flags: str) -> str:
-    """Start serve with ``flags``: exit status 1 and one stderr line naming ``flag``, no
+    """Start serve with ``flags``: exit status 2 and one stderr line naming ``flag``, no
     traceback; returns that line."""
     stderr = refused(*flags)
     assert stderr.endswith("\n") and stderr.count("\n") == 1, stderr
@@ -534,14 +576,17 @@ def test_serve_refuses_bad_files_in_one_line_naming_the_flag(pki: Pki, tmp_path:
 
 
 def test_insecure_is_explicit_and_warns() -> None:
+    """The warning names the port bound, not the 0 asked for."""
     proc = run_serve("--insecure")
     try:
-        assert "listening on 127.0.0.1:" in proc.stdout.readline()
+        address = proc.stdout.readline().removeprefix("pdbroker serve: listening on ").strip()
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(10) == 0
+    assert address.startswith("127.0.0.1:") and not address.endswith(":0")
     log = proc.stderr.read()
     assert "WARNING" in log and "--insecure: serving plaintext without authentication" in log
+    assert f"any process that reaches {address} may act as any engine" in log
 
 
 # --------------------------------------------------------------------------- clients
@@ -552,8 +597,11 @@ def test_clients_warn_about_plaintext_beyond_loopback(caplog: pytest.LogCaptureF
         ChannelSecurity().channel(target).close()
     assert not caplog.records
     ChannelSecurity().channel("10.1.2.3:50151").close()
-    (record,) = caplog.records
-    assert record.levelname == "WARNING" and "10.1.2.3:50151 without TLS" in record.message
+    ChannelSecurity(flags=True).channel("10.1.2.3:50151").close()
+    settings, flags = caplog.records
+    assert settings.levelname == "WARNING" and "10.1.2.3:50151 without TLS" in settings.message
+    assert "(set tls_ca to use TLS)" in settings.message  # the vLLM connector's setting
+    assert "(set --tls-ca to use TLS)" in flags.message  # the command's flag
 
 
 def test_client_credentials_need_tls(pki: Pki) -> None:
@@ -563,6 +611,8 @@ def test_client_credentials_need_tls(pki: Pki) -> None:
         ChannelSecurity(tls_cert=pki.clients["P"][0], tls_key=pki.clients["P"][1])
     with pytest.raises(ValueError, match="^tls_cert: "):
         ChannelSecurity(pki.ca, tls_cert=pki.clients["P"][0])
+    with pytest.raises(ValueError, match="^--tls-cert: .* both --tls-cert and --tls-key$"):
+        ChannelSecurity(pki.ca, tls_cert=pki.clients["P"][0], flags=True)
     assert pki.tokens["P"] not in repr(pki.token("P"))  # tokens stay out of logs
 
 

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict
 
+from broker.commands.options import non_negative_int, positive_float, positive_int, positive_ints
 from broker.planner import PairPlanner
 
 if TYPE_CHECKING:
@@ -97,8 +98,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     planner = kinds.add_parser(
         "planner", help="per-plan latency of the in-process planner, and of vLLM's connector"
     )
-    planner.add_argument("--iterations", type=int, default=1000, help="calls per trial")
-    planner.add_argument("--trials", type=int, default=5, help="trials; the lowest median counts")
+    planner.add_argument("--iterations", type=positive_int, default=1000, help="calls per trial")
+    planner.add_argument(
+        "--trials", type=positive_int, default=5, help="trials; the lowest median counts"
+    )
     planner.add_argument(
         "--scenario",
         action="append",
@@ -112,22 +115,32 @@ def register(sub: argparse._SubParsersAction) -> None:
     volume = kinds.add_parser("bytes", help="bytes per request vs input length: naive vs plan")
     volume.set_defaults(run=run_bytes)
     descs = kinds.add_parser("descriptors", help="descriptors per request: plan vs vLLM")
-    descs.add_argument("--tokens", type=int, default=32768)
+    descs.add_argument(
+        "--tokens", type=positive_int, default=32768, help="tokens of the request planned"
+    )
     descs.set_defaults(run=run_descriptors)
     transfer = kinds.add_parser(
         "transfer", help="NIXL throughput of real plans between two processes"
     )
-    transfer.add_argument("--model", default="nemotron-3-nano-30b-a3b")
-    transfer.add_argument("--prefill-tp", type=int, default=1)
-    transfer.add_argument("--decode-tp", type=int, default=1)
-    transfer.add_argument("--tokens", type=int, default=32768)
-    transfer.add_argument("--kernel-block-size", type=int, default=0)
-    transfer.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    _pair_options(transfer, prefill_tp=1, decode_tp=1)
     transfer.add_argument(
-        "--prefill-device", type=int, default=0, help="GPU of the prefill process"
+        "--kernel-block-size",
+        type=non_negative_int,
+        default=0,
+        help="tokens per attention kernel block; 0: the block size",
     )
-    transfer.add_argument("--decode-device", type=int, default=0, help="GPU of the decode process")
-    transfer.add_argument("--repeats", type=int, default=5)
+    transfer.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="where the KV caches live"
+    )
+    transfer.add_argument(
+        "--prefill-device", type=non_negative_int, default=0, help="GPU of the prefill process"
+    )
+    transfer.add_argument(
+        "--decode-device", type=non_negative_int, default=0, help="GPU of the decode process"
+    )
+    transfer.add_argument(
+        "--repeats", type=positive_int, default=5, help="times each plan's reads are timed"
+    )
     transfer.set_defaults(run=run_transfer)
     control = kinds.add_parser(
         "control-plane",
@@ -136,26 +149,31 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     control.add_argument(
         "--clients",
-        type=lambda text: [int(n) for n in text.split(",")],
-        default=[1, 2, 4, 8, 16, 32, 64],
+        type=positive_ints,
+        default="1,2,4,8,16,32,64",
         help="comma-separated counts of concurrent decode clients",
     )
-    control.add_argument("--seconds", type=float, default=3.0, help="timed per client count")
     control.add_argument(
-        "--client-procs", type=int, default=2, help="processes the clients are spread over"
+        "--seconds", type=positive_float, default=3.0, help="timed per client count"
     )
     control.add_argument(
-        "--pairs", type=int, default=20, help="new decode engines timed to their first plan"
+        "--client-procs",
+        type=positive_int,
+        default=2,
+        help="processes the clients are spread over",
+    )
+    control.add_argument(
+        "--pairs",
+        type=positive_int,
+        default=20,
+        help="new decode engines timed to their first plan",
     )
     control.add_argument(
         "--baseline",
         action="store_true",
         help="also time ListEngines per client count: what gRPC alone allows",
     )
-    control.add_argument("--model", default="nemotron-3-nano-30b-a3b")
-    control.add_argument("--prefill-tp", type=int, default=2)
-    control.add_argument("--decode-tp", type=int, default=2)
-    control.add_argument("--tokens", type=int, default=32768)
+    _pair_options(control, prefill_tp=2, decode_tp=2)
     control.add_argument(
         "--profile", type=Path, default=None, help="run the broker under cProfile, stats here"
     )
@@ -168,6 +186,16 @@ def register(sub: argparse._SubParsersAction) -> None:
             default=None,
             help="directory for the JSON result (and a PNG plot where useful)",
         )
+
+
+def _pair_options(p: argparse.ArgumentParser, prefill_tp: int, decode_tp: int) -> None:
+    """The model, TP sizes and request length of a benchmark that plans one pair."""
+    p.add_argument("--model", default="nemotron-3-nano-30b-a3b", help="a preset name")
+    p.add_argument("--prefill-tp", type=positive_int, default=prefill_tp, help="prefill's TP size")
+    p.add_argument("--decode-tp", type=positive_int, default=decode_tp, help="decode's TP size")
+    p.add_argument(
+        "--tokens", type=positive_int, default=32768, help="tokens of the request planned"
+    )
 
 
 def optimal_bytes(sc: Scenario, decode_rank: int) -> int:

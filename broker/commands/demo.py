@@ -2,7 +2,11 @@
 with real NIXL agents (UCX over loopback, DRAM) and real model layouts move N requests through
 publish → plan → NIXL read → report → release; decode checks every byte of its memory against
 what its own layout says it must hold. Exits 0 only if every byte matched and every release
-arrived; the last line is ``demo: <N> transfers, <B> bytes verified, <M> mismatches``.
+arrived; the last line is ``demo: <N> transfers, <B> bytes verified, <M> mismatches``, or with
+``--json`` the run's figures are one JSON object on stdout.
+
+Each run has its own run id, part of every transfer id, so runs against the same brokers
+(``--broker``) never collide; ``--seed`` makes the token counts and byte patterns repeatable.
 
 With ``--trace`` every process exports its spans over OTLP to a receiver inside the demo,
 which then prints the span tree of the first transfer, one span per line:
@@ -12,13 +16,19 @@ which then prints the span tree of the first transfer, one span per line:
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
+import secrets
 import sys
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from broker.commands.options import broker_addresses, positive_int
+
 if TYPE_CHECKING:
+    from harness.brokers import RunningBrokers
     from harness.fleet import FleetReport
     from harness.trace_receiver import ReceivedSpan
 
@@ -35,23 +45,31 @@ def register(sub: argparse._SubParsersAction) -> None:
         "demo",
         help="run requests through a real broker, engines and NIXL; verify every byte",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
-        "--requests", type=int, default=8, help="transfers to run (round-robin over the pairs)"
+        "--requests",
+        type=positive_int,
+        default=8,
+        help="transfers to run (round-robin over the pairs)",
     )
     p.add_argument(
         "--inflight",
-        type=int,
+        type=positive_int,
         default=2,
         help="requests per engine pair between publish and release (sizes the KV caches)",
     )
-    p.add_argument("--seed", type=int, default=0, help="seeds token counts, salts and block order")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seeds token counts, byte patterns and block order (not the run id)",
+    )
     p.add_argument(
         "--broker",
+        type=broker_addresses,
         metavar="ADDR[,ADDR...]",
         help="run the engines against these running brokers (plaintext replicas sharing "
-        "a store, e.g. `pdbroker serve --store redis://... --insecure`) instead of "
+        "a store, started with 'pdbroker serve --store redis://... --insecure') instead of "
         "starting one; engines fail over between them",
     )
     p.add_argument(
@@ -60,37 +78,33 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="trace every process into a receiver in the demo and print the span tree "
         "of the first transfer (overrides OTEL_* trace exporter settings)",
     )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print the run's figures as one JSON object instead of the report",
+    )
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.requests <= 0 or args.inflight <= 0:
-        raise SystemExit("pdbroker demo: error: --requests and --inflight must be positive")
     from broker.presets import resolve_model
-    from harness.brokers import RunningBrokers
     from harness.fleet import PairSpec, run_fleet
 
     pairs = [
         PairSpec(label, resolve_model(name), p_tp, d_tp, lo, hi)
         for label, name, p_tp, d_tp, lo, hi in PAIRS
     ]
-    brokers = RunningBrokers(args.broker) if args.broker else None
-    spans: list[ReceivedSpan] = []
+    brokers = _running_brokers(args.broker) if args.broker else None
+    run_id = secrets.token_hex(4)
+    receiver = None
     if args.trace:
         from harness.trace_receiver import TraceReceiver
 
-        with TraceReceiver() as receiver:
+        receiver = TraceReceiver()
+    spans: list[ReceivedSpan] = []
+    with receiver or contextlib.nullcontext():
+        if receiver is not None:
             os.environ.update(receiver.environment())  # inherited by every process of the fleet
-            report = run_fleet(
-                pairs,
-                args.requests,
-                inflight=args.inflight,
-                seed=args.seed,
-                on_progress=_progress_bar,
-                broker=brokers,
-            )
-            spans = receiver.spans()  # complete: every process flushed its spans on exit
-    else:
         report = run_fleet(
             pairs,
             args.requests,
@@ -98,20 +112,51 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             on_progress=_progress_bar,
             broker=brokers,
+            run_id=run_id,
         )
+        if receiver is not None:
+            spans = receiver.spans()  # complete: every process flushed its spans on exit
     print(file=sys.stderr)
-    print(format_report(report))
-    if args.trace:
-        print()
-        print(format_trace(spans, report.requests[0].transfer_id))
+    summary = demo_summary(report, run_id, args.seed)
+    trace = format_trace(spans, report.requests[0].transfer_id) if args.trace else ""
+    if args.json:
+        if args.trace:
+            summary["trace"] = trace.splitlines()
+        print(json.dumps(summary))
+    else:
+        print(format_report(summary))
+        if args.trace:
+            print()
+            print(trace)
     for problem in report.problems():
         print(f"pdbroker demo: {problem}", file=sys.stderr)
-    fetched = [r for r in report.requests if r.fetched]
-    print(
-        f"demo: {len(fetched)} transfers, {sum(r.nbytes for r in fetched)} bytes verified, "
-        f"{report.mismatches} mismatches"
-    )
+    if not args.json:
+        print(
+            f"demo: {summary['transfers']} transfers, {summary['bytes_verified']:,} bytes "
+            f"verified, {summary['mismatches']} mismatches"
+        )
     return 0 if report.ok else 1
+
+
+def _running_brokers(addresses: list[str]) -> RunningBrokers:
+    """The brokers of ``--broker``, once one of them answered the plaintext engines."""
+    from broker.client_security import speaks_tls
+    from broker.errors import UsageError
+    from harness.brokers import RunningBrokers
+
+    brokers = RunningBrokers(addresses)
+    try:
+        brokers.list_engines()
+    except RuntimeError as exc:
+        tls = [a for a in addresses if speaks_tls(a)]
+        if tls:
+            raise UsageError(
+                "--broker",
+                f"{', '.join(tls)} serve TLS; the demo's engines connect in plaintext, to "
+                "brokers started with --insecure",
+            ) from None
+        raise SystemExit(f"pdbroker demo: error: --broker: {exc}") from None
+    return brokers
 
 
 def format_trace(spans: list[ReceivedSpan], transfer_id: str) -> str:
@@ -154,97 +199,135 @@ def _row(cells: list[str], widths: list[int]) -> str:
     )
 
 
-def format_report(report: FleetReport) -> str:
+#: (key in the JSON's ``stages``, row of the report) of each stage timed.
+STAGES = (
+    ("fill", "prefill: fill pages with the pattern"),
+    ("publish", "publish (PublishBlocks)"),
+    ("plan", "plan (GetTransferPlan, per decode rank)"),
+    ("read", "NIXL read (post + poll, per decode rank)"),
+    ("report", "report (ReportTransfer, per decode rank)"),
+    ("release", "release (report -> prefill rank notified)"),
+    ("verify", "decode: verify every byte"),
+    ("end_to_end", "end to end (publish -> last release)"),
+)
+_PAIR_SUMS = (
+    ("bytes", "nbytes"),
+    ("naive_bytes", "naive_bytes"),
+    ("descriptors", "num_descriptors"),
+    ("vllm_descriptors", "vllm_descriptors"),
+)
+
+
+def demo_summary(report: FleetReport, run_id: str, seed: int) -> dict:
+    """The run's figures, JSON-ready: sizes in bytes, stage latencies in ms."""
+    fetched = [r for r in report.requests if r.fetched]
+    pairs = []
+    for i, pair in enumerate(report.pairs):
+        ranks = [rank for r in fetched if r.pair == i for rank in r.ranks]
+        pairs.append(
+            {
+                "label": " ".join(pair.label.split()),
+                "model": pair.model.name,
+                "prefill_tp": pair.prefill_tp,
+                "decode_tp": pair.decode_tp,
+                "min_tokens": pair.min_tokens,
+                "max_tokens": pair.max_tokens,
+                "transfers": sum(r.pair == i for r in fetched),
+                **{key: sum(rank[name] for rank in ranks) for key, name in _PAIR_SUMS},
+            }
+        )
+    stages = {}
+    for key, values in _stages(report).items():
+        points = np.percentile(values, [50, 90, 99, 100]) if values else [None] * 4
+        stages[key] = {"n": len(values)} | {
+            name: None if v is None else round(float(v), 3)
+            for name, v in zip(("p50_ms", "p90_ms", "p99_ms", "max_ms"), points)
+        }
+    read_s = sum(rank["read_s"] for r in report.requests for rank in r.ranks)
+    return {
+        "run_id": run_id,
+        "seed": seed,
+        "ok": report.ok,
+        "requests": len(report.requests),
+        "transfers": len(fetched),
+        "bytes_verified": sum(r.nbytes for r in fetched),
+        "mismatches": report.mismatches,
+        "wall_s": round(report.wall_s, 3),
+        "engine_processes": 2 * len(report.pairs),
+        "nixl_agents": sum(p.prefill_tp + p.decode_tp for p in report.pairs),
+        "pairs": pairs,
+        "stages": stages,
+        "read_bytes_per_s": round(report.nbytes / read_s) if read_s else None,
+        "registered_bytes": sum(
+            rank.region_bytes * rank.num_regions
+            for pair_layouts in report.layouts
+            for layout in pair_layouts
+            for rank in layout.ranks
+        ),
+        "checked_bytes": sum(r.checked_bytes for r in report.requests),
+        "expected_bytes": sum(r.expected_bytes for r in report.requests),
+        "releases": sum(len(r.releases) for r in report.requests),
+        "releases_completed": sum(
+            why == "completed" for r in report.requests for why, _ in r.releases.values()
+        ),
+        "notifications": report.notifications,
+        "expected_notifications": report.expected_notifications,
+        "leftover_engines": list(report.leftover_engines),
+        "problems": report.problems(),
+    }
+
+
+def format_report(s: dict) -> str:
     """Pairs, volumes and savings, per-stage latency percentiles, and the checks made."""
-    engines = 2 * len(report.pairs)
-    agents = sum(p.prefill_tp + p.decode_tp for p in report.pairs)
-    memory = sum(
-        rank.region_bytes * rank.num_regions
-        for pair in report.layouts
-        for layout in pair
-        for rank in layout.ranks
-    )
     lines = [
         (
-            f"pdbroker demo: {len(report.requests)} requests, {len(report.pairs)} P/D pairs, broker + "
-            f"{engines} engine processes, {agents} NIXL agents (UCX, DRAM), {report.wall_s:.1f} s"
+            f"pdbroker demo (run {s['run_id']}): {s['requests']} requests, {len(s['pairs'])} "
+            f"P/D pairs, broker + {s['engine_processes']} engine processes, {s['nixl_agents']} "
+            f"NIXL agents (UCX, DRAM), {s['wall_s']:.1f} s"
         ),
         "",
     ]
-    widths = [44, 8, 10, 10, 16, 12, 20]
-    lines.append(
-        _row(
-            [
-                "pair",
-                "requests",
-                "tokens",
-                "moved MB",
-                "naive MB",
-                "descriptors",
-                "vLLM descriptors",
-            ],
-            widths,
-        )
-    )
-    totals = np.zeros(4, dtype=np.int64)
-    for i, pair in enumerate(report.pairs):
-        done = [r for r in report.requests if r.pair == i and r.fetched]
-        sums = np.array(
-            [
-                sum(rank[k] for r in done for rank in r.ranks)
-                for k in ("nbytes", "naive_bytes", "num_descriptors", "vllm_descriptors")
-            ],
-            dtype=np.int64,
-        )
-        totals += sums
-        lines.append(
-            _row(
-                [
-                    pair.label,
-                    str(len(done)),
-                    f"{pair.min_tokens}-{pair.max_tokens}",
-                    *_volumes(sums),
-                ],
-                widths,
-            )
-        )
-    lines.append(
-        _row(["total", str(sum(r.fetched for r in report.requests)), "", *_volumes(totals)], widths)
-    )
+    widths = [44, 8, 12, 10, 18, 12, 20]
+    header = ["pair", "requests", "tokens", "moved MB", "naive MB", "descriptors"]
+    lines.append(_row([*header, "vLLM descriptors"], widths))
+    for pair in s["pairs"]:
+        tokens = f"{pair['min_tokens']:,}-{pair['max_tokens']:,}"
+        lines.append(_row([pair["label"], str(pair["transfers"]), tokens, *_volumes(pair)], widths))
+    totals = {key: sum(p[key] for p in s["pairs"]) for key, _ in _PAIR_SUMS}
+    lines.append(_row(["total", str(s["transfers"]), "", *_volumes(totals)], widths))
+    lines += ["", _row(["stage latency (ms)", "n", "p50", "p90", "p99", "max"], _STAGE_WIDTHS)]
+    for key, label in STAGES:
+        stage = s["stages"][key]
+        cells = [
+            "-" if stage[name] is None else f"{stage[name]:,.2f}"
+            for name in ("p50_ms", "p90_ms", "p99_ms", "max_ms")
+        ]
+        lines.append(_row([label, str(stage["n"]), *cells], _STAGE_WIDTHS))
+    rate = s["read_bytes_per_s"]
     lines += [
         "",
-        _row(["stage latency (ms)", "n", "p50", "p90", "p99", "max"], [44, 6, 9, 9, 9, 9]),
-    ]
-    for name, values in _stages(report):
-        cells = (
-            [f"{v:.2f}" for v in np.percentile(values, [50, 90, 99, 100])] if values else ["-"] * 4
-        )
-        lines.append(_row([name, str(len(values)), *cells], [44, 6, 9, 9, 9, 9]))
-    releases = sum(len(r.releases) for r in report.requests)
-    completed = sum(why == "completed" for r in report.requests for why, _ in r.releases.values())
-    read_s = sum(rank["read_s"] for r in report.requests for rank in r.ranks)
-    lines += [
-        "",
-        f"NIXL read throughput: {report.nbytes / read_s / 1e9:.2f} GB/s summed over reads"
-        if read_s
-        else "NIXL read throughput: -",
+        "NIXL read throughput: " + (f"{rate / 1e9:,.2f} GB/s summed over reads" if rate else "-"),
         (
-            f"KV memory registered: {memory / _MB:,.0f} MB; decode memory compared byte by byte: "
-            f"{sum(r.checked_bytes for r in report.requests) / _MB:,.0f} MB "
-            f"({sum(r.expected_bytes for r in report.requests):,} state bytes expected, "
-            f"{report.mismatches} mismatches)"
+            f"KV memory registered: {s['registered_bytes'] / _MB:,.0f} MB; decode memory "
+            f"compared byte by byte: {s['checked_bytes'] / _MB:,.0f} MB "
+            f"({s['expected_bytes']:,} state bytes expected, {s['mismatches']:,} mismatches)"
         ),
         (
-            f"releases: {completed}/{releases} completed; NIXL completion notifications at prefill: "
-            f"{report.notifications}/{report.expected_notifications}; engines registered after "
-            f"close: {len(report.leftover_engines)}"
+            f"releases: {s['releases_completed']:,}/{s['releases']:,} completed; NIXL "
+            f"completion notifications at prefill: {s['notifications']:,}/"
+            f"{s['expected_notifications']:,}; engines registered after close: "
+            f"{len(s['leftover_engines'])}"
         ),
     ]
     return "\n".join(lines)
 
 
-def _volumes(sums: np.ndarray) -> list[str]:
-    moved, naive, descriptors, vllm = (int(x) for x in sums)
+_STAGE_WIDTHS = [44, 6, 9, 9, 9, 9]
+
+
+def _volumes(sums: dict) -> list[str]:
+    moved, naive = sums["bytes"], sums["naive_bytes"]
+    descriptors, vllm = sums["descriptors"], sums["vllm_descriptors"]
     saved = f" (-{100 * (1 - moved / naive):.1f}%)" if naive else ""
     fewer = f" ({vllm / descriptors:.1f}x)" if descriptors else ""
     return [
@@ -255,9 +338,10 @@ def _volumes(sums: np.ndarray) -> list[str]:
     ]
 
 
-def _stages(report: FleetReport) -> list[tuple[str, list[float]]]:
-    """Per-stage latencies in ms. Release: from the last report of a prefill rank's readers to
-    that rank receiving its release (both on the host's monotonic clock)."""
+def _stages(report: FleetReport) -> dict[str, list[float]]:
+    """Per-stage latencies in ms, by :data:`STAGES` key. Release: from the last report of a
+    prefill rank's readers to that rank receiving its release (both on the host's monotonic
+    clock)."""
     done = [r for r in report.requests if r.fetched]
     ranks = [rank for r in done for rank in r.ranks]
     release, end_to_end = [], []
@@ -268,13 +352,13 @@ def _stages(report: FleetReport) -> list[tuple[str, list[float]]]:
                 release.append((at - max(reports)) * 1e3)
         if r.releases:
             end_to_end.append((max(at for _, at in r.releases.values()) - r.published_at) * 1e3)
-    return [
-        ("prefill: fill pages with the pattern", [r.fill_s * 1e3 for r in done]),
-        ("publish (PublishBlocks)", [r.publish_s * 1e3 for r in done]),
-        ("plan (GetTransferPlan, per decode rank)", [x["plan_s"] * 1e3 for x in ranks]),
-        ("NIXL read (post + poll, per decode rank)", [x["read_s"] * 1e3 for x in ranks]),
-        ("report (ReportTransfer, per decode rank)", [x["report_s"] * 1e3 for x in ranks]),
-        ("release (report -> prefill rank notified)", release),
-        ("decode: verify every byte", [r.verify_s * 1e3 for r in done]),
-        ("end to end (publish -> last release)", end_to_end),
-    ]
+    return {
+        "fill": [r.fill_s * 1e3 for r in done],
+        "publish": [r.publish_s * 1e3 for r in done],
+        "plan": [x["plan_s"] * 1e3 for x in ranks],
+        "read": [x["read_s"] * 1e3 for x in ranks],
+        "report": [x["report_s"] * 1e3 for x in ranks],
+        "release": release,
+        "verify": [r.verify_s * 1e3 for r in done],
+        "end_to_end": end_to_end,
+    }

@@ -6,7 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
-from broker.layout import EngineLayout, GroupLayout, RankLayout
+from broker.commands.options import non_negative_int, positive_int
+from broker.layout import EngineLayout, GroupLayout, RankLayout, Segment
 from broker.models import build_engine_layout, hma_block_size, with_kv_dtype
 from broker.presets import model_from_hf_file, preset_names, resolve_model
 
@@ -18,15 +19,20 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--model", help=f"a preset ({', '.join(preset_names())}) or a config.json path"
     )
     src.add_argument("--hf-config", type=Path, help="a Hugging Face config.json or its directory")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size")
     p.add_argument(
         "--block-size",
-        type=int,
+        type=non_negative_int,
         default=0,
-        help="tokens per logical block (default: vLLM's HMA choice, alignment 16)",
+        help="tokens per logical block; 0: vLLM's HMA choice (alignment 16)",
     )
-    p.add_argument("--kernel-block-size", type=int, default=0, help="default: = block size")
-    p.add_argument("--kv-dtype", default=None, help="KV-cache dtype, e.g. bfloat16 or fp8")
+    p.add_argument(
+        "--kernel-block-size",
+        type=non_negative_int,
+        default=0,
+        help="tokens per attention kernel block; 0: the block size",
+    )
+    p.add_argument("--kv-dtype", help="KV-cache dtype, e.g. bfloat16 or fp8 (default: the model's)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run)
 
@@ -46,15 +52,28 @@ def _mamba_group(rank: RankLayout) -> GroupLayout | None:
 
 
 def layout_summary(engine: EngineLayout, block_size: int, kernel_block_size: int) -> dict:
-    """Rank 0's page as JSON-ready data; offsets and sizes in bytes from the page start."""
+    """Rank 0's page as JSON-ready data; offsets and sizes in bytes from the page start
+    (attention: from the kernel block's)."""
     rank = engine.ranks[0]
     out: dict = {
+        "model": engine.model,
+        "tp": engine.tp_size,
+        "rank": rank.tp_rank,
+        "regions": rank.num_regions,
         "block_size": block_size,
         "kernel_block_size": kernel_block_size,
         "page_bytes": rank.page_bytes,
         "groups": [{"type": g.kind.value, "layers": list(g.layers)} for g in rank.groups],
+        "attention": None,
         "mamba": None,
     }
+    attention = next((g for g in rank.groups if g.is_attention), None)
+    if attention is not None:
+        out["attention"] = {
+            "kernel_blocks_per_page": attention.kernel_blocks_per_page,
+            "kernel_block_bytes": attention.kernel_block_bytes,
+            "segments": [_segment(s) for s in attention.segments],
+        }
     mamba = _mamba_group(rank)
     if mamba is not None:
         conv = [[s.offset, s.nbytes] for s in mamba.segments if s.tensor.startswith("conv.")]
@@ -64,8 +83,30 @@ def layout_summary(engine: EngineLayout, block_size: int, kernel_block_size: int
             "ssm_offset": ssm.offset,
             "ssm_bytes": ssm.nbytes,
             "padding_bytes": rank.page_bytes - sum(n for _, n in conv) - ssm.nbytes,
+            "segments": [_segment(s) for s in mamba.segments],
         }
     return out
+
+
+def _segment(s: Segment) -> dict:
+    """A segment as the text shows it: rank 0's share ``shard`` (global indices ``[start,
+    end)`` of ``global_extent`` along ``shard_axis``; None when replicated)."""
+    shard = None
+    if s.shard_axis is not None:
+        shard = {
+            "axis": s.shard_axis,
+            "start": s.shard_interval[0],
+            "end": s.shard_interval[1],
+            "global_extent": s.global_extent,
+        }
+    return {
+        "tensor": s.tensor,
+        "offset": s.offset,
+        "bytes": s.nbytes,
+        "shape": list(s.shape),
+        "dtype": s.dtype,
+        "shard": shard,
+    }
 
 
 def format_layout(engine: EngineLayout, summary: dict) -> str:
@@ -73,8 +114,8 @@ def format_layout(engine: EngineLayout, summary: dict) -> str:
     lines = [
         f"model         {engine.model} (tp={engine.tp_size}, rank 0 of {engine.tp_size})",
         (
-            f"block size    {summary['block_size']} tokens, kernel block "
-            f"{summary['kernel_block_size']} tokens"
+            f"block size    {summary['block_size']:,} tokens, kernel block "
+            f"{summary['kernel_block_size']:,} tokens"
         ),
         f"page bytes    {rank.page_bytes:,} (regions: {rank.num_regions})",
         "",

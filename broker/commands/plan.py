@@ -1,4 +1,16 @@
-"""``pdbroker plan``: the transfer plan of one request, as a table or JSON."""
+"""``pdbroker plan``: the transfer plan of one request, as a table or JSON.
+
+The request is a case file's, or a fresh one of ``--tokens`` tokens on engines sized to hold
+it (block ids from 0, one Mamba state block per group); both outputs state it first.
+
+JSON: ``request`` (model, TP sizes, tokens, block sizes, KV dtype, and per KV-cache group its
+kind, layers and the block ids each side gives); ``total_bytes``, ``descriptors``,
+``naive_bytes`` (whole padded pages) and ``vllm_descriptors`` (vLLM's per-block scheme), and
+the same per decode rank in ``ranks``, with ``sources`` per prefill rank read; ``runs``, one
+``[decode_rank, decode_region, decode_offset, prefill_rank, prefill_region, prefill_offset,
+length]`` per contiguous read, offsets in bytes from the start of the region, one
+descriptor each.
+"""
 
 from __future__ import annotations
 
@@ -6,22 +18,34 @@ import argparse
 import json
 from pathlib import Path
 
+from broker.commands.options import non_negative_int, positive_int
 from broker.errors import LayoutError
+from broker.layout import EngineLayout
 from broker.models import with_kv_dtype
-from broker.planner import PairPlanner, TransferPlan
+from broker.planner import PairPlanner, TransferPlan, TransferRequest
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("plan", help="compute the transfer plan of one request")
+    p = sub.add_parser("plan", help="compute the transfer plan of one request", description=__doc__)
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--case", type=Path, help="a case file (testvectors schema)")
+    src.add_argument("--case", type=Path, help="a case file (the test vectors' schema)")
     src.add_argument("--model", help="a preset name or a Hugging Face config.json path")
-    p.add_argument("--prefill-tp", type=int, default=1)
-    p.add_argument("--decode-tp", type=int, default=1)
-    p.add_argument("--tokens", type=int, default=32768, help="tokens whose state moves")
-    p.add_argument("--block-size", type=int, default=0, help="default: vLLM's HMA choice")
-    p.add_argument("--kernel-block-size", type=int, default=0, help="default: = block size")
-    p.add_argument("--kv-dtype", default=None, help="KV-cache dtype, e.g. bfloat16 or fp8")
+    p.add_argument("--prefill-tp", type=positive_int, default=1, help="prefill's TP size")
+    p.add_argument("--decode-tp", type=positive_int, default=1, help="decode's TP size")
+    p.add_argument("--tokens", type=positive_int, default=32768, help="tokens whose state moves")
+    p.add_argument(
+        "--block-size",
+        type=non_negative_int,
+        default=0,
+        help="tokens per block; 0: vLLM's HMA choice (the larger of both sides')",
+    )
+    p.add_argument(
+        "--kernel-block-size",
+        type=non_negative_int,
+        default=0,
+        help="tokens per attention kernel block; 0: the block size",
+    )
+    p.add_argument("--kv-dtype", help="KV-cache dtype, e.g. bfloat16 or fp8 (default: the model's)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run)
 
@@ -51,11 +75,65 @@ def run(args: argparse.Namespace) -> int:
         )
         prefill, decode, request = sc.prefill, sc.decode, sc.request
     plan = PairPlanner(prefill, decode).plan(request)
+    assumed = request_summary(prefill, decode, request)
     if args.json:
-        print(json.dumps(plan_summary(plan, with_runs=True)))
+        print(json.dumps({"request": assumed} | plan_summary(plan, with_runs=True)))
     else:
+        print(format_request(assumed))
+        print()
         print(format_plan(plan))
     return 0
+
+
+def request_summary(prefill: EngineLayout, decode: EngineLayout, request: TransferRequest) -> dict:
+    """The request planned and the engines it moves between, JSON-ready."""
+    attention = next((g for g in prefill.groups if g.is_attention), None)
+    kv = attention.segments[0] if attention is not None else None
+    return {
+        "model": prefill.model,
+        "prefill_tp": prefill.tp_size,
+        "decode_tp": decode.tp_size,
+        "tokens": request.num_tokens,
+        "block_size": max(g.block_size for g in prefill.groups),
+        "kernel_block_size": attention.kernel_block_size if attention is not None else None,
+        "kv_dtype": kv.dtype if kv is not None else None,
+        "groups": [
+            {
+                "kind": g.kind.value,
+                "layers": len(g.layers),
+                "prefill_blocks": len(p_ids),
+                "decode_blocks": len(d_ids),
+            }
+            for g, p_ids, d_ids in zip(
+                prefill.groups, request.prefill_block_ids, request.decode_block_ids
+            )
+        ],
+    }
+
+
+def format_request(r: dict) -> str:
+    kinds: dict[tuple[str, int, int], int] = {}
+    for g in r["groups"]:
+        key = (g["kind"], g["prefill_blocks"], g["decode_blocks"])
+        kinds[key] = kinds.get(key, 0) + 1
+    blocks = ", ".join(
+        f"{n} {kind} group{'s' if n > 1 else ''} {p:,}/{d:,}" for (kind, p, d), n in kinds.items()
+    )
+    kernel = r["kernel_block_size"]
+    return "\n".join(
+        [
+            (
+                f"request:     {r['tokens']:,} tokens of {r['model']}, prefill TP{r['prefill_tp']}"
+                f" -> decode TP{r['decode_tp']}"
+            ),
+            (
+                f"blocks:      {r['block_size']:,} tokens"
+                + (f", attention kernel blocks of {kernel:,}" if kernel else "")
+                + (f", KV cache {r['kv_dtype']}" if r["kv_dtype"] else "")
+            ),
+            f"block ids:   prefill/decode per group: {blocks}",
+        ]
+    )
 
 
 def plan_summary(plan: TransferPlan, with_runs: bool = False) -> dict:
@@ -94,7 +172,7 @@ def format_plan(plan: TransferPlan) -> str:
     for r in plan.ranks:
         for s in r.sources:
             lines.append(
-                f"{r.decode_rank:>11} {s.prefill_rank:>12} {s.num_descriptors:>11} {s.nbytes:>14,}"
+                f"{r.decode_rank:>11} {s.prefill_rank:>12} {s.num_descriptors:>11,} {s.nbytes:>14,}"
             )
     saved = plan.naive_bytes - plan.nbytes
     lines += [

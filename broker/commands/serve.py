@@ -6,10 +6,10 @@ The port speaks TLS (``--tls-cert``/``--tls-key``), with client certificates
 callers; plaintext only with ``--insecure``, which logs a warning (:mod:`broker.server_security`).
 
 A configuration that cannot work ends the command before it serves, with one line
-``pdbroker serve: error: --flag: why`` on stderr and exit status 1: an unreadable or non-PEM
-certificate or key, a key that is not the certificate's, a malformed tokens file, an
-unreachable store, a port that cannot be bound. A store URL is only ever shown with its
-password replaced by ``***``.
+``pdbroker serve: error: --flag: why`` on stderr and exit status 2: a malformed value, an
+unreadable or non-PEM certificate or key, a key that is not the certificate's, a malformed
+tokens file, an unreachable store, a port that cannot be bound. Nothing is announced before
+every port is bound. A store URL is only ever shown with its password replaced by ``***``.
 
 Connections cost a file each: the soft open-file limit is raised to the hard one at start-up,
 and each port holds at most ``--max-connections`` at once, lowered to fit that limit.
@@ -22,22 +22,31 @@ import asyncio
 import gc
 import logging
 import os
+import re
 import resource
 import signal
-from typing import TYPE_CHECKING
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
+from broker.commands.native_log import native_log_held
+from broker.commands.options import from_environment, listen_address, port, positive_int
 from broker.config import ServiceConfig
+from broker.errors import UsageError
 from broker.logs import FORMATS, configure_logging
 from broker.service import BrokerService
 from broker.store.contract import StateStore
 
 if TYPE_CHECKING:
+    from broker.metrics import BrokerMetrics
     from broker.server import BrokerServer
     from broker.server_security import ServerSecurity
 
 log = logging.getLogger("broker.serve")
 
 _DEFAULTS = ServiceConfig()
+DEFAULT_LISTEN = "127.0.0.1:50151"
+LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 #: Allocations between young-generation collections (CPython's default is 700).
 GC_YOUNG_THRESHOLD = 50_000
 #: Connections a port holds at once: two per rank of a full broker (``max_ranks``), as an
@@ -182,20 +191,34 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--listen",
-        help="HOST:PORT; port 0 picks a free one [PDBROKER_LISTEN, else 127.0.0.1:50151]",
+        type=listen_address,
+        metavar="HOST:PORT",
+        help=f"HOST:PORT; port 0 picks a free one [PDBROKER_LISTEN, else {DEFAULT_LISTEN}]",
     )
     for flag, env, default, text in _INT_OPTIONS:
-        p.add_argument(flag, type=int, help=f"{text} [{env}, else {default}]")
+        p.add_argument(flag, type=positive_int, metavar="N", help=f"{text} [{env}, else {default}]")
     p.add_argument(
         "--store",
+        metavar="URL",
         help="memory, or redis://HOST:PORT/DB (rediss:// for TLS) for state shared by "
         "replicas [PDBROKER_STORE, else memory]",
     )
-    p.add_argument("--log-level", help="[PDBROKER_LOG_LEVEL, else INFO]")
-    p.add_argument("--log-format", choices=FORMATS, help="[PDBROKER_LOG_FORMAT, else text]")
+    p.add_argument(
+        "--log-level",
+        type=_log_level,
+        metavar="LEVEL",
+        help=f"{', '.join(LEVELS)} (any case) [PDBROKER_LOG_LEVEL, else INFO]",
+    )
+    p.add_argument(
+        "--log-format",
+        type=_log_format,
+        metavar="FORMAT",
+        help=f"{' or '.join(FORMATS)} [PDBROKER_LOG_FORMAT, else text]",
+    )
     p.add_argument(
         "--metrics-port",
-        type=int,
+        type=port,
+        metavar="PORT",
         help="serve Prometheus /metrics on this port of the --listen host; 0 picks one "
         "[PDBROKER_METRICS_PORT, else off]",
     )
@@ -216,55 +239,48 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--health-port",
-        type=int,
+        type=port,
+        metavar="PORT",
         help="also serve gRPC health alone, in plaintext, on this port of the --listen host, "
         "for probes that cannot speak TLS; 0 picks one [PDBROKER_HEALTH_PORT, else off]",
     )
     p.set_defaults(run=run)
 
 
+def _one_of(choices: tuple[str, ...], normal: Callable[[str], str]) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if normal(text) not in choices:
+            raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(choices)}")
+        return normal(text)
+
+    return parse
+
+
+_log_level = _one_of(LEVELS, str.upper)
+_log_format = _one_of(FORMATS, str.lower)
+
+
 def _resolve(args: argparse.Namespace) -> None:
-    """Fill options not given as flags from the environment, then from the defaults."""
-    if args.listen is None:
-        args.listen = os.environ.get("PDBROKER_LISTEN", "127.0.0.1:50151")
-    if args.log_level is None:
-        args.log_level = os.environ.get("PDBROKER_LOG_LEVEL", "INFO")
-    if not isinstance(logging.getLevelName(args.log_level.upper()), int):
-        raise SystemExit(
-            f"pdbroker serve: error: --log-level: {args.log_level!r} is not one of "
-            "DEBUG, INFO, WARNING, ERROR, CRITICAL"
-        )
-    if args.log_format is None:
-        args.log_format = os.environ.get("PDBROKER_LOG_FORMAT", "text").lower()
-        if args.log_format not in FORMATS:
-            raise SystemExit(
-                f"pdbroker serve: error: --log-format: PDBROKER_LOG_FORMAT={args.log_format!r} "
-                f"is not one of {', '.join(FORMATS)}"
-            )
-    if args.store is None:
-        args.store = os.environ.get("PDBROKER_STORE", "memory")
-    for flag, env in (("--metrics-port", "PDBROKER_METRICS_PORT"),
-                      ("--health-port", "PDBROKER_HEALTH_PORT")):  # fmt: skip
-        name = flag.removeprefix("--").replace("-", "_")
-        if getattr(args, name) is None and os.environ.get(env):
-            raw = os.environ[env]
-            if not raw.isdigit():
-                raise SystemExit(f"pdbroker serve: error: {env}={raw!r} is not a port")
-            setattr(args, name, int(raw))
-        if getattr(args, name) is not None and not 0 <= getattr(args, name) < 65536:
-            raise SystemExit(f"pdbroker serve: error: {flag} must be in [0, 65536)")
-    for flag, env, default, _ in _INT_OPTIONS:
-        name = flag.removeprefix("--").replace("-", "_")
+    """Fill options not given as flags from the environment, then from the defaults; a bad
+    environment value is refused naming its flag and variable."""
+    options: list[tuple[str, str, Any, Callable[[str], Any]]] = [
+        ("--listen", "PDBROKER_LISTEN", DEFAULT_LISTEN, listen_address),
+        ("--log-level", "PDBROKER_LOG_LEVEL", "INFO", _log_level),
+        ("--log-format", "PDBROKER_LOG_FORMAT", "text", _log_format),
+        ("--store", "PDBROKER_STORE", "memory", str),
+        ("--metrics-port", "PDBROKER_METRICS_PORT", None, port),
+        ("--health-port", "PDBROKER_HEALTH_PORT", None, port),
+        *((flag, env, default, positive_int) for flag, env, default, _ in _INT_OPTIONS),
+    ]
+    for flag, env, default, parse in options:
+        name = _dest(flag)
         if getattr(args, name) is None:
-            value = os.environ.get(env)
-            try:
-                setattr(args, name, default if value is None else int(value))
-            except ValueError:
-                raise SystemExit(
-                    f"pdbroker serve: error: {env}={value!r} is not an integer"
-                ) from None
-        if getattr(args, name) <= 0:
-            raise SystemExit(f"pdbroker serve: error: {flag} must be positive")
+            raw = os.environ.get(env, "")
+            setattr(args, name, from_environment(flag, env, raw, parse) if raw else default)
+
+
+def _dest(flag: str) -> str:
+    return flag.removeprefix("--").replace("-", "_")
 
 
 def _security(args: argparse.Namespace) -> ServerSecurity:
@@ -274,8 +290,7 @@ def _security(args: argparse.Namespace) -> ServerSecurity:
 
     files = {}
     for flag, env, _ in _SECURITY_FILES:
-        name = flag.removeprefix("--").replace("-", "_")
-        files[name] = getattr(args, name) or os.environ.get(env, "")
+        files[_dest(flag)] = getattr(args, _dest(flag)) or os.environ.get(env, "")
     admins = args.admin_identities
     if admins is None:
         admins = os.environ.get("PDBROKER_ADMIN_IDENTITIES", "")
@@ -283,7 +298,7 @@ def _security(args: argparse.Namespace) -> ServerSecurity:
     if insecure is None:
         raw = os.environ.get("PDBROKER_INSECURE", "")
         if raw.lower() not in ("", "0", "1", "false", "true"):
-            raise SystemExit(f"pdbroker serve: error: PDBROKER_INSECURE={raw!r} is not 0 or 1")
+            raise UsageError("--insecure", f"PDBROKER_INSECURE={raw!r} is not 0 or 1")
         insecure = raw.lower() in ("1", "true")
     try:
         return ServerSecurity(
@@ -293,7 +308,7 @@ def _security(args: argparse.Namespace) -> ServerSecurity:
             **files,
         )
     except ValueError as exc:
-        raise SystemExit(f"pdbroker serve: error: {exc}") from None
+        raise UsageError.of(exc) from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -318,47 +333,48 @@ def run(args: argparse.Namespace) -> int:
         max_metadata_bytes_per_engine=args.max_metadata_bytes_per_engine,
         release_backlog_total_bytes=args.release_backlog_total_bytes,
     )
-    metrics = None
-    if args.metrics_port is not None:
-        from broker.metrics import BrokerMetrics
-
-        metrics = BrokerMetrics()
-        host = args.listen.rsplit(":", 1)[0].strip("[]")
-        try:
-            port = metrics.serve(args.metrics_port, host)
-        except OSError as exc:
-            raise SystemExit(
-                f"pdbroker serve: error: --metrics-port: cannot listen on "
-                f"{_url_host(host)}:{args.metrics_port}: {exc.strerror or exc}"
-            ) from None
-        print(f"pdbroker serve: metrics on http://{_url_host(host)}:{port}/metrics", flush=True)
-    store = _open_store(args.store, config, args.store_timeout_ms)
-    file_limit = _raise_file_limit()
-    _fit_connections(args, file_limit)
-    service = BrokerService(store, config=config, observer=metrics)
     try:
+        metrics, metrics_url = _metrics(args)
+        store = _open_store(args.store, config, args.store_timeout_ms)
+        file_limit = _raise_file_limit()
+        _fit_connections(args, file_limit)
+        service = BrokerService(store, config=config, observer=metrics)
         server = _server(service, args, security)
-        log.info(
-            "open files: up to %s; up to %d connections a port",
-            "unlimited" if file_limit == resource.RLIM_INFINITY else file_limit,
-            args.max_connections,
-        )
-        asyncio.run(_serve(server))
+        announcements = [f"metrics on {metrics_url}"] if metrics_url else []
+        asyncio.run(_serve(server, security, file_limit, announcements))
     finally:
         if tracer_provider is not None:
             tracer_provider.shutdown()  # flush the last spans
     return 0
 
 
+def _metrics(args: argparse.Namespace) -> tuple[BrokerMetrics | None, str]:
+    """The metrics and the URL of their bound ``/metrics`` endpoint (none without
+    ``--metrics-port``)."""
+    if args.metrics_port is None:
+        return None, ""
+    from broker.metrics import BrokerMetrics
+
+    metrics = BrokerMetrics()
+    host = _listen_host(args.listen)
+    try:
+        bound = metrics.serve(args.metrics_port, host)
+    except OSError as exc:
+        raise UsageError(
+            "--metrics-port",
+            f"cannot listen on {_url_host(host)}:{args.metrics_port}: {exc.strerror or exc}",
+        ) from None
+    return metrics, f"http://{_url_host(host)}:{bound}/metrics"
+
+
 def _server(
     service: BrokerService, args: argparse.Namespace, security: ServerSecurity
 ) -> BrokerServer:
-    """The server, its certificates and tokens read; logs its mode (a warning when callers
-    are not authenticated)."""
+    """The server, its certificates and tokens read."""
     from broker.server import BrokerServer  # grpc: only for the commands that need it
 
     try:
-        server = BrokerServer(
+        return BrokerServer(
             service,
             args.listen,
             args.reap_interval_ms,
@@ -369,18 +385,27 @@ def _server(
             idle_timeout_ms=args.idle_timeout_ms,
         )
     except ValueError as exc:  # a bad certificate, key or tokens file, named by its flag
-        raise SystemExit(f"pdbroker serve: error: {exc}") from None
+        raise UsageError.of(exc) from None
+
+
+def _log_mode(server: BrokerServer, security: ServerSecurity, file_limit: int) -> None:
+    """Log how the bound port serves (a warning when callers are not authenticated) and the
+    connections it holds."""
     if security.insecure:
         log.warning(
             "--insecure: serving plaintext without authentication; any process that reaches "
             "%s may act as any engine (use --tls-cert/--tls-key outside development)",
-            args.listen,
+            server.address,
         )
     elif security.authenticates:
         log.info("serving %s", security.describe())
     else:
         log.warning("serving %s (add --tls-client-ca or --auth-tokens)", security.describe())
-    return server
+    log.info(
+        "open files: up to %s; up to %d connections a port",
+        "unlimited" if file_limit == resource.RLIM_INFINITY else file_limit,
+        server.max_connections,
+    )
 
 
 def _raise_file_limit() -> int:
@@ -398,16 +423,17 @@ def _raise_file_limit() -> int:
 
 def _fit_connections(args: argparse.Namespace, file_limit: int) -> None:
     """Lower ``--max-connections`` (each port's) so that every port full still leaves
-    :data:`FILES_BESIDES_CONNECTIONS` files of ``file_limit``; warns when it had to, exits
-    when no connection fits."""
+    :data:`FILES_BESIDES_CONNECTIONS` files of ``file_limit``; warns when it had to, refuses
+    to start when no connection fits."""
     ports = 1 if args.health_port is None else 2
     if file_limit == resource.RLIM_INFINITY:
         return
     fits = (file_limit - FILES_BESIDES_CONNECTIONS) // ports
     if fits < 1:
-        raise SystemExit(
-            f"pdbroker serve: error: --max-connections: the open-file limit {file_limit} "
-            f"leaves no room for connections beside {FILES_BESIDES_CONNECTIONS} other files"
+        raise UsageError(
+            "--max-connections",
+            f"the open-file limit {file_limit} leaves no room for connections beside "
+            f"{FILES_BESIDES_CONNECTIONS} other files",
         )
     if args.max_connections > fits:
         log.warning(
@@ -426,6 +452,10 @@ def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
+def _listen_host(listen: str) -> str:
+    return listen.rsplit(":", 1)[0].strip("[]")
+
+
 def _open_store(url: str, config: ServiceConfig, timeout_ms: int) -> StateStore | None:
     """``None`` (the in-memory default) for ``memory``, else a reachable Redis store whose
     server-side TTLs outlast every lease and transfer the service keeps and whose connects
@@ -439,9 +469,7 @@ def _open_store(url: str, config: ServiceConfig, timeout_ms: int) -> StateStore 
 
     shown = redact_url(url)
     if not url.startswith(("redis://", "rediss://", "unix://")):
-        raise SystemExit(
-            f"pdbroker serve: error: --store: {shown!r} is neither memory nor redis://"
-        )
+        raise UsageError("--store", f"{shown!r} is neither memory nor redis://")
     try:
         store = RedisStateStore.from_url(
             url,
@@ -454,12 +482,12 @@ def _open_store(url: str, config: ServiceConfig, timeout_ms: int) -> StateStore 
         )
     except ValueError as exc:  # redis-py's parse of the URL
         why = _without(str(exc), url)
-        raise SystemExit(f"pdbroker serve: error: --store: {shown}: {why}") from None
+        raise UsageError("--store", f"{shown}: {why}") from None
     try:
         store.client.ping()
     except redis.RedisError as exc:
         why = _without(str(exc), store.client.connection_pool.connection_kwargs.get("password"))
-        raise SystemExit(f"pdbroker serve: error: --store: cannot reach {shown}: {why}") from None
+        raise UsageError("--store", f"cannot reach {shown}: {why}") from None
     log.info("state in the Redis store at %s", shown)
     return store
 
@@ -471,12 +499,10 @@ def _without(text: str, secret: str | None) -> str:
     return " ".join(text.split())
 
 
-async def _serve(server: BrokerServer) -> None:
-    try:
-        await server.start()
-    except (OSError, RuntimeError) as exc:  # grpc raises RuntimeError for a port it cannot bind
-        flag = "--health-port" if server.port else "--listen"
-        raise SystemExit(f"pdbroker serve: error: {flag}: {' '.join(str(exc).split())}") from None
+async def _serve(
+    server: BrokerServer, security: ServerSecurity, file_limit: int, announcements: list[str]
+) -> None:
+    await _start(server)
     # GC tuning for tail latency: keep the import-time heap out of full collections (they
     # then walk only the broker's own records), and collect the young generation every
     # GC_YOUNG_THRESHOLD allocations rather than 700: a plan allocates hundreds of
@@ -487,10 +513,44 @@ async def _serve(server: BrokerServer) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    _log_mode(server, security, file_limit)
     if server.health_port is not None:
-        print(f"pdbroker serve: health on {_url_host(server.listen.rsplit(':', 1)[0])}:"
-              f"{server.health_port}", flush=True)  # fmt: skip
+        announcements.append(
+            f"health on {_url_host(_listen_host(server.listen))}:{server.health_port}"
+        )
     # Printed last: once a supervisor reads this line, SIGTERM stops the broker cleanly.
-    print(f"pdbroker serve: listening on {server.address}", flush=True)
+    announcements.append(f"listening on {server.address}")
+    for line in announcements:
+        print(f"pdbroker serve: {line}", flush=True)
     await stop.wait()
     await server.stop()
+
+
+async def _start(server: BrokerServer) -> None:
+    """Bind the ports and start serving. gRPC logs a failed bind natively, on several
+    lines: that log is held back and its reason becomes the one line naming the flag."""
+    health = f"{_url_host(_listen_host(server.listen))}:{server.health_port}"
+    failure: Exception | None = None
+    with native_log_held() as held:
+        try:
+            await server.start()
+        except (OSError, RuntimeError) as exc:  # grpc raises RuntimeError for a failed bind
+            failure = exc
+    if failure is None:
+        sys.stderr.write(held[0])  # what a successful start logged, if anything
+        return
+    flag, address = ("--health-port", health) if server.port else ("--listen", server.listen)
+    raise UsageError(flag, f"cannot listen on {address}: {_bind_failure(held[0], failure)}")
+
+
+#: gRPC's native log of a bind that failed: the system's reason, or what failed before it.
+_BIND_REASON = re.compile(r"Error in bind for address '[^']*': ([^)]+)\)")
+_ADD_PORT_FAILURE = re.compile(r"Failed to add port to server: (.+)")
+
+
+def _bind_failure(native_log: str, exc: Exception) -> str:
+    for pattern in (_BIND_REASON, _ADD_PORT_FAILURE):
+        found = pattern.search(native_log)
+        if found:
+            return found.group(1).strip()
+    return " ".join(str(exc).split())

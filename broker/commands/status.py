@@ -8,7 +8,8 @@ only when one of them runs.
 
 Against a broker that authorizes callers, both need an operator's credentials (a name in its
 ``--admin-identities``): ``--tls-ca`` with a client certificate (``--tls-cert``,
-``--tls-key``) or a ``--token-file``.
+``--tls-key``) or a ``--token-file``. A broker that cannot be reached because it speaks TLS
+and the command not (or the other way round) is a usage error naming ``--tls-ca``.
 """
 
 from __future__ import annotations
@@ -16,9 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
+from broker.commands.options import broker_address, from_environment, positive_float, positive_int
+from broker.errors import UsageError
 from broker.tracing import trace_id_of
 
 if TYPE_CHECKING:
@@ -38,15 +42,22 @@ _SECURITY_FILES = (
 
 def register(sub: argparse._SubParsersAction) -> None:
     status = sub.add_parser(
-        "status", help="engines, ranks and in-flight transfers of a running broker"
+        "status",
+        help="engines, ranks and in-flight transfers of a running broker",
+        description=__doc__,
     )
     _common(status)
     status.add_argument(
-        "--limit", type=int, default=_DEFAULT_LIMIT, help="in-flight transfers listed (oldest)"
+        "--limit",
+        type=positive_int,
+        default=_DEFAULT_LIMIT,
+        help="in-flight transfers listed (oldest first)",
     )
     status.set_defaults(run=run_status)
-    transfer = sub.add_parser("transfer", help="one transfer's state, timeline, plans, releases")
-    transfer.add_argument("transfer_id", metavar="ID")
+    transfer = sub.add_parser(
+        "transfer", help="one transfer's state, timeline, plans, releases", description=__doc__
+    )
+    transfer.add_argument("transfer_id", metavar="ID", help="the transfer's id")
     transfer.add_argument(
         "--prefill-engine",
         default="",
@@ -58,15 +69,22 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--broker", help=f"HOST:PORT [PDBROKER_BROKER, else {DEFAULT_BROKER}]")
-    p.add_argument("--timeout", type=float, default=5.0, help="seconds per call")
+    p.add_argument(
+        "--broker",
+        type=broker_address,
+        metavar="HOST:PORT",
+        help=f"HOST:PORT of the broker [PDBROKER_BROKER, else {DEFAULT_BROKER}]",
+    )
+    p.add_argument(
+        "--timeout", type=positive_float, default=5.0, metavar="SECONDS", help="seconds per call"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     for flag, env, text in _SECURITY_FILES:
         p.add_argument(flag, metavar="FILE", help=f"{text} [{env}, else plaintext]")
 
 
 def _security(args: argparse.Namespace) -> ChannelSecurity:
-    """How to connect, from the flags, else the environment; exits naming a bad option."""
+    """How to connect, from the flags, else the environment; a bad option is a usage error."""
     from broker.client_security import ChannelSecurity
 
     files = {}
@@ -75,37 +93,67 @@ def _security(args: argparse.Namespace) -> ChannelSecurity:
         files[name] = getattr(args, name) or os.environ.get(env, "")
     try:
         return ChannelSecurity.from_files(
-            files["tls_ca"], files["tls_cert"], files["tls_key"], files["token_file"]
+            files["tls_ca"], files["tls_cert"], files["tls_key"], files["token_file"], flags=True
         )
     except ValueError as exc:
-        raise _security_error(args, exc) from None
+        raise UsageError.of(exc) from None
 
 
-def _security_error(args: argparse.Namespace, exc: ValueError) -> SystemExit:
-    """``exc`` as the command's error, naming the flag of the field it names (the flags are
-    the :class:`~broker.client_security.ChannelSecurity` fields)."""
-    field, _, detail = str(exc).partition(": ")
-    return SystemExit(f"pdbroker {args.command}: error: --{field.replace('_', '-')}: {detail}")
+def _address(args: argparse.Namespace) -> str:
+    if args.broker:
+        return str(args.broker)
+    raw = os.environ.get("PDBROKER_BROKER", "")
+    return (
+        from_environment("--broker", "PDBROKER_BROKER", raw, broker_address)
+        if raw
+        else DEFAULT_BROKER
+    )
 
 
 def _call(args: argparse.Namespace, method: str, request: Any) -> Any:
-    """One read-only call; a failure exits with the broker's status and message."""
+    """One read-only call; a failure exits with the broker's status and message (gRPC's
+    native log of it held back)."""
     import grpc
 
+    from broker.commands.native_log import native_log_held
     from broker.v1 import broker_pb2_grpc as pb_grpc
 
-    address = args.broker or os.environ.get("PDBROKER_BROKER") or DEFAULT_BROKER
+    address = _address(args)
     security = _security(args)
     try:
-        with security.channel(address) as channel:
-            return getattr(pb_grpc.BrokerStub(channel), method)(request, timeout=args.timeout)
+        with native_log_held() as held, security.channel(address) as channel:
+            answer = getattr(pb_grpc.BrokerStub(channel), method)(request, timeout=args.timeout)
     except grpc.RpcError as exc:
+        if exc.code() == grpc.StatusCode.UNAVAILABLE:
+            _refuse_tls_mismatch(address, security)
         raise SystemExit(
             f"pdbroker {args.command}: error: {method} at {address}: "
             f"{exc.code().name}: {exc.details()}"
         ) from None
     except ValueError as exc:  # an unreadable certificate, key or CA file
-        raise _security_error(args, exc) from None
+        raise UsageError.of(exc) from None
+    sys.stderr.write(held[0])
+    return answer
+
+
+def _refuse_tls_mismatch(address: str, security: ChannelSecurity) -> None:
+    """A usage error if the broker at ``address`` speaks TLS and the call did not, or the
+    other way round (gRPC tells the first only as "Socket closed")."""
+    from broker.client_security import speaks_tls
+
+    tls = speaks_tls(address)
+    if tls and not security.tls:
+        raise UsageError(
+            "--tls-ca",
+            f"the broker at {address} serves TLS: pass --tls-ca with the CA of its "
+            "certificate (and the credentials it asks for)",
+        )
+    if tls is False and security.tls:
+        raise UsageError(
+            "--tls-ca",
+            f"the broker at {address} serves plaintext (serve --insecure): leave out "
+            "--tls-ca, --tls-cert, --tls-key and --token-file",
+        )
 
 
 def _name(enum_type: Any, value: int, prefix: str) -> str:
@@ -217,7 +265,7 @@ def format_status(s: dict) -> list[str]:
                         r["agent_name"],
                         f"{r['lease_left_ms'] / 1000:.1f}",
                         str(r["num_regions"]),
-                        str(r["num_blocks"]),
+                        f"{r['num_blocks']:,}",
                         f"{r['page_bytes']:,}",
                     ]
                 )
@@ -225,11 +273,13 @@ def format_status(s: dict) -> list[str]:
     t = s["transfers"]
     oldest = t["oldest_in_flight"]
     by_state = ", ".join(
-        f"{n} {state}" for state, n in t["counts"].items() if state in ("published", "in_progress")
+        f"{n:,} {state}"
+        for state, n in t["counts"].items()
+        if state in ("published", "in_progress")
     )
     lines += [
         "",
-        f"transfers in flight: {t['in_flight']}"
+        f"transfers in flight: {t['in_flight']:,}"
         + (
             f" ({by_state}); oldest {oldest['transfer_id']}, {oldest['age_ms'] / 1000:.3f} s"
             if oldest
@@ -257,7 +307,7 @@ def format_status(s: dict) -> list[str]:
                     x["state"],
                     x["prefill_engine_id"],
                     x["decode_engine_id"] or "-",
-                    str(x["num_tokens"]),
+                    f"{x['num_tokens']:,}",
                     f"{x['age_ms'] / 1000:.3f}",
                     f"{x['expires_in_ms'] / 1000:.3f}",
                     f"{x['plans_reported']}/{x['plans']}",
@@ -268,7 +318,7 @@ def format_status(s: dict) -> list[str]:
     finished = {k: n for k, n in t["counts"].items() if k not in ("published", "in_progress")}
     if finished:
         lines.append(
-            "finished, kept for queries: " + ", ".join(f"{n} {k}" for k, n in finished.items())
+            "finished, kept for queries: " + ", ".join(f"{n:,} {k}" for k, n in finished.items())
         )
     return lines
 
@@ -341,8 +391,8 @@ def format_transfer(s: dict) -> list[str]:
         f"transfer {s['transfer_id']}: {s['state']}",
         (
             f"  prefill {s['prefill_engine_id']} -> decode {s['decode_engine_id'] or '-'}, "
-            f"{s['num_tokens']} tokens; published {_utc(s['published_at_ms'])} UTC, "
-            f"{finished} after {s['duration_ms']} ms"
+            f"{s['num_tokens']:,} tokens; published {_utc(s['published_at_ms'])} UTC, "
+            f"{finished} after {s['duration_ms']:,} ms"
         ),
         f"  trace {s['trace_id'] or '- (not traced)'}",
         "timeline (ms after publication):",
@@ -356,9 +406,9 @@ def format_transfer(s: dict) -> list[str]:
                     str(p["decode_rank"]),
                     ",".join(map(str, p["prefill_ranks"])),
                     f"{p['total_bytes']:,}",
-                    str(p["num_descriptors"]),
+                    f"{p['num_descriptors']:,}",
                     p["status"] if p["handed_out"] else "not asked for",
-                    str(p["duration_us"]),
+                    f"{p['duration_us']:,}",
                     p["plan_id"] + (f"  {p['error']}" if p["error"] else ""),
                 ]
             )
