@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+from unittest import mock
 
 import pytest
 from prerequisites import require_module
@@ -14,8 +16,13 @@ from harness.scenarios import build_scenario
 
 
 def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
-    assert main(["bench", *argv, "--json"]) == 0
-    return json.loads(capsys.readouterr().out)
+    """The JSON result of ``pdbroker bench ARGV --json``, whose progress went to stderr.
+    The environment it quiets the libraries with is restored."""
+    with mock.patch.dict(os.environ):
+        assert main(["bench", *argv, "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert err.startswith(f"pdbroker bench {argv[0]} ["), err
+    return json.loads(out)
 
 
 def test_bench_planner_reports_each_scenario(capsys: pytest.CaptureFixture[str]) -> None:
