@@ -79,14 +79,17 @@ print(os.environ.get("TORCH_LOGS"), os.environ.get("VLLM_LOGGING_LEVEL"))
 QUIETED_BY_ENVIRONMENT = ("TORCH_LOGS", "VLLM_LOGGING_LEVEL", "TRANSFORMERS_VERBOSITY")
 
 
+def unquieted_environment() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in QUIETED_BY_ENVIRONMENT}
+
+
 def library_noise(mode: str) -> tuple[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in QUIETED_BY_ENVIRONMENT}
     proc = subprocess.run(
         [sys.executable, "-c", LIBRARY_NOISE, mode],
         capture_output=True,
         text=True,
         check=True,
-        env=env,
+        env=unquieted_environment(),
     )
     return proc.stdout, proc.stderr
 
@@ -115,6 +118,7 @@ def bench(*argv: str, timeout: float = 300) -> tuple[dict, list[str]]:
         text=True,
         check=False,
         timeout=timeout,
+        env=unquieted_environment(),
     )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout), proc.stderr.splitlines()
