@@ -41,6 +41,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
+from broker.console import Progress
 from broker.layout import EngineLayout
 from broker.v1 import broker_pb2 as pb
 from broker.v1 import broker_pb2_grpc as pb_grpc
@@ -507,6 +508,7 @@ def first_contact(
 
 def control_plane(
     sc: Scenario,
+    progress: Progress,
     clients: Sequence[int],
     seconds: float,
     client_procs: int,
@@ -523,6 +525,7 @@ def control_plane(
     per_phase = math.ceil(seconds * MAX_CALLS_PER_S / d_tp)  # transfers
     warmup = [f"warm-{i}" for i in range(20)]
     warm_count = sum(len(client_ranks(n, d_tp)) for n in clients)  # at most one per engine
+    progress.phase("starting the broker")
     proc, address = start_broker(
         per_phase * len(clients) + len(warmup) + warm_count + pairs + 100, profile
     )
@@ -534,6 +537,7 @@ def control_plane(
             plan = engines.plan(warmup)  # the pair's planner warm
             phases = []
             for k, n in enumerate(clients):
+                progress.phase(f"{n} clients ({k + 1}/{len(clients)}), {seconds:g} s")
                 transfer_ids = [f"c{k}-{i}" for i in range(per_phase)]
                 specs = client_specs(f"c{k}", transfer_ids, d_tp, n, warm=True)
                 engines.publish(transfer_ids + warm_transfers(specs))
@@ -548,12 +552,14 @@ def control_plane(
                 }
                 phase |= plans.summary("plan_")
                 if baseline:
+                    progress.phase(f"{n} clients ({k + 1}/{len(clients)}), ListEngines floor")
                     specs = client_specs(f"c{k}-floor", transfer_ids, d_tp, n, warm=False)
                     floor = run_clients(
                         proc.pid, address, specs, sc.decode, decode_ids, procs, True, seconds
                     )
                     phase |= floor.summary("list_engines_")
                 phases.append(phase)
+            progress.phase(f"first contact of {pairs} new decode engines")
             contact = first_contact(address, engines, sc, pairs)
         finally:
             engines.close()

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from broker.console import Progress
 from broker.layout import EngineLayout
 from broker.planner import PairPlanner, RankPlan
 from clients.nixl_transport import NixlAgent
@@ -181,6 +182,7 @@ def _memcpy_gbps(
 
 def run_transfer_bench(
     sc: Scenario,
+    progress: Progress,
     device: str = "cpu",
     prefill_device: int = 0,
     decode_device: int = 0,
@@ -205,6 +207,7 @@ def run_transfer_bench(
     # UCX settings as the caller gave them, before the agents add their log destination
     ucx_env = {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
 
+    progress.phase(f"starting the prefill process ({device})")
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     target = ctx.Process(
@@ -254,7 +257,8 @@ def run_transfer_bench(
             np.array([[remote_bases[-1][0], nbytes, remote_bases[-1][1]]], dtype=np.int64),
         )
         times: dict[str, list[float]] = {mode: [] for mode in reads}
-        for _ in range(repeats + 1):  # modes interleaved; round 0 also opens the connection
+        for n in range(repeats + 1):  # modes interleaved; round 0 also opens the connection
+            progress.update(f"reads, round {n + 1}/{repeats + 1}: {', '.join(reads)}")
             for mode, (local, remote) in reads.items():
                 if mode in plans:
                     for r in regions:
@@ -267,6 +271,7 @@ def run_transfer_bench(
         agent.close()
         parent.send("stop")
         target.join(timeout=30)
+    progress.phase("memcpy in one process")
     memcpy = _memcpy_gbps(nbytes, device, prefill_device, decode_device, repeats)
     return TransferFigures(
         device=device if device == "cpu" else f"cuda:{prefill_device}->cuda:{decode_device}",

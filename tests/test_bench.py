@@ -17,8 +17,11 @@ from harness.scenarios import build_scenario
 
 
 def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
+    """The JSON result of ``pdbroker bench ARGV --json``, whose progress went to stderr."""
     assert main(["bench", *argv, "--json"]) == 0
-    return json.loads(capsys.readouterr().out)
+    out, err = capsys.readouterr()
+    assert err.startswith(f"pdbroker bench {argv[0]} ["), err
+    return json.loads(out)
 
 
 def test_bench_planner_reports_each_scenario(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,4 +1,5 @@
-"""``pdbroker soak`` as a real command: a short run against a real broker process."""
+"""``pdbroker soak`` as a real command: a short run against a real broker process. The memory
+verdict on long runs: ``test_soak_memory.py``."""
 
 from __future__ import annotations
 
@@ -6,8 +7,12 @@ import json
 import subprocess
 import sys
 
+import pytest
 
-def test_short_soak_releases_every_transfer_exactly_once() -> None:
+from broker.cli import main
+
+
+def test_short_soak_releases_every_transfer_exactly_once_and_leaves_memory_unjudged() -> None:
     proc = subprocess.run(
         [
             sys.executable,
@@ -40,6 +45,18 @@ def test_short_soak_releases_every_transfer_exactly_once() -> None:
         "expired",
     }
     assert result["plans"] > 0 and result["p99_ms"] > 0
-    # A 15 s run is too short to judge growth against the 10% limit; it must stay sane.
-    assert -50 < result["rss_growth_pct"] < 50
-    assert proc.returncode == (1 if result["rss_growth_pct"] >= 10 else 0), proc.stderr
+    # Still warming up after 15 s: memory is not judged, which fails nothing.
+    assert result["rss_growth_pct"] is None and not result["rss_grew"]
+    assert result["memory"].startswith("not judged, run shorter than 90 s")
+    assert proc.returncode == 0, proc.stderr
+    progress = proc.stderr.splitlines()
+    assert progress[0].startswith("pdbroker soak [0 s] 15 s of load (--seconds; default 600)")
+    # Not a terminal: a line every 5 s of the load.
+    assert len([line for line in progress if "/15 s, broker RSS " in line]) >= 2, progress
+    assert all(line.startswith("pdbroker soak [") for line in progress), progress
+
+
+def test_soak_help_states_the_default_duration(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["soak", "--help"])
+    assert "seconds of load, before the drain (default: 600)" in capsys.readouterr().out

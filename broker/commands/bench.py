@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict
 
 from broker.commands.options import non_negative_int, positive_float, positive_int, positive_ints
+from broker.console import Progress, quiet_libraries
 from broker.planner import PairPlanner
 
 if TYPE_CHECKING:
@@ -111,14 +112,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     planner.add_argument(
         "--no-vllm", action="store_true", help="skip vLLM's side even if vLLM is installed"
     )
-    planner.set_defaults(run=run_planner)
+    planner.set_defaults(run=_on_console(run_planner))
     volume = kinds.add_parser("bytes", help="bytes per request vs input length: naive vs plan")
-    volume.set_defaults(run=run_bytes)
+    volume.set_defaults(run=_on_console(run_bytes))
     descs = kinds.add_parser("descriptors", help="descriptors per request: plan vs vLLM")
     descs.add_argument(
         "--tokens", type=positive_int, default=32768, help="tokens of the request planned"
     )
-    descs.set_defaults(run=run_descriptors)
+    descs.set_defaults(run=_on_console(run_descriptors))
     transfer = kinds.add_parser(
         "transfer", help="NIXL throughput of real plans between two processes"
     )
@@ -141,7 +142,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     transfer.add_argument(
         "--repeats", type=positive_int, default=5, help="times each plan's reads are timed"
     )
-    transfer.set_defaults(run=run_transfer)
+    transfer.set_defaults(run=_on_console(run_transfer))
     control = kinds.add_parser(
         "control-plane",
         help="GetTransferPlan throughput and p50/p99 over gRPC vs concurrent clients; "
@@ -177,7 +178,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     control.add_argument(
         "--profile", type=Path, default=None, help="run the broker under cProfile, stats here"
     )
-    control.set_defaults(run=run_control_plane)
+    control.set_defaults(run=_on_console(run_control_plane))
     for kind in (planner, volume, descs, transfer, control):
         kind.add_argument("--json", action="store_true", help="print one JSON object")
         kind.add_argument(
@@ -186,6 +187,25 @@ def register(sub: argparse._SubParsersAction) -> None:
             default=None,
             help="directory for the JSON result (and a PNG plot where useful)",
         )
+        kind.add_argument(
+            "-v",
+            "--verbose",
+            action="store_true",
+            help="show INFO logs, and the libraries' (vLLM, torch) logs and warnings",
+        )
+
+
+def _on_console(
+    run: Callable[[argparse.Namespace, Progress], int],
+) -> Callable[[argparse.Namespace], int]:
+    """``run`` with its libraries quiet unless ``--verbose`` and its progress on stderr."""
+
+    def on_console(args: argparse.Namespace) -> int:
+        quiet_libraries(args.verbose)
+        with Progress(f"pdbroker bench {args.kind}") as progress:
+            return run(args, progress)
+
+    return on_console
 
 
 def _pair_options(p: argparse.ArgumentParser, prefill_tp: int, decode_tp: int) -> None:
@@ -231,21 +251,22 @@ def lowest_medians_us(
     return [low / 1e3 for low in lowest]
 
 
-def run_planner(args: argparse.Namespace) -> int:
+def run_planner(args: argparse.Namespace, progress: Progress) -> int:
     """Our planner's per-request time next to vLLM's connector for the same request."""
     from broker.presets import resolve_model
     from harness.scenarios import build_scenario
 
     vllm_side: type[VllmDecodeSide] | None = None
     if not args.no_vllm and importlib.util.find_spec("vllm") is not None:
+        progress.phase("importing vLLM and torch for vLLM's side (--no-vllm skips it)")
         from harness.vllm import nixl_reference
 
         vllm_side = nixl_reference.VllmDecodeSide
 
     results = []
-    for name, preset, p_tp, d_tp, tokens, kbs in PLANNER_SCENARIOS:
-        if args.scenario and name not in args.scenario:
-            continue
+    scenarios = [s for s in PLANNER_SCENARIOS if not args.scenario or s[0] in args.scenario]
+    for n, (name, preset, p_tp, d_tp, tokens, kbs) in enumerate(scenarios, 1):
+        progress.phase(f"scenario {n}/{len(scenarios)}: {name}")
         sc = build_scenario(resolve_model(preset), p_tp, d_tp, tokens, kernel_block_size=kbs)
         start = time.perf_counter()
         pair = PairPlanner(sc.prefill, sc.decode)
@@ -285,7 +306,7 @@ def run_planner(args: argparse.Namespace) -> int:
         "vllm_version": importlib.metadata.version("vllm") if vllm_side else None,
         "vllm_scope": VLLM_SCOPE if vllm_side else None,
     }
-    _emit(args, "planner", result, _planner_table(results))
+    _emit(args, progress, "planner", result, _planner_table(results))
     return 0
 
 
@@ -312,22 +333,27 @@ def _planner_table(results: list[PlannerResult]) -> str:
     return "\n".join(lines)
 
 
-def _emit(args: argparse.Namespace, name: str, result: dict, table: str) -> None:
-    """Print ``result`` as JSON or ``table``; write ``<out>/<name>.json`` if asked."""
+def _emit(
+    args: argparse.Namespace, progress: Progress, name: str, result: dict, table: str
+) -> None:
+    """Print ``result`` as JSON or ``table`` once the progress line is gone; write
+    ``<out>/<name>.json`` if asked."""
+    progress.close()
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / f"{name}.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result) if args.json else table)
 
 
-def run_bytes(args: argparse.Namespace) -> int:
+def run_bytes(args: argparse.Namespace, progress: Progress) -> int:
     """All decode ranks of a homogeneous pair: naive whole padded pages vs the plan's bytes."""
     from broker.models import with_kv_dtype
     from broker.presets import resolve_model
     from harness.scenarios import build_scenario
 
     series: list[BytesSeries] = []
-    for name, preset, tp, kv_dtype in BYTES_MODELS:
+    for n, (name, preset, tp, kv_dtype) in enumerate(BYTES_MODELS, 1):
+        progress.phase(f"model {n}/{len(BYTES_MODELS)}: {name}")
         model = with_kv_dtype(resolve_model(preset), kv_dtype)
         points: list[BytesPoint] = []
         for tokens in INPUT_LENGTHS:
@@ -351,7 +377,7 @@ def run_bytes(args: argparse.Namespace) -> int:
                 f"{s['name']:<28} {pt['tokens']:>7} {pt['naive_bytes'] / 2**20:>10.1f} "
                 f"{pt['plan_bytes'] / 2**20:>10.1f} {100 * saved:>6.1f}%"
             )
-    _emit(args, "bytes", result, "\n".join(lines))
+    _emit(args, progress, "bytes", result, "\n".join(lines))
     if args.out:
         _plot_bytes(series, args.out / "bytes.png")
     return 0
@@ -403,13 +429,14 @@ def _plot_bytes(series: list[BytesSeries], path: Path) -> None:
     plt.close(fig)
 
 
-def run_descriptors(args: argparse.Namespace) -> int:
+def run_descriptors(args: argparse.Namespace, progress: Progress) -> int:
     """Descriptors per request (all decode ranks), contiguous and fragmented block ids."""
     from broker.presets import resolve_model
     from harness.scenarios import build_scenario
 
     rows = []
-    for name, preset, p_tp, d_tp in DESCRIPTOR_PAIRS:
+    for n, (name, preset, p_tp, d_tp) in enumerate(DESCRIPTOR_PAIRS, 1):
+        progress.phase(f"pair {n}/{len(DESCRIPTOR_PAIRS)}: {name}")
         for allocation, stride in (("contiguous", 1), ("fragmented", 2)):
             sc = build_scenario(resolve_model(preset), p_tp, d_tp, args.tokens, stride=stride)
             plan = PairPlanner(sc.prefill, sc.decode).plan(sc.request)
@@ -428,11 +455,11 @@ def run_descriptors(args: argparse.Namespace) -> int:
         f"{r['descriptors'] / r['vllm_descriptors']:>6.3f}"
         for r in rows
     ]
-    _emit(args, "descriptors", {"descriptors": rows}, "\n".join(lines))
+    _emit(args, progress, "descriptors", {"descriptors": rows}, "\n".join(lines))
     return 0
 
 
-def run_transfer(args: argparse.Namespace) -> int:
+def run_transfer(args: argparse.Namespace, progress: Progress) -> int:
     """Real plans through NIXL vs per-block descriptors, one descriptor and memcpy."""
     from broker.presets import resolve_model
     from harness.scenarios import build_scenario
@@ -446,7 +473,7 @@ def run_transfer(args: argparse.Namespace) -> int:
         kernel_block_size=args.kernel_block_size,
     )
     figures = run_transfer_bench(
-        sc, args.device, args.prefill_device, args.decode_device, args.repeats
+        sc, progress, args.device, args.prefill_device, args.decode_device, args.repeats
     )
     f = figures
     table = "\n".join(
@@ -465,11 +492,11 @@ def run_transfer(args: argparse.Namespace) -> int:
             ),
         ]
     )
-    _emit(args, "transfer", {"transfer": f.as_dict()}, table)
+    _emit(args, progress, "transfer", {"transfer": f.as_dict()}, table)
     return 0
 
 
-def run_control_plane(args: argparse.Namespace) -> int:
+def run_control_plane(args: argparse.Namespace, progress: Progress) -> int:
     """``GetTransferPlan`` over gRPC per client count, then first contact of new pairs."""
     from broker.presets import resolve_model
     from harness.control_plane_bench import TARGET_P99_MS, TARGET_PLANS_PER_S, control_plane
@@ -477,7 +504,14 @@ def run_control_plane(args: argparse.Namespace) -> int:
 
     sc = build_scenario(resolve_model(args.model), args.prefill_tp, args.decode_tp, args.tokens)
     r = control_plane(
-        sc, args.clients, args.seconds, args.client_procs, args.pairs, args.baseline, args.profile
+        sc,
+        progress,
+        args.clients,
+        args.seconds,
+        args.client_procs,
+        args.pairs,
+        args.baseline,
+        args.profile,
     )
     fc = r["first_contact"]
     head = (
@@ -514,7 +548,7 @@ def run_control_plane(args: argparse.Namespace) -> int:
         f"median {fc['median_ms']} ms (registered after {fc['registered_median_ms']} ms), "
         f"p90 {fc['p90_ms']} ms, max {fc['max_ms']} ms over {fc['pairs']} pairs"
     )
-    _emit(args, "control_plane", {"control_plane": r}, "\n".join(lines))
+    _emit(args, progress, "control_plane", {"control_plane": r}, "\n".join(lines))
     if args.out:
         _plot_control_plane(r, args.out / "control_plane.png", TARGET_PLANS_PER_S, TARGET_P99_MS)
     return 0

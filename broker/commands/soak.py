@@ -1,15 +1,14 @@
-"""``pdbroker soak``: a bounded load run against a real ``pdbroker serve`` process.
+"""pdbroker soak: a bounded load run against a real pdbroker serve process.
 
-Prefill and decode engines (the client library over a transport that moves no memory:
-:mod:`harness.soak`) spread over worker processes push transfers through publish, plan,
-report and release for ``--seconds``, mostly on the happy path, some failed, reported twice,
-aborted or left to expire. Then the run
-drains and checks that every published transfer was released exactly once by every prefill
-rank and that the broker holds no unfinished transfer. Broker RSS is sampled every second;
-its growth is the end of the load against the end of a warm-up (once planner caches,
-retained finished transfers and the deadline index reached their steady state). Exits 1
-when a transfer leaked or was released twice, an RPC or release was not what its path
-expects, or the RSS grew by 10% or more."""
+Prefill and decode engines (the client library over a transport that moves no memory) spread
+over worker processes push transfers through publish, plan, report and release for --seconds
+(600 by default), mostly on the happy path, some failed, reported twice, aborted or left to
+expire. Then the run drains and checks that every published transfer was released exactly
+once by every prefill rank and that the broker holds no unfinished transfer. Broker RSS is
+sampled every second; its growth is judged only after a warm-up that ends once RSS levels
+off, and a run too short for that says memory was not judged. Progress goes to stderr, the
+result to stdout. Exits 1 when a transfer leaked or was released twice, an RPC or release was
+not what its path expects, or the RSS grew by 10% or more after the warm-up."""
 
 from __future__ import annotations
 
@@ -24,17 +23,16 @@ from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
+from broker.console import Progress
+
 if TYPE_CHECKING:
     from harness.brokers import BrokerProcess
     from harness.soak import Fleet, WorkerResult
 
 #: Broker retention of finished transfers (ms): short, so its steady state comes in the warm-up.
 RETENTION_MS = 5_000
-#: The warm-up: this fraction of the run, at least two retention periods, at most two minutes
-#: (a 4-minute run at 200/s plateaued after ~70 s: stale deadline-index entries live for a TTL).
-WARMUP_FRACTION = 0.2
-MAX_WARMUP_S = 120.0
-RSS_GROWTH_LIMIT_PCT = 10.0
+#: Load duration (s) without ``--seconds``.
+DEFAULT_SECONDS = 600.0
 #: Offered load (transfers/s): 120k transfers in the default 10 minutes, with headroom for
 #: the broker and the clients on a 2-core host (docs/BENCHMARKS.md has the CPU per transfer).
 DEFAULT_RATE = 200.0
@@ -53,7 +51,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--seconds", type=float, default=600.0, help="load duration")
+    p.add_argument(
+        "--seconds",
+        type=float,
+        default=DEFAULT_SECONDS,
+        help="seconds of load, before the drain (default: %(default)g)",
+    )
     p.add_argument("--prefill-ranks", type=int, default=8, help="prefill ranks in all")
     p.add_argument("--decode-ranks", type=int, default=8, help="decode ranks in all")
     p.add_argument("--prefill-tp", type=int, default=1, help="ranks per prefill engine")
@@ -73,6 +76,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="show the broker's warnings too (its errors always show)",
+    )
     p.set_defaults(run=run)
 
 
@@ -86,24 +95,30 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("pdbroker soak: error: durations, counts and the rate must be positive")
     prefill_engines = args.prefill_ranks // args.prefill_tp
     decode_engines = args.decode_ranks // args.decode_tp
-    broker = BrokerProcess("--retention-ms", str(RETENTION_MS), "--log-level", "ERROR")
-    try:
-        fleet = Fleet(
-            broker.address,
-            args.model,
-            prefill_engines,
-            args.prefill_tp,
-            decode_engines,
-            args.decode_tp,
-            args.min_tokens,
-            max(args.min_tokens, args.max_tokens),
-            min(args.workers, prefill_engines, decode_engines),
-            args.lanes,
-            args.rate,
+    log_level = "WARNING" if args.verbose else "ERROR"
+    with Progress("pdbroker soak") as progress:
+        progress.phase(
+            f"{args.seconds:g} s of load (--seconds; default {DEFAULT_SECONDS:g}), then the "
+            "drain; starting the broker"
         )
-        summary = _soak(broker, fleet, args.seconds, args.seed)
-    finally:
-        broker.stop()
+        broker = BrokerProcess("--retention-ms", str(RETENTION_MS), "--log-level", log_level)
+        try:
+            fleet = Fleet(
+                broker.address,
+                args.model,
+                prefill_engines,
+                args.prefill_tp,
+                decode_engines,
+                args.decode_tp,
+                args.min_tokens,
+                max(args.min_tokens, args.max_tokens),
+                min(args.workers, prefill_engines, decode_engines),
+                args.lanes,
+                args.rate,
+            )
+            summary = _soak(broker, fleet, args.seconds, args.seed, progress)
+        finally:
+            broker.stop()
     summary |= {
         "prefill_ranks": args.prefill_ranks,
         "decode_ranks": args.decode_ranks,
@@ -113,19 +128,19 @@ def run(args: argparse.Namespace) -> int:
         "rate": args.rate,
     }
     failed = (
-        summary["leaked"]
-        or summary["double_released"]
-        or summary["errors"]
-        or summary["rss_growth_pct"] >= RSS_GROWTH_LIMIT_PCT
+        summary["leaked"] or summary["double_released"] or summary["errors"] or summary["rss_grew"]
     )
     print(json.dumps(summary) if args.json else _table(summary))
     return 1 if failed else 0
 
 
-def _soak(broker: BrokerProcess, fleet: Fleet, seconds: float, seed: int) -> dict:
+def _soak(
+    broker: BrokerProcess, fleet: Fleet, seconds: float, seed: int, progress: Progress
+) -> dict:
     """Start the workers, run the load, sample the broker's RSS, collect and check."""
     from harness.soak import worker_main
 
+    progress.phase(f"starting {fleet.workers} worker processes")
     ctx = mp.get_context("spawn")
     conns: list[Connection] = []
     procs = []
@@ -143,16 +158,18 @@ def _soak(broker: BrokerProcess, fleet: Fleet, seconds: float, seed: int) -> dic
             conns.append(parent)
             procs.append(proc)
         _gather(conns, "ready", STARTUP_TIMEOUT_S)
+        progress.phase(f"load for {seconds:g} s")
         started = time.monotonic()
         deadline = started + seconds
         cpu_at_start = _cpu_seconds(broker.process.pid)
         for conn in conns:
             conn.send(("go", started, deadline))
-        warmup_s = min(MAX_WARMUP_S, max(WARMUP_FRACTION * seconds, 2 * RETENTION_MS / 1000))
-        rss = _sample_rss(broker.process.pid, started, deadline)
+        rss = _sample_rss(broker.process.pid, started, deadline, progress)
         broker_cpu_s = _cpu_seconds(broker.process.pid) - cpu_at_start
+        progress.phase("draining: waiting for every transfer's releases")
         results: list[WorkerResult] = _gather(conns, "result", DRAIN_TIMEOUT_S)
         duration_s = time.monotonic() - started
+        progress.phase("checking that the broker holds no transfer")
         in_flight = _unfinished_transfers(broker.address)
         for conn in conns:
             conn.send(("close",))
@@ -162,7 +179,7 @@ def _soak(broker: BrokerProcess, fleet: Fleet, seconds: float, seed: int) -> dic
             if proc.is_alive():
                 proc.terminate()
                 proc.join(5)
-    return _summary(results, in_flight, rss, duration_s, seconds, warmup_s, broker_cpu_s)
+    return _summary(results, in_flight, rss, duration_s, seconds, broker_cpu_s)
 
 
 def _gather(conns: list[Connection], kind: str, timeout_s: float) -> list:
@@ -187,12 +204,18 @@ def _gather(conns: list[Connection], kind: str, timeout_s: float) -> list:
     return [got[i] for i in range(len(conns))]
 
 
-def _sample_rss(pid: int, started: float, end_at: float) -> list[tuple[float, int]]:
+def _sample_rss(
+    pid: int, started: float, end_at: float, progress: Progress
+) -> list[tuple[float, int]]:
     """Broker RSS (seconds since ``started``, bytes) every ``RSS_SAMPLE_S`` until ``end_at``."""
     samples = []
     while (now := time.monotonic()) < end_at:
         time.sleep(min(RSS_SAMPLE_S, end_at - now))
         samples.append((time.monotonic() - started, _rss_bytes(pid)))
+        progress.update(
+            f"load {samples[-1][0]:.0f}/{end_at - started:.0f} s, "
+            f"broker RSS {samples[-1][1] / 2**20:.1f} MiB"
+        )
     return samples
 
 
@@ -227,15 +250,17 @@ def _summary(
     rss: list[tuple[float, int]],
     duration_s: float,
     seconds: float,
-    warmup_s: float,
     broker_cpu_s: float,
 ) -> dict:
+    from harness.soak_memory import judge_memory
+
     plans = np.array([x for r in results for x in r.plan_latencies_ms])
     transfer_ms = np.array([x for r in results for x in r.transfer_latencies_ms])
     leaked = set(in_flight).union(*(r.unreleased for r in results))
     transfers = sum(r.transfers for r in results)
-    measured = [b for t, b in rss if t >= warmup_s] or [rss[-1][1]]
-    rss_warm, rss_end = measured[0], measured[-1]
+    memory = judge_memory(rss)
+    measured = [b for t, b in rss if memory.warmup_s is None or t >= memory.warmup_s]
+    rss_end = rss[-1][1]
     timeline = [rss[len(rss) * k // RSS_TIMELINE_POINTS][1] for k in range(RSS_TIMELINE_POINTS)]
     paths: dict[str, int] = {}
     for r in results:
@@ -245,7 +270,9 @@ def _summary(
         "transfers": transfers,
         "leaked": len(leaked),
         "double_released": sum(r.double_released for r in results),
-        "rss_growth_pct": round(100 * (rss_end - rss_warm) / rss_warm, 2),
+        "rss_growth_pct": memory.growth_pct,
+        "rss_grew": memory.grew,
+        "memory": memory.describe(),
         "p99_ms": round(float(np.percentile(plans, 99)), 3) if plans.size else None,
         "transfers_per_s": round(transfers / duration_s, 1),
         "plans": int(plans.size),
@@ -258,13 +285,13 @@ def _summary(
         "error_samples": [e for r in results for e in r.error_samples],
         "leaked_sample": sorted(leaked)[:10],
         "paths": paths,
-        "rss_warm_mib": round(rss_warm / 2**20, 1),
+        "rss_warm_mib": round(measured[0] / 2**20, 1),
         "rss_end_mib": round(rss_end / 2**20, 1),
         "rss_peak_mib": round(max(measured) / 2**20, 1),
         "rss_timeline_mib": [round(b / 2**20, 1) for b in timeline + [rss_end]],
         "broker_cpu_pct": round(100 * broker_cpu_s / seconds, 1),
         "seconds": seconds,
-        "warmup_s": round(warmup_s, 1),
+        "warmup_s": None if memory.warmup_s is None else round(memory.warmup_s, 1),
         "duration_s": round(duration_s, 1),
         "workers": len(results),
         "cpus": os.cpu_count(),
@@ -288,10 +315,11 @@ def _table(s: dict) -> str:
         f"  leaked           {s['leaked']:>10}",
         f"  double released  {s['double_released']:>10}",
         f"  errors           {s['errors']:>10}",
+        f"  memory           {s['memory']}",
         (
-            f"  broker RSS       {s['rss_growth_pct']:>9.2f}%  ({s['rss_warm_mib']} MiB after "
-            f"{s['warmup_s']:g} s warm-up -> {s['rss_end_mib']} MiB, peak "
-            f"{s['rss_peak_mib']} MiB; limit {RSS_GROWTH_LIMIT_PCT:g}%)"
+            f"  broker RSS       {s['rss_warm_mib']} MiB "
+            f"{'after the warm-up' if s['warmup_s'] is not None else 'at the start'} -> "
+            f"{s['rss_end_mib']} MiB at the end, peak {s['rss_peak_mib']} MiB"
         ),
         f"  broker CPU       {s['broker_cpu_pct']:>9.1f}%",
     ]
