@@ -153,6 +153,11 @@ def invoke(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, st
         (["bench", "transfer", "--prefill-device", "-1"], "--prefill-device"),
         (["bench", "control-plane", "--clients", "1,0,4"], "--clients"),
         (["bench", "control-plane", "--seconds", "-3"], "--seconds"),
+        (["soak", "--prefill-tp", "0"], "--prefill-tp"),
+        (["soak", "--seconds", "0"], "--seconds"),
+        (["soak", "--prefill-ranks", "3", "--prefill-tp", "2"], "--prefill-ranks"),
+        (["soak", "--min-tokens", "512", "--max-tokens", "256"], "--max-tokens"),
+        (["soak", "--rate", "-1"], "--rate"),
     ],
 )
 def test_counts_sizes_and_addresses_are_usage_errors_naming_the_flag(
@@ -224,20 +229,7 @@ def test_help_shows_every_default_and_no_markup(command: str) -> None:
             )
 
 
-@pytest.mark.parametrize(
-    "command",
-    [
-        pytest.param(
-            name,
-            marks=pytest.mark.xfail(
-                strict=True, reason="soak's --min-tokens, --max-tokens and --seed lack help"
-            ),
-        )
-        if name == "soak"
-        else name
-        for name in COMMANDS
-    ],
-)
+@pytest.mark.parametrize("command", COMMANDS)
 def test_every_option_has_help(command: str) -> None:
     parser = dict(parsers())[command]
     assert [a.dest for a in parser._actions if not a.help] == []

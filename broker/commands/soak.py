@@ -23,7 +23,9 @@ from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
+from broker.commands.options import positive_float, positive_int
 from broker.console import Progress
+from broker.errors import UsageError
 
 if TYPE_CHECKING:
     from harness.brokers import BrokerProcess
@@ -32,7 +34,7 @@ if TYPE_CHECKING:
 #: Broker retention of finished transfers (ms): short, so its steady state comes in the warm-up.
 RETENTION_MS = 5_000
 #: Load duration (s) without ``--seconds``.
-DEFAULT_SECONDS = 600.0
+DEFAULT_SECONDS = 600
 #: Offered load (transfers/s): 120k transfers in the default 10 minutes, with headroom for
 #: the broker and the clients on a 2-core host (docs/BENCHMARKS.md has the CPU per transfer).
 DEFAULT_RATE = 200.0
@@ -49,32 +51,35 @@ def register(sub: argparse._SubParsersAction) -> None:
         "soak",
         help="drive a real broker with P x D ranks for a while; check releases and memory",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
         "--seconds",
-        type=float,
+        type=positive_float,
         default=DEFAULT_SECONDS,
         help="seconds of load, before the drain (default: %(default)g)",
     )
-    p.add_argument("--prefill-ranks", type=int, default=8, help="prefill ranks in all")
-    p.add_argument("--decode-ranks", type=int, default=8, help="decode ranks in all")
-    p.add_argument("--prefill-tp", type=int, default=1, help="ranks per prefill engine")
-    p.add_argument("--decode-tp", type=int, default=1, help="ranks per decode engine")
+    p.add_argument("--prefill-ranks", type=positive_int, default=8, help="prefill ranks in all")
+    p.add_argument("--decode-ranks", type=positive_int, default=8, help="decode ranks in all")
+    p.add_argument("--prefill-tp", type=positive_int, default=1, help="ranks per prefill engine")
+    p.add_argument("--decode-tp", type=positive_int, default=1, help="ranks per decode engine")
     p.add_argument("--model", default="qwen3.5-0.8b", help="a preset name")
-    p.add_argument("--min-tokens", type=int, default=256)
-    p.add_argument("--max-tokens", type=int, default=8192)
+    p.add_argument(
+        "--min-tokens", type=positive_int, default=256, help="fewest tokens of a transfer"
+    )
+    p.add_argument(
+        "--max-tokens", type=positive_int, default=8192, help="most tokens of a transfer"
+    )
     p.add_argument(
         "--workers",
-        type=int,
+        type=positive_int,
         default=2,
         help="client processes (at most one per prefill and per decode engine)",
     )
-    p.add_argument("--lanes", type=int, default=16, help="concurrent transfers per worker")
+    p.add_argument("--lanes", type=positive_int, default=16, help="concurrent transfers per worker")
     p.add_argument(
         "--rate", type=float, default=DEFAULT_RATE, help="transfers started a second; 0: no limit"
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seeds the transfers' sizes and paths")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument(
         "-v",
@@ -89,10 +94,14 @@ def run(args: argparse.Namespace) -> int:
     from harness.brokers import BrokerProcess
     from harness.soak import Fleet
 
-    if args.prefill_ranks % args.prefill_tp or args.decode_ranks % args.decode_tp:
-        raise SystemExit("pdbroker soak: error: ranks must be multiples of the engines' TP")
-    if min(args.seconds, args.lanes, args.workers, args.min_tokens) <= 0 or args.rate < 0:
-        raise SystemExit("pdbroker soak: error: durations, counts and the rate must be positive")
+    if args.prefill_ranks % args.prefill_tp:
+        raise UsageError("--prefill-ranks", "must be a multiple of --prefill-tp")
+    if args.decode_ranks % args.decode_tp:
+        raise UsageError("--decode-ranks", "must be a multiple of --decode-tp")
+    if args.rate < 0:
+        raise UsageError("--rate", "must not be negative")
+    if args.max_tokens < args.min_tokens:
+        raise UsageError("--max-tokens", "must not be below --min-tokens")
     prefill_engines = args.prefill_ranks // args.prefill_tp
     decode_engines = args.decode_ranks // args.decode_tp
     log_level = "WARNING" if args.verbose else "ERROR"
