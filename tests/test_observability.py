@@ -352,7 +352,10 @@ def test_status_and_transfer_commands_against_a_live_broker(tmp_path: Path) -> N
             text=True,
         )
     try:
-        address = serve.stdout.readline().rsplit(" ", 1)[1].strip()
+        # With JSON logs the start-up line is a JSON object too.
+        listening = json.loads(serve.stdout.readline())
+        assert (listening["level"], listening["logger"]) == ("INFO", "broker.serve")
+        address = listening["message"].removeprefix("listening on ")
         sc = build_scenario(hybrid(), 2, 1, 100)
         with grpc.insecure_channel(address) as channel:
             stub = pb_grpc.BrokerStub(channel)

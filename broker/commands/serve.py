@@ -33,7 +33,7 @@ from broker.commands.native_log import native_log_held
 from broker.commands.options import from_environment, listen_address, port, positive_int
 from broker.config import ServiceConfig
 from broker.errors import UsageError
-from broker.logs import FORMATS, configure_logging
+from broker.logs import FORMATS, JsonFormatter, configure_logging
 from broker.service import BrokerService
 from broker.store.contract import StateStore
 
@@ -341,7 +341,8 @@ def run(args: argparse.Namespace) -> int:
         service = BrokerService(store, config=config, observer=metrics)
         server = _server(service, args, security)
         announcements = [f"metrics on {metrics_url}"] if metrics_url else []
-        asyncio.run(_serve(server, security, file_limit, announcements))
+        announce = _announcer(args.log_format)
+        asyncio.run(_serve(server, security, file_limit, announcements, announce))
     finally:
         if tracer_provider is not None:
             tracer_provider.shutdown()  # flush the last spans
@@ -499,8 +500,26 @@ def _without(text: str, secret: str | None) -> str:
     return " ".join(text.split())
 
 
+def _announcer(log_format: str) -> Callable[[str], None]:
+    """Prints a start-up line (where the broker listens) on stdout: ``pdbroker serve: ...``,
+    or with ``--log-format json`` a JSON object as the logs are, its ``message`` the same."""
+    if log_format != "json":
+        return lambda line: print(f"pdbroker serve: {line}", flush=True)
+    formatter = JsonFormatter()
+
+    def announce(line: str) -> None:
+        record = logging.LogRecord(log.name, logging.INFO, __file__, 0, line, None, None)
+        print(formatter.format(record), flush=True)
+
+    return announce
+
+
 async def _serve(
-    server: BrokerServer, security: ServerSecurity, file_limit: int, announcements: list[str]
+    server: BrokerServer,
+    security: ServerSecurity,
+    file_limit: int,
+    announcements: list[str],
+    announce: Callable[[str], None],
 ) -> None:
     await _start(server)
     # GC tuning for tail latency: keep the import-time heap out of full collections (they
@@ -521,7 +540,7 @@ async def _serve(
     # Printed last: once a supervisor reads this line, SIGTERM stops the broker cleanly.
     announcements.append(f"listening on {server.address}")
     for line in announcements:
-        print(f"pdbroker serve: {line}", flush=True)
+        announce(line)
     await stop.wait()
     await server.stop()
 
