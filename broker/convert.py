@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -22,10 +23,11 @@ from broker.api import (
     PlanResult,
     Publication,
     Report,
+    ReportOutcome,
     TransferListing,
     TransferName,
 )
-from broker.errors import InvalidFieldError, LimitExceededError, PdbrokerError
+from broker.errors import InvalidFieldError, LimitExceededError, PdbrokerError, RequestError
 from broker.limits import LIMITS
 from broker.records import MemoryRegion, RankRegistration, ReleaseEvent, TransferRecord
 from broker.v1 import broker_pb2 as pb
@@ -40,6 +42,7 @@ from broker.wire import (
     block_ids_from_proto,
     block_ids_to_proto,
     check_count,
+    count_block_ids,
     ident,
     optional_ident,
     pack,
@@ -264,6 +267,36 @@ def report_from_proto(msg: pb.ReportTransferRequest) -> Report:
         msg.bytes_moved,
         msg.duration_us,
         text(msg.error),
+    )
+
+
+def batch_engine(request: Any, entries: Sequence[object], field: str) -> str:
+    """The engine a batched call acts for, its entries within ``max_batch_entries``."""
+    engine_id = ident(request.engine_id, "engine_id")
+    check_count(entries, LIMITS.max_batch_entries, field)
+    return engine_id
+
+
+def check_entry_engine(entry: Any, engine_id: str) -> None:
+    """An entry of a batched call names no engine or the call's."""
+    if entry.engine_id and entry.engine_id != engine_id:
+        raise RequestError(
+            "engine_id", f"{entry.engine_id!r} is not the call's engine_id {engine_id!r}"
+        )
+
+
+def check_batch_block_ids(entries: Sequence[pb.GetTransferPlanRequest]) -> None:
+    """The block ids of a batch's entries together within ``max_block_ids``."""
+    total = sum(count_block_ids(e.block_ids) for e in entries)
+    if total > LIMITS.max_block_ids:
+        raise LimitExceededError(
+            "entries", f"{total} block ids in all entries, at most {LIMITS.max_block_ids}"
+        )
+
+
+def outcome_to_proto(outcome: ReportOutcome) -> pb.ReportTransferResponse:
+    return pb.ReportTransferResponse(
+        duplicate=outcome.duplicate, intact=outcome.intact, state=state_to_proto(outcome.state)
     )
 
 

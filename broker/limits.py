@@ -51,6 +51,9 @@ class Limits:
     max_allowed_decode_engines: int = 256
     #: Transfers one ExtendTransfers call keeps alive.
     max_extended_transfers: int = 1024
+    #: Entries of one GetTransferPlans or ReportTransfers call (their block ids together
+    #: count against ``max_block_ids``, as one request's do).
+    max_batch_entries: int = 1024
     #: Runs one page template may hold, over all regions of its group: layouts whose strides
     #: split a page into more pieces than this are refused when planned.
     max_template_runs: int = 1 << 20
@@ -88,4 +91,10 @@ def max_request_bytes_of(method: str, limits: Limits = LIMITS) -> int:
     if method == "ExtendTransfers":  # two ids an entry, <= 4 B a character, 16 B of framing
         per_entry = 2 * 4 * limits.max_id_chars + 16
         return limits.max_extended_transfers * per_entry + MAX_SMALL_REQUEST_BYTES
+    if method == "GetTransferPlans":  # block ids as one request's, three ids an entry
+        per_entry = 3 * 4 * limits.max_id_chars + 32
+        return 10 * limits.max_block_ids + limits.max_batch_entries * per_entry + (1 << 20)
+    if method == "ReportTransfers":  # two ids and an error text (cut, not refused) an entry
+        per_entry = 2 * 4 * limits.max_id_chars + 4 * limits.max_text_chars + 64
+        return limits.max_batch_entries * per_entry + MAX_SMALL_REQUEST_BYTES
     return MAX_SMALL_REQUEST_BYTES

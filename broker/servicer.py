@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial, wraps
@@ -63,6 +64,8 @@ log = logging.getLogger(__name__)
 OFFLOAD_REQUEST_BYTES = 256 << 10
 OFFLOAD_BLOCK_IDS = 16_384
 OFFLOAD_DESCRIPTORS = 32_768
+#: A batched call gives the event loop back between entries after holding it this long.
+BATCH_SLICE_S = 0.002
 
 #: First matching class wins; any other :class:`PdbrokerError` is INVALID_ARGUMENT.
 _STATUS_BY_ERROR: tuple[tuple[type[PdbrokerError], grpc.StatusCode], ...] = (
@@ -131,6 +134,12 @@ def _plan_holder(guard: AccessGuard, who: Identity, request: Any) -> None:
 
 def _transfer_party(guard: AccessGuard, who: Identity, request: Any) -> str:
     return guard.see_transfer(who, request.transfer_id, request.prefill_engine_id)
+
+
+def _caller(guard: AccessGuard, who: Identity, request: Any) -> Identity:
+    """As :func:`_as_engine`, returning the caller for the checks of each entry."""
+    guard.act_as(who, request.engine_id)
+    return who
 
 
 def _operator(guard: AccessGuard, who: Identity, request: Any) -> None:
@@ -274,10 +283,15 @@ class BrokerServicer(pb_grpc.BrokerServicer):
     async def _plan(
         self, request: Any, context: grpc.aio.ServicerContext, answer_bytes: int | None
     ) -> PlanResult:
-        """The decode rank's plan; the planning, descriptors and translation of large ones
-        on the worker thread, deciding on the loop (:meth:`BrokerService.plan_step`)."""
         request = await self.parsed(request)
         self.authorize(context, _as_engine, request)
+        return await self._planned(request, answer_bytes)
+
+    async def _planned(
+        self, request: pb.GetTransferPlanRequest, answer_bytes: int | None
+    ) -> PlanResult:
+        """The decode rank's plan; the planning, descriptors and translation of large ones
+        on the worker thread, deciding on the loop (:meth:`BrokerService.plan_step`)."""
         heavy = count_block_ids(request.block_ids) > OFFLOAD_BLOCK_IDS
         query = await self.pure(heavy, convert.plan_query_from_proto, request)
         planned: Planned | None = None
@@ -289,12 +303,61 @@ class BrokerServicer(pb_grpc.BrokerServicer):
 
     @_unary(_plan_holder)
     def ReportTransfer(self, request: pb.ReportTransferRequest) -> pb.ReportTransferResponse:
-        outcome = self.service.report(convert.report_from_proto(request))
-        return pb.ReportTransferResponse(
-            duplicate=outcome.duplicate,
-            intact=outcome.intact,
-            state=convert.state_to_proto(outcome.state),
-        )
+        return convert.outcome_to_proto(self.service.report(convert.report_from_proto(request)))
+
+    async def GetTransferPlans(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        """Each entry is planned as :meth:`GetTransferPlan` plans one, in order, and answered
+        on its own; the answer's plans share one ``max_unary_plan_bytes`` budget."""
+        try:
+            request = await self.parsed(request)
+            self.authorize(context, _as_engine, request)
+            engine_id = convert.batch_engine(request, request.entries, "entries")
+            convert.check_batch_block_ids(request.entries)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a status
+            await abort(context, exc)
+        budget = LIMITS.max_unary_plan_bytes
+        results: list[pb.TransferPlanResult] = []
+        slice_start = time.perf_counter()
+        for i, entry in enumerate(request.entries):
+            try:
+                convert.check_entry_engine(entry, engine_id)
+                entry.engine_id = engine_id
+                answer = convert.plan_to_proto(await self._planned(entry, budget))
+                budget -= answer.ByteSize()
+                results.append(pb.TransferPlanResult(plan=answer))
+            except Exception as exc:  # noqa: BLE001 - an entry's failure is its answer
+                results.append(
+                    pb.TransferPlanResult(**await _entry_refusal(context, exc, "entries", i))
+                )
+            slice_start = await _yield_when_due(slice_start)
+        return pb.GetTransferPlansResponse(results=results)
+
+    async def ReportTransfers(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        """Each report is recorded as :meth:`ReportTransfer` records one, in order, and
+        answered on its own."""
+        try:
+            request = await self.parsed(request)
+            who = self.authorize(context, _caller, request)
+            engine_id = convert.batch_engine(request, request.reports, "reports")
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a status
+            await abort(context, exc)
+        results: list[pb.TransferReportResult] = []
+        slice_start = time.perf_counter()
+        for i, entry in enumerate(request.reports):
+            try:
+                convert.check_entry_engine(entry, engine_id)
+                entry.engine_id = engine_id
+                if self.guard is not None:
+                    self.guard.report_plan(who, entry.plan_id)
+                report = convert.report_from_proto(entry)
+                outcome = self.in_context(context, self.service.report, report)
+                results.append(pb.TransferReportResult(outcome=convert.outcome_to_proto(outcome)))
+            except Exception as exc:  # noqa: BLE001 - an entry's failure is its answer
+                results.append(
+                    pb.TransferReportResult(**await _entry_refusal(context, exc, "reports", i))
+                )
+            slice_start = await _yield_when_due(slice_start)
+        return pb.ReportTransfersResponse(results=results)
 
     async def ExtendTransfers(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         """A large request (many entries of long ids) is parsed on the worker thread."""
@@ -393,6 +456,27 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         if isinstance(request, Unparsed):
             return await self.offload(request.parse)
         return request
+
+
+async def _entry_refusal(
+    context: grpc.aio.ServicerContext, exc: Exception, field: str, index: int
+) -> dict[str, Any]:
+    """An entry's refusal as a result's ``code`` and ``message`` (its path first). The store
+    being unavailable fails the whole call instead, UNAVAILABLE, for the caller to repeat it
+    on another replica (every entry is idempotent)."""
+    if isinstance(exc, StoreUnavailableError) or not isinstance(exc, PdbrokerError):
+        await abort(context, exc)
+    return {"code": status_code(exc).value[0], "message": f"{field}[{index}].{exc}"}
+
+
+async def _yield_when_due(slice_start: float) -> float:
+    """Let the event loop run other calls once a batch has held it for ``BATCH_SLICE_S``;
+    returns when the current slice started."""
+    now = time.perf_counter()
+    if now - slice_start < BATCH_SLICE_S:
+        return slice_start
+    await asyncio.sleep(0)
+    return time.perf_counter()
 
 
 def _serialized_plan(plan: PlanResult) -> bytes:

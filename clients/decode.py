@@ -21,6 +21,7 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, NoReturn
 
 import grpc
 import numpy as np
@@ -34,7 +35,14 @@ from broker.limits import LIMITS
 from broker.logs import transfer_fields
 from broker.v1 import broker_pb2 as pb
 from broker.wire import MEMORY_KIND, Role, block_ids_to_proto
-from clients.protocol import BrokerCallError, call, extend, get_plan
+from clients.protocol import (
+    BrokerCallError,
+    call,
+    extend,
+    get_plan,
+    get_plans,
+    report_transfers,
+)
 from clients.session import AsyncEngineClient, BlockingEngineClient, RankSession
 from clients.transport import Read, Region, TransferError, Transport, descriptor_array, inside
 
@@ -73,6 +81,38 @@ class Fetch:
     @property
     def num_descriptors(self) -> int:
         return sum(r.num_descriptors for r in self.ranks)
+
+
+@dataclass(frozen=True)
+class FetchAsk:
+    """One transfer of :meth:`AsyncDecodeClient.fetch_many`: its id, this engine's block ids
+    (per group) to read it into and, optionally, the prefill engine that published it."""
+
+    transfer_id: str
+    block_ids: Sequence[Sequence[int]]
+    prefill_engine_id: str = ""
+
+
+@dataclass(frozen=True)
+class PlanAsk:
+    """One hosted rank's plan of a transfer, for :meth:`AsyncDecodeClient.plans`."""
+
+    tp_rank: int
+    transfer_id: str
+    block_ids: Sequence[Sequence[int]]
+    prefill_engine_id: str = ""
+
+
+@dataclass(frozen=True)
+class PlanReport:
+    """One hosted rank's report of a plan, for :meth:`AsyncDecodeClient.report_many`: DONE
+    with ``nbytes`` moved in ``duration_s``, or FAILED with ``error`` when one is given."""
+
+    tp_rank: int
+    plan_id: str
+    nbytes: int = 0
+    duration_s: float = 0.0
+    error: str = ""
 
 
 class TransferEnded(TransferError):
@@ -237,6 +277,131 @@ class AsyncDecodeClient(AsyncEngineClient):
             _load_agent(session, source)
         return plan
 
+    async def fetch_many(
+        self, asks: Sequence[FetchAsk], timeout_s: float | None = None
+    ) -> list[Fetch | FetchError]:
+        """:meth:`fetch` of many transfers at once: the plans of every hosted rank of every
+        transfer in one ``GetTransferPlans`` call, all reads posted together, every report
+        in one ``ReportTransfers`` call (a call per ``max_batch_entries`` entries). Each
+        transfer's :class:`Fetch`, or the :class:`FetchError` saying which ranks failed it,
+        in order; one transfer's failure leaves the others' alone."""
+        deadline = time.monotonic() + (timeout_s or self.read_timeout_s)
+        sessions = list(self.sessions.values())
+        jobs = [(ask, session) for ask in asks for session in sessions]
+        started = time.perf_counter()
+        plans = await self._plans(
+            [
+                (s, a.transfer_id, block_ids_to_proto(a.block_ids), a.prefill_engine_id)
+                for a, s in jobs
+            ]
+        )
+        planned = time.perf_counter()
+        read_jobs = [
+            (i, plan) for i, plan in enumerate(plans) if not isinstance(plan, BrokerCallError)
+        ]
+        reads = await asyncio.gather(
+            *(
+                self._timed_read(jobs[i][1], plan, jobs[i][0].transfer_id, deadline)
+                for i, plan in read_jobs
+            )
+        )
+        results: dict[int, RankFetch | BaseException] = {
+            i: plan for i, plan in enumerate(plans) if isinstance(plan, BrokerCallError)
+        }
+        reports = [
+            PlanReport(
+                jobs[i][1].tp_rank, plan.plan_id, plan.total_bytes, read_end - planned, error
+            )
+            for (i, plan), (error, _, read_end) in zip(read_jobs, reads)
+        ]
+        spans = [
+            tracing.start_span(
+                "decode.report",
+                plan.traceparent,
+                _report_attributes(jobs[i][0].transfer_id, jobs[i][1].tp_rank, error),
+            )
+            for (i, plan), (error, _, _) in zip(read_jobs, reads)
+        ]
+        reported_at = time.monotonic()
+        try:
+            outcomes = await self.report_many(reports)
+        except BaseException as exc:
+            for span in spans:
+                tracing.end_span(span, str(exc) or type(exc).__name__)
+            raise
+        reported = time.perf_counter()
+        for (i, plan), (_, failure, read_end), outcome, span in zip(
+            read_jobs, reads, outcomes, spans
+        ):
+            try:
+                if isinstance(outcome, BrokerCallError):
+                    tracing.end_span(span, str(outcome))
+                    _refused_report(outcome)
+                if span is not None:
+                    span.set_attribute("pdbroker.intact", outcome.intact)
+                tracing.end_span(span)
+                _check_usable(plan, outcome, failure)
+                results[i] = _rank_fetch(
+                    jobs[i][1].tp_rank,
+                    plan,
+                    planned - started,
+                    read_end - planned,
+                    reported - read_end,
+                    reported_at,
+                )
+            except Exception as exc:  # noqa: BLE001 - the rank's failure, its transfer's
+                results[i] = exc
+        fetches: list[Fetch | FetchError] = []
+        for a, ask in enumerate(asks):
+            mine = [(s.tp_rank, results[a * len(sessions) + j]) for j, s in enumerate(sessions)]
+            errors = {rank: r for rank, r in mine if isinstance(r, BaseException)}
+            fetches.append(
+                FetchError(ask.transfer_id, errors)
+                if errors
+                else Fetch(ask.transfer_id, tuple(r for _, r in mine if isinstance(r, RankFetch)))
+            )
+        return fetches
+
+    async def plans(
+        self, asks: Sequence[PlanAsk]
+    ) -> list[pb.GetTransferPlanResponse | BrokerCallError]:
+        """Hosted ranks' plans in one ``GetTransferPlans`` call (:meth:`plan` for many), each
+        plan or the broker's refusal of it, in order; the prefill agents' metadata they carry
+        is loaded into the ranks' agents. Executing them is the caller's business (then
+        :meth:`report_many`)."""
+        plans = await self._plans(
+            [
+                (
+                    self._session(a.tp_rank),
+                    a.transfer_id,
+                    block_ids_to_proto(a.block_ids),
+                    a.prefill_engine_id,
+                )
+                for a in asks
+            ]
+        )
+        for ask, plan in zip(asks, plans):
+            if not isinstance(plan, BrokerCallError):
+                for source in plan.sources:
+                    _load_agent(self.sessions[ask.tp_rank], source)
+        return plans
+
+    async def report_many(
+        self, reports: Sequence[PlanReport]
+    ) -> list[pb.ReportTransferResponse | BrokerCallError]:
+        """Hosted ranks' reports in one ``ReportTransfers`` call (:meth:`report` for many),
+        each outcome or the broker's refusal (ABORTED: DONE about a transfer that ended while
+        the rank read), in order."""
+        return await report_transfers(
+            self.stub,
+            self.engine_id,
+            [
+                self._report_request(r.tp_rank, r.plan_id, r.nbytes, r.duration_s, r.error)
+                for r in reports
+            ],
+            self.call_timeout_s,
+        )
+
     async def extend(
         self, transfers: Sequence[tuple[str, str]]
     ) -> list[pb.TransferExtension | BrokerCallError]:
@@ -260,16 +425,21 @@ class AsyncDecodeClient(AsyncEngineClient):
         return await call(
             self.stub,
             "ReportTransfer",
-            pb.ReportTransferRequest(
-                plan_id=plan_id,
-                engine_id=self.engine_id,
-                tp_rank=self._session(tp_rank).tp_rank,
-                status=pb.REPORT_STATUS_FAILED if error else pb.REPORT_STATUS_DONE,
-                bytes_moved=0 if error else nbytes,
-                duration_us=int(duration_s * 1e6),
-                error=error[: LIMITS.max_text_chars],
-            ),
+            self._report_request(tp_rank, plan_id, nbytes, duration_s, error),
             self.call_timeout_s,
+        )
+
+    def _report_request(
+        self, tp_rank: int, plan_id: str, nbytes: int, duration_s: float, error: str
+    ) -> pb.ReportTransferRequest:
+        return pb.ReportTransferRequest(
+            plan_id=plan_id,
+            engine_id=self.engine_id,
+            tp_rank=self._session(tp_rank).tp_rank,
+            status=pb.REPORT_STATUS_FAILED if error else pb.REPORT_STATUS_DONE,
+            bytes_moved=0 if error else nbytes,
+            duration_us=int(duration_s * 1e6),
+            error=error[: LIMITS.max_text_chars],
         )
 
     def _session(self, tp_rank: int) -> RankSession:
@@ -295,13 +465,65 @@ class AsyncDecodeClient(AsyncEngineClient):
             prefill_engine_id=prefill_engine_id,
         )
         plan = await get_plan(self.stub, request, self.call_timeout_s)
-        if any(
-            not s.remote_agent_metadata and not session.agent.knows(s.remote_agent_name)
-            for s in plan.sources
-        ):
+        if _lost_agent(session, plan):
             request.want_agent_metadata = True
             plan = await get_plan(self.stub, request, self.call_timeout_s)
         return plan
+
+    async def _plans(
+        self, asks: Sequence[tuple[RankSession, str, list[pb.BlockIds], str]]
+    ) -> list[pb.GetTransferPlanResponse | BrokerCallError]:
+        """``GetTransferPlans`` of ``(session, transfer_id, block_ids, prefill_engine_id)``
+        entries; entries whose plan names an agent this process lost are asked again, in
+        one more call, with every agent's metadata."""
+        requests = [
+            pb.GetTransferPlanRequest(
+                transfer_id=transfer_id,
+                engine_id=self.engine_id,
+                tp_rank=session.tp_rank,
+                block_ids=block_ids,
+                prefill_engine_id=prefill_engine_id,
+            )
+            for session, transfer_id, block_ids, prefill_engine_id in asks
+        ]
+        plans = await get_plans(self.stub, self.engine_id, requests, self.call_timeout_s)
+        again = [
+            i
+            for i, plan in enumerate(plans)
+            if not isinstance(plan, BrokerCallError) and _lost_agent(asks[i][0], plan)
+        ]
+        if again:
+            for i in again:
+                requests[i].want_agent_metadata = True
+            retried = [requests[i] for i in again]
+            for i, plan in zip(
+                again, await get_plans(self.stub, self.engine_id, retried, self.call_timeout_s)
+            ):
+                plans[i] = plan
+        return plans
+
+    async def _timed_read(
+        self,
+        session: RankSession,
+        plan: pb.GetTransferPlanResponse,
+        transfer_id: str,
+        deadline: float,
+    ) -> tuple[str, TransferError | None, float]:
+        """:meth:`_read`, never raising: the error text to report ('' when the read
+        succeeded), the failure to raise after the report, and when the read ended."""
+        try:
+            await self._read(session, plan, transfer_id, deadline)
+            return "", None, time.perf_counter()
+        except Exception as exc:  # noqa: BLE001 - any failed read is reported FAILED
+            error = str(exc) if isinstance(exc, TransferError) else f"{type(exc).__name__}: {exc}"
+            failure = exc if isinstance(exc, TransferError) else TransferError(error)
+            log.warning(
+                "rank %d: %s",
+                session.tp_rank,
+                error,
+                extra=transfer_fields(transfer_id, plan.traceparent),
+            )
+            return error, failure, time.perf_counter()
 
     async def _fetch_rank(
         self,
@@ -314,26 +536,10 @@ class AsyncDecodeClient(AsyncEngineClient):
         started = time.perf_counter()
         plan = await self._plan(session, transfer_id, block_ids, prefill_engine_id)
         planned = time.perf_counter()
-        fields = transfer_fields(transfer_id, plan.traceparent)
-        error, failure = "", None
-        try:
-            await self._read(session, plan, transfer_id, deadline)
-        except Exception as exc:  # noqa: BLE001 - any failed read is reported FAILED
-            error = str(exc) if isinstance(exc, TransferError) else f"{type(exc).__name__}: {exc}"
-            failure = exc if isinstance(exc, TransferError) else TransferError(error)
-            log.warning("rank %d: %s", session.tp_rank, error, extra=fields)
-        read = time.perf_counter()
+        error, failure, read = await self._timed_read(session, plan, transfer_id, deadline)
         reported_at = time.monotonic()
-        status = pb.REPORT_STATUS_FAILED if error else pb.REPORT_STATUS_DONE
-        with tracing.span(
-            "decode.report",
-            plan.traceparent,
-            {
-                "pdbroker.transfer_id": transfer_id,
-                "pdbroker.decode_rank": session.tp_rank,
-                "pdbroker.status": "failed" if error else "done",
-            },
-        ) as span:
+        attributes = _report_attributes(transfer_id, session.tp_rank, error)
+        with tracing.span("decode.report", plan.traceparent, attributes) as span:
             try:
                 outcome = await self.report(
                     session.tp_rank,
@@ -343,35 +549,13 @@ class AsyncDecodeClient(AsyncEngineClient):
                     error=error,
                 )
             except BrokerCallError as exc:
-                if exc.code is not grpc.StatusCode.ABORTED:
-                    raise
-                # The transfer ended while this rank read: prefill may reuse the blocks now.
-                raise TransferEnded(f"data invalid, recompute: {exc.details}") from None
+                _refused_report(exc)
             if span is not None:
                 span.set_attribute("pdbroker.intact", outcome.intact)
-        log.debug(
-            "rank %d: read %d bytes in %.3f ms, reported %s",
+        _check_usable(plan, outcome, failure)
+        return _rank_fetch(
             session.tp_rank,
-            plan.total_bytes,
-            (read - planned) * 1e3,
-            pb.ReportStatus.Name(status),
-            extra=fields,
-        )
-        if failure is not None:
-            raise failure
-        if not outcome.intact:
-            raise TransferEnded(
-                f"data invalid, recompute: plan {plan.plan_id}'s transfer ended "
-                f"({pb.TransferState.Name(outcome.state)}) before the report"
-            )
-        return RankFetch(
-            session.tp_rank,
-            plan.plan_id,
-            tuple(s.prefill_rank for s in plan.sources),
-            plan.total_bytes,
-            plan.num_descriptors,
-            plan.naive_bytes,
-            plan.vllm_descriptors,
+            plan,
             planned - started,
             read - planned,
             time.perf_counter() - read,
@@ -434,6 +618,71 @@ class AsyncDecodeClient(AsyncEngineClient):
         for i, transfer in enumerate(transfers):
             await transfer.wait_async(max(0.0, deadline - time.monotonic()))
             tracing.end_span(spans.pop(i, None))
+
+
+def _lost_agent(session: RankSession, plan: pb.GetTransferPlanResponse) -> bool:
+    """Whether ``plan`` reads from an agent the broker thinks this rank knows but it does
+    not (this process lost it)."""
+    return any(
+        not s.remote_agent_metadata and not session.agent.knows(s.remote_agent_name)
+        for s in plan.sources
+    )
+
+
+def _report_attributes(transfer_id: str, tp_rank: int, error: str) -> dict[str, Any]:
+    """The attributes of a rank's ``decode.report`` span (a child of its plan's trace)."""
+    return {
+        "pdbroker.transfer_id": transfer_id,
+        "pdbroker.decode_rank": tp_rank,
+        "pdbroker.status": "failed" if error else "done",
+    }
+
+
+def _refused_report(refusal: BrokerCallError) -> NoReturn:
+    """Raise for a report the broker refused: :class:`TransferEnded` when the transfer ended
+    while the rank read (ABORTED: prefill may reuse the blocks now), else the refusal."""
+    if refusal.code is not grpc.StatusCode.ABORTED:
+        raise refusal
+    raise TransferEnded(f"data invalid, recompute: {refusal.details}") from None
+
+
+def _check_usable(
+    plan: pb.GetTransferPlanResponse,
+    outcome: pb.ReportTransferResponse,
+    failure: TransferError | None,
+) -> None:
+    """Raise unless the rank's reported read is usable: the read's ``failure``, or
+    :class:`TransferEnded` when the broker did not record it intact."""
+    if failure is not None:
+        raise failure
+    if not outcome.intact:
+        raise TransferEnded(
+            f"data invalid, recompute: plan {plan.plan_id}'s transfer ended "
+            f"({pb.TransferState.Name(outcome.state)}) before the report"
+        )
+
+
+def _rank_fetch(
+    tp_rank: int,
+    plan: pb.GetTransferPlanResponse,
+    plan_s: float,
+    read_s: float,
+    report_s: float,
+    reported_at: float,
+) -> RankFetch:
+    return RankFetch(
+        tp_rank,
+        plan.plan_id,
+        tuple(s.prefill_rank for s in plan.sources),
+        plan.total_bytes,
+        plan.num_descriptors,
+        plan.naive_bytes,
+        plan.vllm_descriptors,
+        plan_s,
+        read_s,
+        report_s,
+        reported_at,
+    )
 
 
 def _load_agent(session: RankSession, source: pb.SourcePlan) -> None:

@@ -20,6 +20,7 @@ import grpc
 from broker import tracing
 from broker.client_security import PLAINTEXT, ChannelSecurity
 from broker.layout import RankLayout
+from broker.limits import LIMITS
 from broker.v1 import broker_pb2 as pb
 from broker.v1 import broker_pb2_grpc as pb_grpc
 from broker.wire import (
@@ -49,8 +50,10 @@ REPEATABLE = frozenset(
     {
         "KeepAlive",
         "GetTransferPlan",
+        "GetTransferPlans",
         "StreamTransferPlan",
         "ReportTransfer",
+        "ReportTransfers",
         "AbortTransfer",
         "ExtendTransfers",
         "PublishBlocks",
@@ -315,14 +318,74 @@ async def extend(
         transfers=[pb.TransferName(transfer_id=t, prefill_engine_id=p) for t, p in transfers],
     )
     response = await call(stub, "ExtendTransfers", request, timeout_s)
+    return _entry_answers("ExtendTransfers", response.transfers)
+
+
+def _entry_answers(method: str, results: Sequence[Any], field: str = "") -> list[Any]:
+    """A batched call's results: each entry's answer (``field`` of its result, or the result
+    itself), or the :class:`BrokerCallError` the broker answered that entry with."""
     return [
-        BrokerCallError(
-            "ExtendTransfers", _STATUS_BY_CODE.get(e.code, grpc.StatusCode.UNKNOWN), e.message
-        )
-        if e.code
-        else e
-        for e in response.transfers
+        BrokerCallError(method, _STATUS_BY_CODE.get(r.code, grpc.StatusCode.UNKNOWN), r.message)
+        if r.code
+        else getattr(r, field)
+        if field
+        else r
+        for r in results
     ]
+
+
+def _batches(items: Sequence[T]) -> list[Sequence[T]]:
+    """``items`` in runs of at most ``max_batch_entries``, one call each."""
+    size = LIMITS.max_batch_entries
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+async def get_plans(
+    stub: FailoverStub,
+    engine_id: str,
+    requests: Sequence[pb.GetTransferPlanRequest],
+    timeout_s: float,
+) -> list[pb.GetTransferPlanResponse | BrokerCallError]:
+    """Decode engine ``engine_id``'s plans of ``requests`` through ``GetTransferPlans`` (one
+    call per ``max_batch_entries``), each entry's plan or its refusal, in order. An entry
+    whose plan is too large for the batch's answer is asked for alone (:func:`get_plan`,
+    streamed)."""
+    answers: list[pb.GetTransferPlanResponse | BrokerCallError] = []
+    for batch in _batches(requests):
+        request = pb.GetTransferPlansRequest(engine_id=engine_id, entries=batch)
+        response = await call(stub, "GetTransferPlans", request, timeout_s)
+        for i, answer in enumerate(_entry_answers("GetTransferPlans", response.results, "plan")):
+            if (
+                isinstance(answer, BrokerCallError)
+                and answer.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+                and answer.field == f"entries[{i}].plan"
+            ):
+                alone = pb.GetTransferPlanRequest()
+                alone.CopyFrom(batch[i])
+                alone.engine_id = engine_id
+                try:
+                    answer = await get_plan(stub, alone, timeout_s)
+                except BrokerCallError as exc:
+                    answer = exc
+            answers.append(answer)
+    return answers
+
+
+async def report_transfers(
+    stub: FailoverStub,
+    engine_id: str,
+    reports: Sequence[pb.ReportTransferRequest],
+    timeout_s: float,
+) -> list[pb.ReportTransferResponse | BrokerCallError]:
+    """Decode engine ``engine_id``'s ``reports`` through ``ReportTransfers`` (one call per
+    ``max_batch_entries``), each one's outcome or its refusal (ABORTED: DONE about a
+    transfer that ended), in order."""
+    answers: list[pb.ReportTransferResponse | BrokerCallError] = []
+    for batch in _batches(reports):
+        request = pb.ReportTransfersRequest(engine_id=engine_id, reports=batch)
+        response = await call(stub, "ReportTransfers", request, timeout_s)
+        answers += _entry_answers("ReportTransfers", response.results, "outcome")
+    return answers
 
 
 async def abort(

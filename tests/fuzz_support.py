@@ -46,6 +46,8 @@ ALLOWED = frozenset(
         grpc.StatusCode.ABORTED,
     }
 )
+#: gRPC status codes by number (batched calls answer each entry with one).
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
 #: Names a status message may start with: a field of some request, or the request itself.
 FIELD_NAMES = frozenset(
     {"request"} | {f.name for m in SERVICE.methods for f in m.input_type.fields}
@@ -154,9 +156,12 @@ class Fuzzer:
         finally:
             stream.cancel()
 
+    @classmethod
+    def _check_error(cls, method: str, err: grpc.RpcError) -> None:
+        cls._check_status(method, err.code(), err.details() or "")
+
     @staticmethod
-    def _check_error(method: str, err: grpc.RpcError) -> None:
-        code, details = err.code(), err.details() or ""
+    def _check_status(method: str, code: grpc.StatusCode, details: str) -> None:
         assert code in ALLOWED, f"{method}: {code.name} {details}"
         head = details.split(": ", 1)[0].split(".", 1)[0].split("[", 1)[0]
         assert head in FIELD_NAMES, f"{method}: {code.name} message names no field: {details}"
@@ -184,10 +189,22 @@ class Fuzzer:
         elif method == "PublishBlocks":
             model.transfers[request.transfer_id] = request.engine_id
         elif method in ("GetTransferPlan", "StreamTransferPlan"):
-            self._check_plan(request, reply)
-            model.plans.append(
-                (reply.plan_id, request.engine_id, request.tp_rank, reply.total_bytes)
-            )
+            self._plan_handed_out(request, reply)
+        elif method in ("GetTransferPlans", "ReportTransfers"):
+            entries = request.entries if method == "GetTransferPlans" else request.reports
+            assert len(reply.results) == len(entries)
+            for entry, result in zip(entries, reply.results):
+                if result.code:
+                    self._check_status(method, _CODES[result.code], result.message)
+                elif method == "GetTransferPlans":
+                    entry.engine_id = request.engine_id
+                    self._plan_handed_out(entry, result.plan)
+
+    def _plan_handed_out(self, request: pb.GetTransferPlanRequest, reply) -> None:
+        self._check_plan(request, reply)
+        self.model.plans.append(
+            (reply.plan_id, request.engine_id, request.tp_rank, reply.total_bytes)
+        )
 
     def _check_plan(self, request: pb.GetTransferPlanRequest, reply) -> None:
         """Every descriptor inside a region of the asking rank (local) and of the source
@@ -261,6 +278,14 @@ class Requests:
             "GetTransferPlan": self.plan,
             "StreamTransferPlan": self.plan,
             "ReportTransfer": self.report,
+            "GetTransferPlans": lambda pick: pb.GetTransferPlansRequest(
+                engine_id=pick([DECODE, OTHER]),
+                entries=[self._entry(self.plan(pick), pick) for _ in range(pick([0, 1, 3]))],
+            ),
+            "ReportTransfers": lambda pick: pb.ReportTransfersRequest(
+                engine_id=pick([DECODE, OTHER]),
+                reports=[self._entry(self.report(pick), pick) for _ in range(pick([0, 1, 3]))],
+            ),
             "WatchReleases": lambda pick: pb.WatchReleasesRequest(
                 engine_id=PREFILL, tp_rank=pick([0, 1]), after_sequence=pick([0, 1, 1 << 40])
             ),
@@ -332,6 +357,13 @@ class Requests:
             duration_us=pick([0, 1234]),
             error=pick(["", "nixl: timeout"]),
         )
+
+    @staticmethod
+    def _entry(entry, pick: Pick):
+        """A batched call's entry: naming its engine, or leaving that to the call."""
+        if pick([False, True]):
+            entry.engine_id = ""
+        return entry
 
     def _lease(self, pick: Pick, engine_id: str | None = None) -> str:
         """A lease of ``engine_id`` (None: of any engine here)."""

@@ -28,7 +28,14 @@ from broker.models import AttentionParams, MambaParams, ModelSpec
 from broker.wire import ReleaseReason
 from harness.brokers import BrokerProcess
 from harness.fleet import FleetReport, PairSpec, run_fleet
-from harness.pattern import POISON, Contents, check_decode, decode_limits, fill_prefill
+from harness.pattern import (
+    POISON,
+    Contents,
+    check_decode,
+    decode_limits,
+    fill_prefill,
+    scrub_pages,
+)
 from harness.scenarios import block_counts
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -307,4 +314,78 @@ def test_async_clients_and_expiry() -> None:
         ("ignored", 1, ReleaseReason.EXPIRED),
         ("moved", 0, ReleaseReason.COMPLETED),
         ("moved", 1, ReleaseReason.COMPLETED),
+    ]
+
+
+def test_fetch_many_moves_several_transfers_with_batched_calls() -> None:
+    """One GetTransferPlans and one ReportTransfers for every rank of several transfers: each
+    transfer's bytes land where decode's layout says, a transfer the broker refuses fails
+    alone, and every prefill rank of the moved ones is released COMPLETED."""
+    from clients.decode import AsyncDecodeClient, FetchAsk, FetchError
+    from clients.prefill import AsyncPrefillClient, Release
+    from clients.protocol import BrokerCallError
+
+    spec = PAIRS[5]  # FA+Mamba2 P1 -> D4
+    prefill, decode = spec.layouts(inflight=2)
+    contents_p, contents_d = Contents(prefill), Contents(decode)
+    p_mem = {
+        r.tp_rank: [np.zeros(r.region_bytes, np.uint8) for _ in range(r.num_regions)]
+        for r in prefill.ranks
+    }
+    d_mem = {
+        r.tp_rank: [np.full(r.region_bytes, POISON, np.uint8) for _ in range(r.num_regions)]
+        for r in decode.ranks
+    }
+    tokens = 200
+    counts = block_counts(prefill, tokens)
+    first = [list(range(sum(counts[:g]), sum(counts[: g + 1]))) for g in range(len(counts))]
+    second = [[i + sum(counts) for i in ids] for ids in first]
+    releases: list[Release] = []
+    broker = BrokerProcess()
+
+    async def scenario() -> None:
+        async with (
+            AsyncPrefillClient(
+                broker.address, "p", prefill, p_mem, on_release=releases.append
+            ) as p,
+            AsyncDecodeClient(broker.address, "d", decode, d_mem) as d,
+        ):
+            for salt, blocks in ((5, first), (6, second)):
+                for rank in prefill.ranks:
+                    fill_prefill(contents_p, rank, p_mem[rank.tp_rank], blocks, salt=salt)
+                await p.publish(f"t{salt}", blocks, tokens)
+            asks = [FetchAsk("t5", first), FetchAsk("nope", first), FetchAsk("t6", second, "p")]
+            moved_a, refused, moved_b = await d.fetch_many(asks)
+            assert isinstance(refused, FetchError) and sorted(refused.errors) == [
+                r.tp_rank for r in decode.ranks
+            ]
+            for error in refused.errors.values():
+                assert isinstance(error, BrokerCallError) and error.code.name == "NOT_FOUND"
+            limits = decode_limits(prefill, decode, tokens, [len(ids) for ids in first])
+            landed = {r: [region.copy() for region in d_mem[r]] for r in d_mem}
+            for fetch, blocks, other, salt in (
+                (moved_a, first, second, 5),
+                (moved_b, second, first, 6),
+            ):
+                assert not isinstance(fetch, FetchError), fetch
+                assert [r.tp_rank for r in fetch.ranks] == [r.tp_rank for r in decode.ranks]
+                checks = []
+                for rank in decode.ranks:  # one transfer's pages, the rest POISON
+                    regions = [region.copy() for region in landed[rank.tp_rank]]
+                    scrub_pages(rank, regions, other)
+                    checks.append(check_decode(contents_d, rank, regions, blocks, salt, limits))
+                assert [c[0] for c in checks] == [0] * len(decode.ranks)
+                assert sum(c[1] for c in checks) == fetch.nbytes > 0
+            deadline = time.monotonic() + 10
+            while len(releases) < 2:
+                assert time.monotonic() < deadline, releases
+                await asyncio.sleep(0.01)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        broker.stop()
+    assert sorted((r.transfer_id, r.tp_rank, r.reason) for r in releases) == [
+        ("t5", 0, ReleaseReason.COMPLETED),
+        ("t6", 0, ReleaseReason.COMPLETED),
     ]

@@ -107,6 +107,8 @@ def live() -> Iterator[LiveBroker]:
         ("GetTransferPlan", False),
         ("RegisterRank", False),
         ("ExtendTransfers", False),
+        ("GetTransferPlans", False),
+        ("ReportTransfers", False),
     ],
 )
 def test_a_request_larger_than_its_method_needs_is_refused_unparsed(
@@ -118,6 +120,8 @@ def test_a_request_larger_than_its_method_needs_is_refused_unparsed(
         "GetTransferPlan",
         "RegisterRank",
         "ExtendTransfers",
+        "GetTransferPlans",
+        "ReportTransfers",
     )
     message = getattr(pb, f"{method}Request")
     text = next(f.name for f in message.DESCRIPTOR.fields if f.type == f.TYPE_STRING)
@@ -135,6 +139,9 @@ def test_a_request_larger_than_its_method_needs_is_refused_unparsed(
         f"request: {len(oversized)} bytes is more than a "
         f"pdbroker.v1.{method}Request may have ({limit})"
     )
+    if method in ("GetTransferPlans", "ReportTransfers"):  # no entries: answered empty
+        assert stub(fits, timeout=WAIT_S) == b""
+        return
     with pytest.raises(grpc.RpcError) as err:  # a small one is parsed and judged on its fields
         reply = stub(fits, timeout=WAIT_S)
         if streaming:
@@ -150,6 +157,35 @@ def test_method_limits_fit_the_largest_valid_requests() -> None:
     )
     # Texts are cut to max_text_chars, not refused: even four-byte characters fit.
     assert MAX_SMALL_REQUEST_BYTES > 16 * LIMITS.max_text_chars
+    # The largest batches: every entry with the longest ids (and error text), all the block ids.
+    longest = "\U0001f600" * LIMITS.max_id_chars
+    plans = pb.GetTransferPlansRequest(
+        engine_id=longest,
+        entries=[
+            pb.GetTransferPlanRequest(
+                transfer_id=longest, engine_id=longest, prefill_engine_id=longest, tp_rank=2**31
+            )
+        ]
+        * LIMITS.max_batch_entries,
+    )
+    plans.entries[0].block_ids.add().ids.extend([2**63 - 1] * LIMITS.max_block_ids)
+    reports = pb.ReportTransfersRequest(
+        engine_id=longest,
+        reports=[
+            pb.ReportTransferRequest(
+                plan_id=longest,
+                engine_id=longest,
+                tp_rank=2**31,
+                status=pb.REPORT_STATUS_FAILED,
+                bytes_moved=2**63,
+                duration_us=2**63,
+                error="\U0001f600" * LIMITS.max_text_chars,
+            )
+        ]
+        * LIMITS.max_batch_entries,
+    )
+    for method, request in (("GetTransferPlans", plans), ("ReportTransfers", reports)):
+        assert request.ByteSize() <= max_request_bytes_of(method) <= LIMITS.max_request_bytes
 
 
 # --------------------------------------------------------------------------- a responsive loop

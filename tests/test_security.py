@@ -316,6 +316,40 @@ def test_decode_engines_extend_only_as_themselves_what_they_may_read(
     assert entry.code == 0 and entry.expires_at_ms and entry.ttl_ms
 
 
+def test_batched_calls_authorize_the_call_and_each_entry(pki: Pki, mtls_broker: str) -> None:
+    """A batch acts as one engine (the caller's); each report must be of that engine's plan,
+    each plan of a transfer it may read: one refused entry leaves the others alone."""
+    p, d, d2 = (stub(mtls_broker, pki.mtls(c)) for c in ("P", "D", "D2"))
+    register(p, "P", pb.ROLE_PREFILL, 0)
+    register(d, "D", pb.ROLE_DECODE, 1)
+    register(d2, "D2", pb.ROLE_DECODE, 2)
+    for transfer_id, allowed in (("b1", ("D",)), ("b2", ("D2",))):
+        p.PublishBlocks(publish(transfer_id, allowed=allowed), timeout=WAIT_S)
+
+    def plans(engine_id: str, *transfer_ids: str) -> pb.GetTransferPlansRequest:
+        return pb.GetTransferPlansRequest(
+            engine_id=engine_id, entries=[plan(t, "") for t in transfer_ids]
+        )
+
+    expect(d2.GetTransferPlans, plans("D", "b1"), DENIED, "engine_id")
+    mine, not_mine = d.GetTransferPlans(plans("D", "b1", "b2"), timeout=WAIT_S).results
+    assert mine.code == 0 and mine.plan.total_bytes
+    assert (not_mine.code, not_mine.message) == (
+        NOT_FOUND.value[0],
+        "entries[1].transfer_id: no transfer 'b2'",
+    )
+    (theirs,) = d2.GetTransferPlans(plans("D2", "b2"), timeout=WAIT_S).results
+    reports = pb.ReportTransfersRequest(
+        engine_id="D2", reports=[report(theirs.plan.plan_id, ""), report(mine.plan.plan_id, "")]
+    )
+    expect(d.ReportTransfers, reports, DENIED, "engine_id")
+    own, stolen = d2.ReportTransfers(reports, timeout=WAIT_S).results
+    assert own.code == 0 and own.outcome.intact
+    assert stolen.code == DENIED.value[0] and stolen.message.startswith("reports[1].plan_id: ")
+    info = d.GetTransfer(pb.GetTransferRequest(transfer_id="b1"), timeout=WAIT_S)
+    assert info.state == pb.TRANSFER_STATE_IN_PROGRESS  # D's plan stays unreported
+
+
 def test_only_parties_and_operators_abort(pki: Pki, mtls_broker: str) -> None:
     p, p2, d, d2, ops = (stub(mtls_broker, pki.mtls(c)) for c in ("P", "P2", "D", "D2", "ops"))
     register(p, "P", pb.ROLE_PREFILL, 0)

@@ -311,6 +311,54 @@ class ReportTransferResponse(_message.Message):
     intact: bool
     def __init__(self, duplicate: _Optional[bool] = ..., state: _Optional[_Union[TransferState, str]] = ..., intact: _Optional[bool] = ...) -> None: ...
 
+class GetTransferPlansRequest(_message.Message):
+    __slots__ = ("engine_id", "entries")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    entries: _containers.RepeatedCompositeFieldContainer[GetTransferPlanRequest]
+    def __init__(self, engine_id: _Optional[str] = ..., entries: _Optional[_Iterable[_Union[GetTransferPlanRequest, _Mapping]]] = ...) -> None: ...
+
+class TransferPlanResult(_message.Message):
+    __slots__ = ("code", "message", "plan")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    plan: GetTransferPlanResponse
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., plan: _Optional[_Union[GetTransferPlanResponse, _Mapping]] = ...) -> None: ...
+
+class GetTransferPlansResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[TransferPlanResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[TransferPlanResult, _Mapping]]] = ...) -> None: ...
+
+class ReportTransfersRequest(_message.Message):
+    __slots__ = ("engine_id", "reports")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    REPORTS_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    reports: _containers.RepeatedCompositeFieldContainer[ReportTransferRequest]
+    def __init__(self, engine_id: _Optional[str] = ..., reports: _Optional[_Iterable[_Union[ReportTransferRequest, _Mapping]]] = ...) -> None: ...
+
+class TransferReportResult(_message.Message):
+    __slots__ = ("code", "message", "outcome")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    outcome: ReportTransferResponse
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., outcome: _Optional[_Union[ReportTransferResponse, _Mapping]] = ...) -> None: ...
+
+class ReportTransfersResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[TransferReportResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[TransferReportResult, _Mapping]]] = ...) -> None: ...
+
 class WatchReleasesRequest(_message.Message):
     __slots__ = ("engine_id", "tp_rank", "after_sequence", "lease_id")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]

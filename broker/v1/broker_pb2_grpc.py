@@ -69,6 +69,16 @@ class BrokerStub:
                 request_serializer=broker_dot_v1_dot_broker__pb2.ReportTransferRequest.SerializeToString,
                 response_deserializer=broker_dot_v1_dot_broker__pb2.ReportTransferResponse.FromString,
                 _registered_method=True)
+        self.GetTransferPlans = channel.unary_unary(
+                '/pdbroker.v1.Broker/GetTransferPlans',
+                request_serializer=broker_dot_v1_dot_broker__pb2.GetTransferPlansRequest.SerializeToString,
+                response_deserializer=broker_dot_v1_dot_broker__pb2.GetTransferPlansResponse.FromString,
+                _registered_method=True)
+        self.ReportTransfers = channel.unary_unary(
+                '/pdbroker.v1.Broker/ReportTransfers',
+                request_serializer=broker_dot_v1_dot_broker__pb2.ReportTransfersRequest.SerializeToString,
+                response_deserializer=broker_dot_v1_dot_broker__pb2.ReportTransfersResponse.FromString,
+                _registered_method=True)
         self.WatchReleases = channel.unary_stream(
                 '/pdbroker.v1.Broker/WatchReleases',
                 request_serializer=broker_dot_v1_dot_broker__pb2.WatchReleasesRequest.SerializeToString,
@@ -163,6 +173,29 @@ class BrokerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetTransferPlans(self, request, context):
+        """GetTransferPlan for many (transfer, decode rank) entries of one decode engine in one
+        call, as an engine step asks for every rank of every request it starts loading. Each
+        entry is answered on its own, exactly as GetTransferPlan would answer it alone, in order
+        (a duplicate entry gets the same plan again; one asking another block list for a rank
+        already handed out, ALREADY_EXISTS): one refused entry does not fail the call. At most
+        1024 entries and 2^20 block ids in all (RESOURCE_EXHAUSTED, field `entries`); an entry
+        whose plan would take the answer past 16 MiB is refused RESOURCE_EXHAUSTED (field
+        `plan`) before it is handed out: ask StreamTransferPlan for it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportTransfers(self, request, context):
+        """ReportTransfer for many plans of one decode engine, each answered on its own, in order
+        (ABORTED for DONE about a transfer that ended, NOT_FOUND for an unknown plan, ...).
+        At most 1024 reports a call (RESOURCE_EXHAUSTED, field `reports`).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def WatchReleases(self, request, context):
         """Stream of the transfers whose blocks one prefill rank may free, as they happen. The
         stream ends with OK when that rank is deregistered, re-registered or its lease expires.
@@ -250,6 +283,16 @@ def add_BrokerServicer_to_server(servicer, server):
                     servicer.ReportTransfer,
                     request_deserializer=broker_dot_v1_dot_broker__pb2.ReportTransferRequest.FromString,
                     response_serializer=broker_dot_v1_dot_broker__pb2.ReportTransferResponse.SerializeToString,
+            ),
+            'GetTransferPlans': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTransferPlans,
+                    request_deserializer=broker_dot_v1_dot_broker__pb2.GetTransferPlansRequest.FromString,
+                    response_serializer=broker_dot_v1_dot_broker__pb2.GetTransferPlansResponse.SerializeToString,
+            ),
+            'ReportTransfers': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportTransfers,
+                    request_deserializer=broker_dot_v1_dot_broker__pb2.ReportTransfersRequest.FromString,
+                    response_serializer=broker_dot_v1_dot_broker__pb2.ReportTransfersResponse.SerializeToString,
             ),
             'WatchReleases': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchReleases,
@@ -471,6 +514,60 @@ class Broker:
             '/pdbroker.v1.Broker/ReportTransfer',
             broker_dot_v1_dot_broker__pb2.ReportTransferRequest.SerializeToString,
             broker_dot_v1_dot_broker__pb2.ReportTransferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTransferPlans(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdbroker.v1.Broker/GetTransferPlans',
+            broker_dot_v1_dot_broker__pb2.GetTransferPlansRequest.SerializeToString,
+            broker_dot_v1_dot_broker__pb2.GetTransferPlansResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportTransfers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdbroker.v1.Broker/ReportTransfers',
+            broker_dot_v1_dot_broker__pb2.ReportTransfersRequest.SerializeToString,
+            broker_dot_v1_dot_broker__pb2.ReportTransfersResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,269 @@
+"""Batched decode calls (GetTransferPlans, ReportTransfers) at the gRPC edge: every entry
+answered as the unary call would answer it alone, in order, one refused entry leaving the
+others alone; duplicates inside a batch; the limits per call and per entry; the shared answer
+budget (an entry too large is refused before it is handed out and the client fetches it
+streamed); the client's calls. Authorization per entry is in tests/test_security.py, bytes
+moved through batched calls in tests/test_e2e.py."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import grpc
+import pytest
+from broker_helpers import hybrid
+from test_server import (  # noqa: F401 - broker: the live gRPC broker fixture
+    WAIT_S,
+    Broker,
+    block_ids,
+    broker,
+    plan_request,
+    publish_request,
+    register,
+)
+
+from broker import servicer
+from broker.limits import LIMITS
+from broker.v1 import broker_pb2 as pb
+from clients import protocol
+from harness.scenarios import Scenario, build_scenario
+
+#: Every test runs against the in-memory store and against Redis (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("default_store")
+CODE = {code.name: code.value[0] for code in grpc.StatusCode}
+
+
+def two_by_two(broker: Broker, *transfer_ids: str) -> Scenario:  # noqa: F811
+    """P and D, both TP2, registered; ``transfer_ids`` published by P."""
+    sc = build_scenario(hybrid(), 2, 2, 100)
+    register(broker.stub, sc.prefill, "P", pb.ROLE_PREFILL, 0)
+    register(broker.stub, sc.decode, "D", pb.ROLE_DECODE, 1)
+    for transfer_id in transfer_ids:
+        broker.stub.PublishBlocks(publish_request(transfer_id, sc.request), timeout=WAIT_S)
+    return sc
+
+
+def entry(
+    transfer_id: str, rank: int, sc: Scenario, engine_id: str = ""
+) -> pb.GetTransferPlanRequest:
+    return plan_request(transfer_id, rank, sc.request, engine_id)
+
+
+def done(
+    plan: pb.GetTransferPlanResponse, rank: int, engine_id: str = ""
+) -> pb.ReportTransferRequest:
+    return pb.ReportTransferRequest(
+        plan_id=plan.plan_id,
+        engine_id=engine_id,
+        tp_rank=rank,
+        status=pb.REPORT_STATUS_DONE,
+        bytes_moved=plan.total_bytes,
+    )
+
+
+def without_metadata(plan: pb.GetTransferPlanResponse) -> pb.GetTransferPlanResponse:
+    copy = pb.GetTransferPlanResponse()
+    copy.CopyFrom(plan)
+    for source in copy.sources:
+        source.remote_agent_metadata = b""
+    return copy
+
+
+def plans(broker: Broker, *entries: pb.GetTransferPlanRequest) -> list[pb.TransferPlanResult]:  # noqa: F811
+    request = pb.GetTransferPlansRequest(engine_id="D", entries=entries)
+    return list(broker.stub.GetTransferPlans(request, timeout=WAIT_S).results)
+
+
+def test_each_entry_is_answered_alone_and_as_the_unary_call_answers_it(broker: Broker) -> None:  # noqa: F811
+    sc = two_by_two(broker, "t1", "t2")
+    other_ids = [[i + 1 for i in g] for g in sc.request.decode_block_ids]
+    results = plans(
+        broker,
+        entry("t1", 0, sc),
+        entry("t1", 1, sc, "D"),  # naming the call's engine is allowed
+        entry("nope", 0, sc),
+        entry("t1", 0, sc),  # a duplicate: the same plan again
+        entry("", 1, sc),
+        entry("t2", 0, sc, "X"),  # another engine than the call's
+        pb.GetTransferPlanRequest(transfer_id="t1", tp_rank=0, block_ids=block_ids(other_ids)),
+        entry("t2", 7, sc),
+        entry("t2", 1, sc),
+    )
+    codes = [r.code for r in results]
+    assert codes == [
+        0,
+        0,
+        CODE["NOT_FOUND"],
+        0,
+        CODE["INVALID_ARGUMENT"],
+        CODE["INVALID_ARGUMENT"],
+        CODE["ALREADY_EXISTS"],
+        CODE["INVALID_ARGUMENT"],
+        0,
+    ]
+    assert results[2].message == "entries[2].transfer_id: no transfer 'nope'"
+    assert results[4].message.startswith("entries[4].transfer_id: ")
+    assert results[5].message.startswith("entries[5].engine_id: 'X' is not the call's")
+    assert results[6].message.startswith("entries[6].block_ids: ")
+    assert results[7].message.startswith("entries[7].tp_rank: ")
+    assert not results[0].message and not results[2].HasField("plan")
+    first, second, repeated = results[0].plan, results[1].plan, results[3].plan
+    # Agent metadata comes with a rank's first contact with a prefill agent only.
+    assert all(s.remote_agent_metadata for s in first.sources)
+    assert not any(s.remote_agent_metadata for s in repeated.sources)
+    assert repeated == without_metadata(first) and first.plan_id != second.plan_id
+    # The unary call answers a rank the batch was handed exactly as the batch did.
+    unary = broker.stub.GetTransferPlan(plan_request("t1", 1, sc.request), timeout=WAIT_S)
+    assert unary == without_metadata(second)
+    unary = broker.stub.GetTransferPlan(plan_request("t2", 0, sc.request), timeout=WAIT_S)
+    assert plans(broker, entry("t2", 0, sc))[0].plan == unary
+    for plan in (first, second, unary):
+        assert plan.total_bytes > 0 and plan.sources and plan.traceparent == ""
+
+
+def test_reports_are_recorded_each_on_its_own(broker: Broker) -> None:  # noqa: F811
+    sc = two_by_two(broker, "t1", "t2", "t3")
+    t1_0, t1_1, t2_0, t3_0 = (
+        r.plan
+        for r in plans(
+            broker, *(entry(t, k, sc) for t, k in (("t1", 0), ("t1", 1), ("t2", 0), ("t3", 0)))
+        )
+    )
+    broker.stub.AbortTransfer(
+        pb.AbortTransferRequest(transfer_id="t3", reason="gone"), timeout=WAIT_S
+    )
+    failed = pb.ReportTransferRequest(
+        plan_id=t2_0.plan_id, tp_rank=0, status=pb.REPORT_STATUS_FAILED, error="link down"
+    )
+    request = pb.ReportTransfersRequest(
+        engine_id="D",
+        reports=[
+            done(t1_0, 0),
+            done(t1_1, 1, "D"),
+            done(t1_0, 0),  # a repetition: recorded once, answered duplicate
+            pb.ReportTransferRequest(plan_id="nope", tp_rank=0, status=pb.REPORT_STATUS_DONE),
+            done(t3_0, 0),  # its transfer ended while the rank read
+            failed,
+            done(t2_0, 0, "X"),
+        ],
+    )
+    results = broker.stub.ReportTransfers(request, timeout=WAIT_S).results
+    assert [r.code for r in results] == [
+        0,
+        0,
+        0,
+        CODE["NOT_FOUND"],
+        CODE["ABORTED"],
+        0,
+        CODE["INVALID_ARGUMENT"],
+    ]
+    one, two, again = (results[i].outcome for i in range(3))
+    assert one.intact and not one.duplicate and one.state == pb.TRANSFER_STATE_IN_PROGRESS
+    assert two.intact and two.state == pb.TRANSFER_STATE_COMPLETED
+    assert again.duplicate and again.intact
+    assert results[3].message == "reports[3].plan_id: no plan 'nope'"
+    assert results[4].message.startswith("reports[4].")
+    assert results[5].outcome.state == pb.TRANSFER_STATE_FAILED and not results[5].outcome.intact
+    assert results[6].message.startswith("reports[6].engine_id: ")
+    states = {
+        t: broker.stub.GetTransfer(pb.GetTransferRequest(transfer_id=t), timeout=WAIT_S).state
+        for t in ("t1", "t2", "t3")
+    }
+    assert states == {
+        "t1": pb.TRANSFER_STATE_COMPLETED,
+        "t2": pb.TRANSFER_STATE_FAILED,
+        "t3": pb.TRANSFER_STATE_ABORTED,
+    }
+
+
+def test_limits_of_a_call(broker: Broker) -> None:  # noqa: F811
+    sc = two_by_two(broker, "t1")
+    stub = broker.stub
+    too_many = pb.GetTransferPlansRequest(
+        engine_id="D", entries=[entry("t1", 0, sc)] * (LIMITS.max_batch_entries + 1)
+    )
+    for call, request, field in (
+        (stub.GetTransferPlans, too_many, "entries"),
+        (
+            stub.ReportTransfers,
+            pb.ReportTransfersRequest(
+                engine_id="D",
+                reports=[pb.ReportTransferRequest(plan_id="p")] * (LIMITS.max_batch_entries + 1),
+            ),
+            "reports",
+        ),
+    ):
+        with pytest.raises(grpc.RpcError) as err:
+            call(request, timeout=WAIT_S)
+        assert err.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert err.value.details().startswith(f"{field}: "), err.value.details()
+    # Block ids count over all entries, as one request's do.
+    group = pb.BlockIds(ids=range(LIMITS.max_block_ids // 2 + 1))
+    heavy = pb.GetTransferPlanRequest(transfer_id="t1", block_ids=[group])
+    with pytest.raises(grpc.RpcError) as err:
+        stub.GetTransferPlans(
+            pb.GetTransferPlansRequest(engine_id="D", entries=[heavy, heavy]), timeout=WAIT_S
+        )
+    assert err.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert err.value.details().startswith("entries: ") and "block ids" in err.value.details()
+    for request, code in (
+        (
+            pb.GetTransferPlansRequest(engine_id="", entries=[entry("t1", 0, sc)]),
+            "INVALID_ARGUMENT",
+        ),
+        (
+            pb.GetTransferPlansRequest(engine_id="D" * (LIMITS.max_id_chars + 1)),
+            "INVALID_ARGUMENT",
+        ),
+    ):
+        with pytest.raises(grpc.RpcError) as err:
+            stub.GetTransferPlans(request, timeout=WAIT_S)
+        assert err.value.code().name == code and err.value.details().startswith("engine_id: ")
+    # An empty batch is answered empty; an unknown engine is each entry's NOT_FOUND.
+    assert not stub.GetTransferPlans(
+        pb.GetTransferPlansRequest(engine_id="D"), timeout=WAIT_S
+    ).results
+    (unknown,) = stub.GetTransferPlans(
+        pb.GetTransferPlansRequest(engine_id="Q", entries=[entry("t1", 0, sc)]), timeout=WAIT_S
+    ).results
+    assert unknown.code == CODE["NOT_FOUND"] and unknown.message.startswith(
+        "entries[0].engine_id: "
+    )
+
+
+def test_plans_share_one_answer_budget_and_the_client_streams_what_does_not_fit(
+    broker: Broker,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    sc = two_by_two(broker, "t1")
+    alone = broker.stub.GetTransferPlan(plan_request("t1", 0, sc.request), timeout=WAIT_S)
+    budget = alone.ByteSize() + 100  # room for one plan of this size, not two
+    monkeypatch.setattr(
+        servicer, "LIMITS", dataclasses.replace(LIMITS, max_unary_plan_bytes=budget)
+    )
+    fits, refused = plans(broker, entry("t1", 0, sc), entry("t1", 1, sc))
+    assert fits.plan == without_metadata(alone)
+    assert refused.code == CODE["RESOURCE_EXHAUSTED"]
+    assert (
+        refused.message.startswith("entries[1].plan: ") and "StreamTransferPlan" in refused.message
+    )
+    # Refused before it was handed out: nothing of rank 1 can be reported yet.
+    state = broker.stub.GetTransfer(pb.GetTransferRequest(transfer_id="t1"), timeout=WAIT_S)
+    assert [p.handed_out for p in state.plans] == [True, False]
+
+    async def as_client() -> list:
+        stub = protocol.FailoverStub(broker.address)
+        try:
+            return await protocol.get_plans(
+                stub, "D", [entry("t1", 0, sc), entry("t1", 1, sc), entry("t9", 0, sc)], WAIT_S
+            )
+        finally:
+            await stub.close()
+
+    first, streamed, unknown = asyncio.run(as_client())
+    assert first == without_metadata(alone)
+    again = broker.stub.GetTransferPlan(plan_request("t1", 1, sc.request), timeout=WAIT_S)
+    assert without_metadata(streamed) == again and streamed.total_bytes > 0
+    assert isinstance(unknown, protocol.BrokerCallError)
+    assert unknown.code is grpc.StatusCode.NOT_FOUND and unknown.field == "entries[2].transfer_id"
