@@ -323,7 +323,7 @@ def test_batched_calls_authorize_the_call_and_each_entry(pki: Pki, mtls_broker: 
     register(p, "P", pb.ROLE_PREFILL, 0)
     register(d, "D", pb.ROLE_DECODE, 1)
     register(d2, "D2", pb.ROLE_DECODE, 2)
-    for transfer_id, allowed in (("b1", ("D",)), ("b2", ("D2",))):
+    for transfer_id, allowed in (("bt1", ("D",)), ("bt2", ("D2",))):
         p.PublishBlocks(publish(transfer_id, allowed=allowed), timeout=WAIT_S)
 
     def plans(engine_id: str, *transfer_ids: str) -> pb.GetTransferPlansRequest:
@@ -331,14 +331,14 @@ def test_batched_calls_authorize_the_call_and_each_entry(pki: Pki, mtls_broker: 
             engine_id=engine_id, entries=[plan(t, "") for t in transfer_ids]
         )
 
-    expect(d2.GetTransferPlans, plans("D", "b1"), DENIED, "engine_id")
-    mine, not_mine = d.GetTransferPlans(plans("D", "b1", "b2"), timeout=WAIT_S).results
+    expect(d2.GetTransferPlans, plans("D", "bt1"), DENIED, "engine_id")
+    mine, not_mine = d.GetTransferPlans(plans("D", "bt1", "bt2"), timeout=WAIT_S).results
     assert mine.code == 0 and mine.plan.total_bytes
     assert (not_mine.code, not_mine.message) == (
         NOT_FOUND.value[0],
-        "entries[1].transfer_id: no transfer 'b2'",
+        "entries[1].transfer_id: no transfer 'bt2'",
     )
-    (theirs,) = d2.GetTransferPlans(plans("D2", "b2"), timeout=WAIT_S).results
+    (theirs,) = d2.GetTransferPlans(plans("D2", "bt2"), timeout=WAIT_S).results
     reports = pb.ReportTransfersRequest(
         engine_id="D2", reports=[report(theirs.plan.plan_id, ""), report(mine.plan.plan_id, "")]
     )
@@ -346,7 +346,7 @@ def test_batched_calls_authorize_the_call_and_each_entry(pki: Pki, mtls_broker: 
     own, stolen = d2.ReportTransfers(reports, timeout=WAIT_S).results
     assert own.code == 0 and own.outcome.intact
     assert stolen.code == DENIED.value[0] and stolen.message.startswith("reports[1].plan_id: ")
-    info = d.GetTransfer(pb.GetTransferRequest(transfer_id="b1"), timeout=WAIT_S)
+    info = d.GetTransfer(pb.GetTransferRequest(transfer_id="bt1"), timeout=WAIT_S)
     assert info.state == pb.TRANSFER_STATE_IN_PROGRESS  # D's plan stays unreported
 
 
