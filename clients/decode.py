@@ -333,6 +333,7 @@ class AsyncDecodeClient(AsyncEngineClient):
                 "pdbroker.decode_rank": session.tp_rank,
                 "pdbroker.status": "failed" if error else "done",
             },
+            rpc="ReportTransfer",
         ) as span:
             try:
                 outcome = await self.report(

@@ -32,6 +32,7 @@ from broker.service import BrokerService
 from broker.store.contract import StateStore
 
 if TYPE_CHECKING:
+    from broker.metrics import BrokerMetrics
     from broker.server import BrokerServer
     from broker.server_security import ServerSecurity
 
@@ -337,7 +338,7 @@ def run(args: argparse.Namespace) -> int:
     _fit_connections(args, file_limit)
     service = BrokerService(store, config=config, observer=metrics)
     try:
-        server = _server(service, args, security)
+        server = _server(service, args, security, metrics)
         log.info(
             "open files: up to %s; up to %d connections a port",
             "unlimited" if file_limit == resource.RLIM_INFINITY else file_limit,
@@ -351,7 +352,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _server(
-    service: BrokerService, args: argparse.Namespace, security: ServerSecurity
+    service: BrokerService,
+    args: argparse.Namespace,
+    security: ServerSecurity,
+    metrics: BrokerMetrics | None,
 ) -> BrokerServer:
     """The server, its certificates and tokens read; logs its mode (a warning when callers
     are not authenticated)."""
@@ -367,6 +371,7 @@ def _server(
             max_connections=args.max_connections,
             handshake_timeout_ms=args.handshake_timeout_ms,
             idle_timeout_ms=args.idle_timeout_ms,
+            metrics=metrics,
         )
     except ValueError as exc:  # a bad certificate, key or tokens file, named by its flag
         raise SystemExit(f"pdbroker serve: error: {exc}") from None
