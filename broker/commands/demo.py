@@ -6,7 +6,8 @@ arrived; the last line is ``demo: <N> transfers, <B> bytes verified, <M> mismatc
 
 With ``--trace`` every process exports its spans over OTLP to a receiver inside the demo,
 which then prints the span tree of the first transfer, one span per line:
-``<indent><service.name> <span name> <duration ms>``.
+``<indent><service.name> <span name> <duration ms>``; running brokers (``--broker``) export
+their spans elsewhere, if at all, and a last line says so when none of theirs arrived.
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     print(format_report(report))
     if args.trace:
         print()
-        print(format_trace(spans, report.requests[0].transfer_id))
+        print(format_trace(spans, report.requests[0].transfer_id, args.broker))
     for problem in report.problems():
         print(f"pdbroker demo: {problem}", file=sys.stderr)
     fetched = [r for r in report.requests if r.fetched]
@@ -114,8 +115,10 @@ def run(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
-def format_trace(spans: list[ReceivedSpan], transfer_id: str) -> str:
-    """A heading and the span tree of ``transfer_id``'s trace (found by its publish span)."""
+def format_trace(spans: list[ReceivedSpan], transfer_id: str, broker: str | None = None) -> str:
+    """A heading and the span tree of ``transfer_id``'s trace (found by its publish span);
+    a last line when none of its spans came from ``broker`` (the running brokers' addresses,
+    or None for the demo's own)."""
     from harness.trace_receiver import span_tree
 
     roots = [
@@ -132,6 +135,11 @@ def format_trace(spans: list[ReceivedSpan], transfer_id: str) -> str:
         f"trace {trace_id} of {transfer_id}: {len(lines)} spans from {len(services)} "
         f"processes (durations in ms)"
     )
+    if broker and not any(s.kind == "SERVER" for s in spans if s.trace_id == trace_id):
+        lines.append(
+            f"no spans from the broker at {broker}: it exports spans only when started with "
+            "OTEL_EXPORTER_OTLP_ENDPOINT (or OTEL_TRACES_EXPORTER) set, to that collector"
+        )
     return "\n".join([heading, *lines])
 
 
