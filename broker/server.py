@@ -105,17 +105,25 @@ def _lenient(message_type: type[Message], max_bytes: int) -> Callable[[bytes], A
     return parse
 
 
-def _status_of(exc: BaseException, context: grpc.aio.ServicerContext) -> grpc.StatusCode:
-    """The status a call ends with when ``exc`` leaves its handler."""
+#: A call cancelled with at most this share of its time left, plus DEADLINE_SLACK_S, ended at
+#: its client's deadline: the timeout a client sends is rounded up (by up to 1%) and reaches
+#: the server after the request's transit, so the client's deadline passes first and it
+#: cancels before the server's own deadline fires.
+DEADLINE_SHARE = 0.02
+DEADLINE_SLACK_S = 0.05
+
+
+def _status_of(
+    exc: BaseException, context: grpc.aio.ServicerContext, elapsed: float
+) -> grpc.StatusCode:
+    """The status a call ends with when ``exc`` leaves its handler ``elapsed`` seconds in."""
     if isinstance(exc, grpc.aio.AbortError):
         return context.code() or grpc.StatusCode.UNKNOWN
     if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
         left = context.time_remaining()
-        return (
-            grpc.StatusCode.DEADLINE_EXCEEDED
-            if left is not None and left <= 0
-            else grpc.StatusCode.CANCELLED
-        )
+        if left is not None and left <= DEADLINE_SHARE * (elapsed + left) + DEADLINE_SLACK_S:
+            return grpc.StatusCode.DEADLINE_EXCEEDED
+        return grpc.StatusCode.CANCELLED
     return grpc.StatusCode.UNKNOWN
 
 
@@ -138,7 +146,7 @@ def _served(
                     yield item
             except BaseException as exc:
                 if started is not None:
-                    started.ended(_status_of(exc, context))
+                    started.failed(exc, context)
                 raise
             if started is not None:
                 started.ended(grpc.StatusCode.OK)
@@ -153,7 +161,7 @@ def _served(
             response = await behavior(request, context)
         except BaseException as exc:
             if started is not None:
-                started.ended(_status_of(exc, context))
+                started.failed(exc, context)
             raise
         if started is not None:
             started.ended(grpc.StatusCode.OK)
@@ -179,6 +187,10 @@ class _Started:
             self._metrics.handled(code, time.perf_counter() - self._at)
         if self._served is not None:
             self._served.end(code.value[0])
+
+    def failed(self, exc: BaseException, context: grpc.aio.ServicerContext) -> None:
+        """``exc`` left the handler: ended with the status it stands for."""
+        self.ended(_status_of(exc, context, time.perf_counter() - self._at))
 
 
 def _method_metrics(metrics: BrokerMetrics) -> dict[str, MethodMetrics]:
