@@ -23,6 +23,7 @@ import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
+from functools import cache
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from opentelemetry import context as otel_context
@@ -273,8 +274,10 @@ def _parent(traceparent: str) -> tuple[Context | None, list[Link] | None]:
     return stored, [Link(current)]
 
 
-def rpc_attributes(method: str) -> dict[str, str]:
-    """The ``rpc.*`` attributes of a span of a call of ``method``."""
+@cache
+def rpc_attributes(method: str) -> Mapping[str, str]:
+    """The ``rpc.*`` attributes of a span of a call of ``method`` (one mapping per method:
+    copy it to change it)."""
     return {"rpc.system": "grpc", "rpc.service": RPC_SERVICE, "rpc.method": method}
 
 
