@@ -3,13 +3,32 @@
 Names follow Prometheus conventions: ``pdbroker_`` prefix, base units (seconds, bytes),
 ``_total`` on counters. Plans per second is ``rate(pdbroker_plans_total[1m])``; every label
 value exists from the start (at 0), so rates and ratios work before the first event.
+
+Calls of the ``Broker`` service are counted under go-grpc-prometheus's names, labels and
+``grpc_code`` spellings, so dashboards and alerts written for it apply:
+``grpc_server_started_total`` and ``grpc_server_handling_seconds`` by ``grpc_type``,
+``grpc_service`` and ``grpc_method``, ``grpc_server_handled_total`` by those and
+``grpc_code``. The registry also holds prometheus_client's process, platform and GC
+collectors (``process_cpu_seconds_total``, ``process_resident_memory_bytes``, ...). No series
+has a ``_created`` twin: creating a :class:`BrokerMetrics` turns them off for the process.
 """
 
 from __future__ import annotations
 
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from grpc import StatusCode
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    disable_created_metrics,
+    start_http_server,
+)
 
 from broker.observer import ServiceObserver
 from broker.planner import RankPlan
@@ -19,10 +38,52 @@ _LATENCY_BUCKETS = (
     25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25,
     0.5, 1.0,
 )  # fmt: skip
+_HANDLING_BUCKETS = (
+    100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25, 0.5, 1.0, 2.5,
+    5.0, 10.0,
+)  # fmt: skip
 _RELEASE_BUCKETS = (
     1e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
 )  # fmt: skip
 _DESCRIPTOR_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536)
+#: ``grpc_code`` of each status, spelled as gRPC's Go implementation names them.
+GRPC_CODES = {
+    StatusCode.OK: "OK",
+    StatusCode.CANCELLED: "Canceled",
+    StatusCode.UNKNOWN: "Unknown",
+    StatusCode.INVALID_ARGUMENT: "InvalidArgument",
+    StatusCode.DEADLINE_EXCEEDED: "DeadlineExceeded",
+    StatusCode.NOT_FOUND: "NotFound",
+    StatusCode.ALREADY_EXISTS: "AlreadyExists",
+    StatusCode.PERMISSION_DENIED: "PermissionDenied",
+    StatusCode.RESOURCE_EXHAUSTED: "ResourceExhausted",
+    StatusCode.FAILED_PRECONDITION: "FailedPrecondition",
+    StatusCode.ABORTED: "Aborted",
+    StatusCode.OUT_OF_RANGE: "OutOfRange",
+    StatusCode.UNIMPLEMENTED: "Unimplemented",
+    StatusCode.INTERNAL: "Internal",
+    StatusCode.UNAVAILABLE: "Unavailable",
+    StatusCode.DATA_LOSS: "DataLoss",
+    StatusCode.UNAUTHENTICATED: "Unauthenticated",
+}
+
+
+class MethodMetrics:
+    """The ``grpc_server_*`` series of one method, bound once: a call costs
+    :attr:`started` ``.inc()`` and one :meth:`handled`."""
+
+    __slots__ = ("_by_code", "_ok", "_seconds", "started")
+
+    def __init__(self, metrics: BrokerMetrics, labels: tuple[str, str, str]) -> None:
+        self.started = metrics.rpc_started.labels(*labels)
+        self._seconds = metrics.rpc_seconds.labels(*labels)
+        self._by_code = {c: metrics.rpc_handled.labels(*labels, n) for c, n in GRPC_CODES.items()}
+        self._ok = self._by_code[StatusCode.OK]
+
+    def handled(self, code: StatusCode, seconds: float) -> None:
+        """The call ended with ``code`` after ``seconds``."""
+        (self._ok if code is StatusCode.OK else self._by_code[code]).inc()
+        self._seconds.observe(seconds)
 
 
 class BrokerMetrics(ServiceObserver):
@@ -81,12 +142,49 @@ class BrokerMetrics(ServiceObserver):
             ["reason"],
             registry=r,
         )
-        self.release_latency = Histogram(
-            "pdbroker_release_latency_seconds",
-            "From publication to a prefill rank's release: how long its blocks stay held.",
+        self.blocks_held = Histogram(
+            "pdbroker_blocks_held_seconds",
+            "From a transfer's publication to a prefill rank's release: how long its blocks "
+            "stay held.",
             buckets=_RELEASE_BUCKETS,
             registry=r,
         )
+        self.release_delivery = Histogram(
+            "pdbroker_release_delivery_seconds",
+            "From a release being queued (its transfer reported, failed, expired or aborted) "
+            "to its sending on the prefill rank's WatchReleases stream.",
+            buckets=_RELEASE_BUCKETS,
+            registry=r,
+        )
+        self.serving = Gauge(
+            "pdbroker_serving",
+            "1 while the broker reports SERVING, 0 while it reports NOT_SERVING (its store "
+            "unreachable, or shutting down).",
+            registry=r,
+        )
+        rpc_labels = ["grpc_type", "grpc_service", "grpc_method"]
+        self.rpc_started = Counter(
+            "grpc_server_started_total",
+            "RPCs started on the server.",
+            rpc_labels,
+            registry=r,
+        )
+        self.rpc_handled = Counter(
+            "grpc_server_handled_total",
+            "RPCs completed on the server, by status code.",
+            [*rpc_labels, "grpc_code"],
+            registry=r,
+        )
+        self.rpc_seconds = Histogram(
+            "grpc_server_handling_seconds",
+            "Time from a call reaching its handler to its status (streams: to their end).",
+            rpc_labels,
+            buckets=_HANDLING_BUCKETS,
+            registry=r,
+        )
+        for collector in (ProcessCollector, PlatformCollector, GCCollector):
+            collector(registry=r)
+        disable_created_metrics()
         for cache in ("hit", "miss"):
             self.plans.labels(cache=cache)
         for state in TransferState:
@@ -125,7 +223,17 @@ class BrokerMetrics(ServiceObserver):
 
     def rank_released(self, reason: ReleaseReason, held_seconds: float) -> None:
         self.releases.labels(reason=reason.value).inc()
-        self.release_latency.observe(max(0.0, held_seconds))
+        self.blocks_held.observe(max(0.0, held_seconds))
+
+    def release_delivered(self, seconds: float) -> None:
+        self.release_delivery.observe(max(0.0, seconds))
+
+    # ------------------------------------------------------------------ server
+
+    def method(self, grpc_type: str, service: str, method: str) -> MethodMetrics:
+        """The series of one RPC method (``grpc_type``: unary, server_stream, ...), at 0 for
+        every status code."""
+        return MethodMetrics(self, (grpc_type, service, method))
 
     # ------------------------------------------------------------------ exposition
 

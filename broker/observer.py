@@ -33,3 +33,7 @@ class ServiceObserver:
 
     def rank_released(self, reason: ReleaseReason, held_seconds: float) -> None:
         """A release was queued for a prefill rank, ``held_seconds`` after publication."""
+
+    def release_delivered(self, seconds: float) -> None:
+        """A release was sent on its prefill rank's stream, ``seconds`` after it was
+        queued (from the server's loop)."""

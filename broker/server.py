@@ -12,21 +12,29 @@ received (:class:`_AuthenticateFirst`), and every Broker call then passes its ru
 :class:`~broker.auth.AccessGuard` (UNAUTHENTICATED, PERMISSION_DENIED); health and reflection
 stay open, and ``health_port`` serves health alone in plaintext for probes that cannot speak
 TLS.
+
+Observation, in the same per-method wrapper (a server interceptor would cost every call more):
+with metrics, every Broker call is counted by method and status code
+(:class:`~broker.metrics.MethodMetrics`), those refused before their request included; when
+the process traces, each call is served as a traced call (:func:`broker.tracing.serving`), so
+the spans its handler opens for it are SERVER spans carrying its method and status code.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from google.protobuf.message import Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from broker import tracing
 from broker.auth import Authenticator
 from broker.errors import (
     StoreUnavailableError,
@@ -43,6 +51,9 @@ from broker.servicer import (
     abort,
 )
 from broker.v1 import broker_pb2 as pb
+
+if TYPE_CHECKING:  # prometheus_client: only where metrics are served
+    from broker.metrics import BrokerMetrics, MethodMetrics
 
 log = logging.getLogger(__name__)
 
@@ -94,30 +105,114 @@ def _lenient(message_type: type[Message], max_bytes: int) -> Callable[[bytes], A
     return parse
 
 
-def _refuse_unparsable(behavior: Callable, streaming: bool) -> Callable:
-    """``behavior``, answering a request its deserializer refused with its status."""
+#: A call cancelled with at most this share of its time left, plus DEADLINE_SLACK_S, ended at
+#: its client's deadline: the timeout a client sends is rounded up (by up to 1%) and reaches
+#: the server after the request's transit, so the client's deadline passes first and it
+#: cancels before the server's own deadline fires.
+DEADLINE_SHARE = 0.02
+DEADLINE_SLACK_S = 0.05
+
+
+def _status_of(
+    exc: BaseException, context: grpc.aio.ServicerContext, elapsed: float
+) -> grpc.StatusCode:
+    """The status a call ends with when ``exc`` leaves its handler ``elapsed`` seconds in."""
+    if isinstance(exc, grpc.aio.AbortError):
+        return context.code() or grpc.StatusCode.UNKNOWN
+    if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+        left = context.time_remaining()
+        if left is not None and left <= DEADLINE_SHARE * (elapsed + left) + DEADLINE_SLACK_S:
+            return grpc.StatusCode.DEADLINE_EXCEEDED
+        return grpc.StatusCode.CANCELLED
+    return grpc.StatusCode.UNKNOWN
+
+
+def _served(
+    behavior: Callable, streaming: bool, metrics: MethodMetrics | None, traced_as: str
+) -> Callable:
+    """``behavior``, answering a request its deserializer refused with its status; each call
+    counted in ``metrics`` (None: not counted) and, when ``traced_as`` names its method (this
+    process traces), served as a traced call (:func:`broker.tracing.serving`: its SERVER
+    spans)."""
+    observed = metrics is not None or bool(traced_as)
     if streaming:
 
         async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            if isinstance(request, Refused):
-                await abort(context, request)
-            async for item in behavior(request, context):
-                yield item
+            started = _Started(metrics, traced_as) if observed else None
+            try:
+                if isinstance(request, Refused):
+                    await abort(context, request)
+                async for item in behavior(request, context):
+                    yield item
+            except BaseException as exc:
+                if started is not None:
+                    started.failed(exc, context)
+                raise
+            if started is not None:
+                started.ended(grpc.StatusCode.OK)
 
         return stream
 
     async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        if isinstance(request, Refused):
-            await abort(context, request)
-        return await behavior(request, context)
+        started = _Started(metrics, traced_as) if observed else None
+        try:
+            if isinstance(request, Refused):
+                await abort(context, request)
+            response = await behavior(request, context)
+        except BaseException as exc:
+            if started is not None:
+                started.failed(exc, context)
+            raise
+        if started is not None:
+            started.ended(grpc.StatusCode.OK)
+        return response
 
     return unary
 
 
-def _add_broker(servicer: BrokerServicer, server: grpc.aio.Server) -> None:
+class _Started:
+    """A call under way: counted as started, and served in a trace when ``traced_as``."""
+
+    __slots__ = ("_at", "_metrics", "_served")
+
+    def __init__(self, metrics: MethodMetrics | None, traced_as: str) -> None:
+        self._metrics = metrics
+        self._served = tracing.serving(traced_as) if traced_as else None
+        if metrics is not None:
+            metrics.started.inc()
+        self._at = time.perf_counter()
+
+    def ended(self, code: grpc.StatusCode) -> None:
+        if self._metrics is not None:
+            self._metrics.handled(code, time.perf_counter() - self._at)
+        if self._served is not None:
+            self._served.end(code.value[0])
+
+    def failed(self, exc: BaseException, context: grpc.aio.ServicerContext) -> None:
+        """``exc`` left the handler: ended with the status it stands for."""
+        self.ended(_status_of(exc, context, time.perf_counter() - self._at))
+
+
+def _method_metrics(metrics: BrokerMetrics) -> dict[str, MethodMetrics]:
+    """The series of each Broker method, by name."""
+    types = {(False, False): "unary", (False, True): "server_stream",
+             (True, False): "client_stream", (True, True): "bidi_stream"}  # fmt: skip
+    return {
+        m.name: metrics.method(types[m.client_streaming, m.server_streaming], SERVICE_NAME, m.name)
+        for m in pb.DESCRIPTOR.services_by_name["Broker"].methods
+    }
+
+
+def _add_broker(
+    servicer: BrokerServicer,
+    server: grpc.aio.Server,
+    metrics: dict[str, MethodMetrics] | None,
+    traced: bool,
+) -> None:
     """``pb_grpc.add_BrokerServicer_to_server``, except that a request that does not parse
     fails with INVALID_ARGUMENT ``request: not a valid ...`` instead of UNKNOWN, and one
-    larger than its method needs with RESOURCE_EXHAUSTED, unparsed."""
+    larger than its method needs with RESOURCE_EXHAUSTED, unparsed; every call is counted in
+    its method's ``metrics`` and, when ``traced``, served as a traced call."""
     handlers = {}
     for method in pb.DESCRIPTOR.services_by_name["Broker"].methods:
         request_type = getattr(pb, method.input_type.name)
@@ -128,7 +223,12 @@ def _add_broker(servicer: BrokerServicer, server: grpc.aio.Server) -> None:
             else grpc.unary_unary_rpc_method_handler
         )
         handlers[method.name] = make(
-            _refuse_unparsable(getattr(servicer, method.name), method.server_streaming),
+            _served(
+                getattr(servicer, method.name),
+                method.server_streaming,
+                None if metrics is None else metrics[method.name],
+                method.name if traced else "",
+            ),
             request_deserializer=_lenient(request_type, max_request_bytes_of(method.name)),
             response_serializer=_serializer(response_type),
         )
@@ -142,8 +242,11 @@ class _AuthenticateFirst(grpc.aio.ServerInterceptor):
     received: the refusal is served as a client-streaming handler that never reads, so the
     request's bytes stay with the caller (HTTP/2 flow control) and are never parsed."""
 
-    def __init__(self, authenticator: Authenticator) -> None:
+    def __init__(
+        self, authenticator: Authenticator, metrics: dict[str, MethodMetrics] | None
+    ) -> None:
         self.authenticator = authenticator
+        self.metrics = metrics
 
     async def intercept_service(
         self,
@@ -157,13 +260,14 @@ class _AuthenticateFirst(grpc.aio.ServerInterceptor):
         why = self.authenticator.refusal(details.invocation_metadata)
         if why is None:
             return await continuation(details)
-        log.warning(
-            "unauthenticated %s refused before its request: %s",
-            details.method.rsplit("/", 1)[-1],
-            why,
-        )
+        name = details.method.rsplit("/", 1)[-1]
+        log.warning("unauthenticated %s refused before its request: %s", name, why)
         detail = f"authorization: {why}"
-        streaming = details.method.rsplit("/", 1)[-1] in _STREAMING
+        streaming = name in _STREAMING
+        counted = None if self.metrics is None else self.metrics.get(name)
+        if counted is not None:
+            counted.started.inc()
+            counted.handled(grpc.StatusCode.UNAUTHENTICATED, 0.0)
 
         async def unary(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, detail)
@@ -193,6 +297,9 @@ class BrokerServer:
     handshake within ``handshake_timeout_ms`` is closed; one without calls for
     ``idle_timeout_ms`` is closed with GOAWAY. A client pinging without data more often than
     every 30 s is sent GOAWAY ``too_many_pings`` at the third ping that comes too soon.
+
+    ``metrics``: where every Broker call is counted (``grpc_server_*``), and whether it
+    reports SERVING (``pdbroker_serving``); None counts nothing.
     """
 
     def __init__(
@@ -205,8 +312,10 @@ class BrokerServer:
         max_connections: int | None = None,
         handshake_timeout_ms: int | None = None,
         idle_timeout_ms: int | None = None,
+        metrics: BrokerMetrics | None = None,
     ) -> None:
         self.service = service
+        self.metrics = metrics
         self.max_connections = max_connections
         self.handshake_timeout_ms = handshake_timeout_ms
         self.idle_timeout_ms = idle_timeout_ms
@@ -244,10 +353,11 @@ class BrokerServer:
         return options
 
     async def start(self) -> None:
+        counted = None if self.metrics is None else _method_metrics(self.metrics)
         server = grpc.aio.server(
             interceptors=()
             if self._guard is None
-            else (_AuthenticateFirst(self._guard.authenticator),),
+            else (_AuthenticateFirst(self._guard.authenticator, counted),),
             options=[
                 ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),
                 ("grpc.max_send_message_length", -1),
@@ -259,7 +369,7 @@ class BrokerServer:
             ],
         )
         servicer = self._servicer = BrokerServicer(self.service, self._guard)
-        _add_broker(servicer, server)
+        _add_broker(servicer, server, counted, servicer.traced)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
@@ -282,8 +392,7 @@ class BrokerServer:
                 raise OSError(f"cannot listen on {health_listen}")
             await self._health_server.start()
         await server.start()
-        for name in ("", SERVICE_NAME):
-            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         self._server = server
         loop = asyncio.get_running_loop()
 
@@ -317,6 +426,8 @@ class BrokerServer:
             serving = True
 
     async def _set_health(self, status: int) -> None:
+        if self.metrics is not None:
+            self.metrics.serving.set(status == health_pb2.HealthCheckResponse.SERVING)
         if self._health is not None:
             for name in ("", SERVICE_NAME):
                 await self._health.set(name, status)
@@ -330,6 +441,8 @@ class BrokerServer:
         """Report NOT_SERVING, stop the reaper, finish in-flight calls within ``grace_s``."""
         if self._server is None:
             return
+        if self.metrics is not None:
+            self.metrics.serving.set(0)
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
         if self._reaper is not None:

@@ -439,6 +439,8 @@ class BrokerServicer(pb_grpc.BrokerServicer):
                 for event in events:
                     heavy = sum(len(g) for g in event.block_ids) > OFFLOAD_BLOCK_IDS
                     yield await self.pure(heavy, convert.release_to_proto, event)
+                    queued_ms = self.service.clock.now_ms() - event.released_at_ms
+                    self.service.observer.release_delivered(queued_ms / 1000)
                     cursor = event.sequence
                     self.service.feeds.delivered(key, cursor)
                 if not events:

@@ -22,7 +22,9 @@ import os
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import TYPE_CHECKING, Any, TypeVar
+from contextvars import ContextVar
+from functools import cache
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -32,6 +34,7 @@ from opentelemetry.trace import (
     NonRecordingSpan,
     Span,
     SpanContext,
+    SpanKind,
     Status,
     StatusCode,
     TraceFlags,
@@ -52,6 +55,12 @@ _CARRIER_KEYS = ("traceparent", "tracestate")
 _NO_PROVIDERS = (trace.ProxyTracerProvider, trace.NoOpTracerProvider)
 _TRACER = trace.get_tracer(TRACER_NAME)  # a proxy: follows whichever provider is installed
 _NO_SPAN: AbstractContextManager[None] = nullcontext()
+#: The gRPC service of pdbroker's RPCs (``rpc.service``).
+RPC_SERVICE = "pdbroker.v1.Broker"
+#: The attribute of an RPC span that holds the call's gRPC status code (an int).
+_STATUS_CODE = "rpc.grpc.status_code"
+#: Context key of the client span of a call in flight: (its method, the span).
+_CLIENT_CALL = otel_context.create_key("pdbroker-client-call")
 
 
 def enabled() -> bool:
@@ -265,18 +274,79 @@ def _parent(traceparent: str) -> tuple[Context | None, list[Link] | None]:
     return stored, [Link(current)]
 
 
+@cache
+def rpc_attributes(method: str) -> Mapping[str, str]:
+    """The ``rpc.*`` attributes of a span of a call of ``method`` (one mapping per method:
+    copy it to change it)."""
+    return {"rpc.system": "grpc", "rpc.service": RPC_SERVICE, "rpc.method": method}
+
+
+class ServedCall:
+    """A call this process serves while it traces (:func:`serving`). The spans its handler
+    opens at the edge of the process (no parent, or the caller's context or a stored
+    ``traceparent`` as parent; not those descending from one of this process's spans) are
+    its SERVER spans, with its ``rpc.*`` attributes; they end when the call does
+    (:meth:`end`), carrying its status code."""
+
+    __slots__ = ("attributes", "spans")
+
+    def __init__(self, method: str) -> None:
+        self.attributes = rpc_attributes(method)
+        self.spans: list[Span] = []
+
+    def end(self, code: int) -> None:
+        """The call ended with gRPC status ``code``: end its spans."""
+        _SERVED.set(None)
+        for span in self.spans:
+            span.set_attribute(_STATUS_CODE, code)
+            span.end()
+
+
+_SERVED: ContextVar[ServedCall | None] = ContextVar("pdbroker_served_call", default=None)
+
+
+def serving(method: str) -> ServedCall:
+    """Start serving a call of ``method`` in the current context (a server handler's task);
+    end it with :meth:`ServedCall.end`."""
+    served = ServedCall(method)
+    _SERVED.set(served)
+    return served
+
+
+def _at_edge(parent: Context | None) -> bool:
+    """Whether a span with parent context ``parent`` (None: the current one) has no parent
+    span in this process."""
+    if parent is not None:
+        return True
+    current = trace.get_current_span().get_span_context()
+    return not current.is_valid or current.is_remote
+
+
+def client_call_ended(method: str, code: int) -> None:
+    """A call of ``method`` ended with gRPC status ``code``: recorded on the client span
+    around it (:func:`span` with ``rpc=method``), if any."""
+    call = cast("tuple[str, Span] | None", otel_context.get_value(_CLIENT_CALL))
+    if call is not None and call[0] == method:
+        call[1].set_attribute(_STATUS_CODE, code)
+
+
 class _Current:
     """Makes a started span current for a ``with`` block and ends it after; an exception
     leaving the block is recorded and sets status ERROR. (``start_as_current_span`` without
-    its layers of generator context managers: the broker makes spans on its hot path.)"""
+    its layers of generator context managers: the broker makes spans on its hot path.)
+    A client span (``call``: its method) is found by :func:`client_call_ended`; a server
+    span (``served``) ends with its call."""
 
-    __slots__ = ("_span", "_token")
+    __slots__ = ("_call", "_served", "_span", "_token")
 
-    def __init__(self, span: Span) -> None:
-        self._span = span
+    def __init__(self, span: Span, call: str = "", served: ServedCall | None = None) -> None:
+        self._span, self._call, self._served = span, call, served
 
     def __enter__(self) -> Span:
-        self._token = otel_context.attach(trace.set_span_in_context(self._span))
+        ctx = trace.set_span_in_context(self._span)
+        if self._call:
+            ctx = otel_context.set_value(_CLIENT_CALL, (self._call, self._span), ctx)
+        self._token = otel_context.attach(ctx)
         return self._span
 
     def __exit__(
@@ -286,38 +356,69 @@ class _Current:
         if exc is not None:
             self._span.record_exception(exc)
             set_error(self._span, f"{type(exc).__name__}: {exc}")
-        self._span.end()
+        if self._served is not None:
+            self._served.spans.append(self._span)
+        else:
+            self._span.end()
+
+
+def _kind_of(rpc: str, attributes: Attributes) -> tuple[SpanKind, Attributes]:
+    """Kind and attributes of a span, a client span of method ``rpc`` unless it is ''."""
+    if not rpc:
+        return SpanKind.INTERNAL, attributes
+    return SpanKind.CLIENT, {**(attributes or {}), **rpc_attributes(rpc)}
 
 
 def span(
-    name: str, traceparent: str = "", attributes: Attributes = None
+    name: str, traceparent: str = "", attributes: Attributes = None, rpc: str = ""
 ) -> AbstractContextManager[Span | None]:
     """A span made current for a ``with`` block, in the trace of ``traceparent`` (see
     :func:`_parent`); yields None when tracing is off. An exception leaving the block is
-    recorded and sets the span's status to ERROR."""
+    recorded and sets the span's status to ERROR. ``rpc``: the broker method the block calls
+    (a CLIENT span). In a call this process serves, a span at the edge of the process is a
+    SERVER span of that call (:class:`ServedCall`)."""
     if not enabled():
         return _NO_SPAN
     parent, links = _parent(traceparent)
-    return _Current(_TRACER.start_span(name, parent, links=links, attributes=attributes))
+    served = _SERVED.get()
+    if served is not None and not rpc and _at_edge(parent):
+        merged = {**(attributes or {}), **served.attributes}
+        started = _TRACER.start_span(name, parent, SpanKind.SERVER, merged, links)
+        return _Current(started, served=served)
+    kind, attributes = _kind_of(rpc, attributes)
+    return _Current(_TRACER.start_span(name, parent, kind, attributes, links), rpc)
 
 
-def root_span(name: str, attributes: Attributes = None) -> AbstractContextManager[Span | None]:
+def root_span(
+    name: str, attributes: Attributes = None, rpc: str = ""
+) -> AbstractContextManager[Span | None]:
     """Like :func:`span`, but the first span of a new trace (a transfer's trace starts at its
     publication); the current span, if any, is linked."""
     if not enabled():
         return _NO_SPAN
     current = trace.get_current_span().get_span_context()
     links = [Link(current)] if current.is_valid else None
-    return _Current(_TRACER.start_span(name, Context(), links=links, attributes=attributes))
+    kind, attributes = _kind_of(rpc, attributes)
+    return _Current(_TRACER.start_span(name, Context(), kind, attributes, links), rpc)
 
 
-def start_span(name: str, traceparent: str = "", attributes: Attributes = None) -> Span | None:
-    """Like :func:`span` for spans that overlap (concurrent reads): not made current; end it
-    with :func:`end_span`. None when tracing is off."""
+def start_span(
+    name: str, traceparent: str = "", attributes: Attributes = None, rpc: str = ""
+) -> Span | None:
+    """Like :func:`span` for spans that overlap (concurrent reads, the entries of a batched
+    call): not made current; end it with :func:`end_span` (a client span of ``rpc`` after
+    :func:`set_rpc_status`). None when tracing is off."""
     if not enabled():
         return None
     parent, links = _parent(traceparent)
-    return _TRACER.start_span(name, parent, links=links, attributes=attributes)
+    kind, attributes = _kind_of(rpc, attributes)
+    return _TRACER.start_span(name, parent, kind=kind, links=links, attributes=attributes)
+
+
+def set_rpc_status(span: Span | None, code: int) -> None:
+    """Record the gRPC status ``code`` a client span's call (or its entry) ended with."""
+    if span is not None:
+        span.set_attribute(_STATUS_CODE, code)
 
 
 def end_span(span: Span | None, error: str = "") -> None:

@@ -319,6 +319,7 @@ class AsyncDecodeClient(AsyncEngineClient):
                 "decode.report",
                 plan.traceparent,
                 _report_attributes(jobs[i][0].transfer_id, jobs[i][1].tp_rank, error),
+                rpc="ReportTransfers",
             )
             for (i, plan), (error, _, _) in zip(read_jobs, reads)
         ]
@@ -335,8 +336,10 @@ class AsyncDecodeClient(AsyncEngineClient):
         ):
             try:
                 if isinstance(outcome, BrokerCallError):
+                    tracing.set_rpc_status(span, outcome.code.value[0])
                     tracing.end_span(span, str(outcome))
                     _refused_report(outcome)
+                tracing.set_rpc_status(span, grpc.StatusCode.OK.value[0])
                 if span is not None:
                     span.set_attribute("pdbroker.intact", outcome.intact)
                 tracing.end_span(span)
@@ -539,7 +542,9 @@ class AsyncDecodeClient(AsyncEngineClient):
         error, failure, read = await self._timed_read(session, plan, transfer_id, deadline)
         reported_at = time.monotonic()
         attributes = _report_attributes(transfer_id, session.tp_rank, error)
-        with tracing.span("decode.report", plan.traceparent, attributes) as span:
+        with tracing.span(
+            "decode.report", plan.traceparent, attributes, rpc="ReportTransfer"
+        ) as span:
             try:
                 outcome = await self.report(
                     session.tp_rank,

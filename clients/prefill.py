@@ -212,6 +212,7 @@ class AsyncPrefillClient(AsyncEngineClient):
                     "pdbroker.num_tokens": num_tokens,
                     "pdbroker.blocks": sum(len(g) for g in block_ids),
                 },
+                rpc="PublishBlocks",
             ):
                 leases = self._leases()
                 try:

@@ -81,14 +81,18 @@ class BrokerCallError(RuntimeError):
 async def call(
     stub: FailoverStub | pb_grpc.BrokerStub, method: str, request: Any, timeout_s: float
 ) -> Any:
-    """One unary RPC carrying the current trace context; a failure raises
+    """One unary RPC carrying the current trace context, its status recorded on the client
+    span around it (:func:`broker.tracing.client_call_ended`); a failure raises
     :class:`BrokerCallError`."""
     try:
-        return await getattr(stub, method)(
+        response = await getattr(stub, method)(
             request, timeout=timeout_s, metadata=tracing.grpc_metadata() or None
         )
     except grpc.aio.AioRpcError as exc:
+        tracing.client_call_ended(method, exc.code().value[0])
         raise BrokerCallError(method, exc.code(), exc.details() or "") from None
+    tracing.client_call_ended(method, grpc.StatusCode.OK.value[0])
+    return response
 
 
 def open_channel(target: str, security: ChannelSecurity = PLAINTEXT) -> grpc.aio.Channel:

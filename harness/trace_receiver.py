@@ -25,7 +25,8 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class ReceivedSpan:
     """One exported span. Ids are hex strings (``parent_id`` '' for a root); times are
-    nanoseconds since the epoch; ``links`` are ``(trace id, span id)`` pairs."""
+    nanoseconds since the epoch; ``links`` are ``(trace id, span id)`` pairs; ``kind`` is
+    ``INTERNAL``, ``SERVER``, ``CLIENT``, ``PRODUCER`` or ``CONSUMER``."""
 
     service: str
     name: str
@@ -37,6 +38,7 @@ class ReceivedSpan:
     attributes: dict[str, Any]
     links: tuple[tuple[str, str], ...]
     error: bool
+    kind: str
 
     @property
     def duration_ms(self) -> float:
@@ -62,6 +64,7 @@ def _span(service: str, span: trace_pb2.Span) -> ReceivedSpan:
         {a.key: _value(a.value) for a in span.attributes},
         tuple((link.trace_id.hex(), link.span_id.hex()) for link in span.links),
         span.status.code == trace_pb2.Status.STATUS_CODE_ERROR,
+        trace_pb2.Span.SpanKind.Name(span.kind).removeprefix("SPAN_KIND_"),
     )
 
 

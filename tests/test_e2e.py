@@ -251,6 +251,34 @@ def test_the_demo_runs_again_against_the_same_broker() -> None:
     assert first["bytes_verified"] == second["bytes_verified"] == first["pairs"][0]["bytes"] > 0
 
 
+def test_demo_trace_says_when_the_running_broker_sends_no_spans(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``demo --trace --broker ADDR`` against a broker that does not trace: the engines' spans,
+    and one line saying why the broker's are missing."""
+    for name in [n for n in os.environ if n.startswith("OTEL_")]:
+        monkeypatch.delenv(name)
+    broker = BrokerProcess()
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "broker.cli", "demo", "--requests", "1", "--trace",
+             "--broker", broker.address],
+            check=False, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+    finally:
+        broker.stop()
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.strip().splitlines()
+    heading = next(i for i, line in enumerate(lines) if line.startswith("trace "))
+    assert "spans from 2 processes" in lines[heading]
+    assert lines[-2] == (
+        f"no spans from the broker at {broker.address}: it exports spans only when started "
+        "with OTEL_EXPORTER_OTLP_ENDPOINT (or OTEL_TRACES_EXPORTER) set, to that collector"
+    )
+    services = {line.split()[0] for line in lines[heading + 1 : -2]}
+    assert services == {"prefill-0", "decode-0"}
+
+
 def test_async_clients_and_expiry() -> None:
     """The async clients in one process against a broker process: a hetero-TP transfer moves
     real bytes; a transfer nobody reads is released EXPIRED and then refused."""

@@ -205,6 +205,36 @@ def test_span_tree_lines(traced: TracedRun) -> None:
     assert all(float(line.split()[2]) > 0 for line in lines)
 
 
+#: Kind of each span, and the broker method of an RPC span (OpenTelemetry's RPC conventions).
+RPC_SPANS = {
+    "prefill.publish": ("CLIENT", "PublishBlocks"),
+    "broker.publish": ("SERVER", "PublishBlocks"),
+    "broker.plan": ("SERVER", "GetTransferPlan"),
+    "decode.nixl_read": ("INTERNAL", None),
+    "decode.report": ("CLIENT", "ReportTransfer"),
+    "broker.report": ("SERVER", "ReportTransfer"),
+    "broker.release": ("INTERNAL", None),
+    "prefill.free": ("INTERNAL", None),
+}
+
+
+def test_rpc_spans_are_client_and_server_spans_with_rpc_attributes(traced: TracedRun) -> None:
+    assert {s.name for s in traced.spans} == set(RPC_SPANS)
+    for s in traced.spans:
+        kind, method = RPC_SPANS[s.name]
+        assert s.kind == kind, s
+        rpc = {k: v for k, v in s.attributes.items() if k.startswith("rpc.")}
+        if method is None:
+            assert rpc == {}, s
+        else:
+            assert rpc == {
+                "rpc.system": "grpc",
+                "rpc.service": "pdbroker.v1.Broker",
+                "rpc.method": method,
+                "rpc.grpc.status_code": 0,
+            }, s
+
+
 def test_the_brokers_offloaded_spans_reach_the_exporter_intact(
     capfd: pytest.CaptureFixture[str],
 ) -> None:
@@ -267,7 +297,15 @@ def test_metrics_scraped_over_http_count_the_transfers(traced: TracedRun) -> Non
         assert sample(m, "pdbroker_transfers_total", state=state) == 0
     assert sample(m, "pdbroker_transfers_in_flight") == 0
     assert sample(m, "pdbroker_releases_total", reason="completed") == releases
-    assert sample(m, "pdbroker_release_latency_seconds_count") == releases
+    assert sample(m, "pdbroker_blocks_held_seconds_count") == releases
+    assert sample(m, "pdbroker_release_delivery_seconds_count") == releases
+    rpc = {"grpc_type": "unary", "grpc_service": "pdbroker.v1.Broker"}
+    for method, calls in [("PublishBlocks", TRANSFERS), ("GetTransferPlan", plans),
+                          ("ReportTransfer", plans)]:  # fmt: skip
+        handled = sample(m, "grpc_server_handled_total", **rpc, grpc_method=method, grpc_code="OK")
+        timed = sample(m, "grpc_server_handling_seconds_count", **rpc, grpc_method=method)
+        assert handled == timed == calls, method
+    assert sample(m, "pdbroker_serving") == 1
     assert sample(m, "pdbroker_lease_expiries_total") == 0
     during = traced.during  # after the first transfer, engines still registered
     assert sample(during, "pdbroker_live_ranks", role="prefill") == PAIR.prefill_tp
@@ -307,7 +345,7 @@ def test_metrics_follow_failures_expiry_and_lost_leases() -> None:
     assert value("pdbroker_releases_total", reason="consumer_failed") == 1
     assert value("pdbroker_releases_total", reason="expired") == 1
     assert value("pdbroker_releases_total", reason="aborted") == 1
-    assert value("pdbroker_release_latency_seconds_sum") == 1.0  # only expiry waited, 1 s
+    assert value("pdbroker_blocks_held_seconds_sum") == 1.0  # only expiry waited, 1 s
     clock.advance(60_000)
     service.reap()
     assert value("pdbroker_lease_expiries_total") == 2

@@ -14,6 +14,7 @@ import json
 import signal
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prerequisites import require_module
+from prometheus_client.parser import text_string_to_metric_families
 
 from broker.client_security import ChannelSecurity
 from broker.layout import GroupKind
@@ -476,6 +478,8 @@ def test_demo_against_a_tls_broker_says_its_engines_speak_plaintext(mtls_broker:
 def test_bearer_tokens_identify_callers(pki: Pki) -> None:
     broker = BrokerProcess(
         *tls_flags(pki, "--auth-tokens", pki.tokens_file, "--admin-identities", "ops"),
+        "--metrics-port",
+        "0",
         security=pki.token("ops"),
     )
     try:
@@ -496,6 +500,23 @@ def test_bearer_tokens_identify_callers(pki: Pki) -> None:
         p.PublishBlocks(publish("c1"), timeout=WAIT_S)
         assert d.GetTransferPlan(plan("c1", "D"), timeout=WAIT_S).plan_id
         assert broker.list_engines() == ("D", "P")
+        # calls refused before their request are counted as the others
+        metrics = urllib.request.urlopen(broker.metrics_url, timeout=WAIT_S).read().decode()
+        handled = {
+            (s.labels["grpc_method"], s.labels["grpc_code"]): s.value
+            for family in text_string_to_metric_families(metrics)
+            for s in family.samples
+            if s.name == "grpc_server_handled_total" and s.value
+        }
+        assert handled == {
+            ("RegisterRank", "Unauthenticated"): 1,
+            ("ListEngines", "Unauthenticated"): 1,
+            ("RegisterRank", "OK"): 2,
+            ("PublishBlocks", "PermissionDenied"): 1,
+            ("PublishBlocks", "OK"): 1,
+            ("GetTransferPlan", "OK"): 1,
+            ("ListEngines", "OK"): 1,
+        }
     finally:
         broker.stop()
 

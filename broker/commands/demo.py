@@ -10,7 +10,8 @@ Each run has its own run id, part of every transfer id, so runs against the same
 
 With ``--trace`` every process exports its spans over OTLP to a receiver inside the demo,
 which then prints the span tree of the first transfer, one span per line:
-``<indent><service.name> <span name> <duration ms>``.
+``<indent><service.name> <span name> <duration ms>``; running brokers (``--broker``) export
+their spans elsewhere, if at all, and a last line says so when none of theirs arrived.
 """
 
 from __future__ import annotations
@@ -118,7 +119,8 @@ def run(args: argparse.Namespace) -> int:
             spans = receiver.spans()  # complete: every process flushed its spans on exit
     print(file=sys.stderr)
     summary = demo_summary(report, run_id, args.seed)
-    trace = format_trace(spans, report.requests[0].transfer_id) if args.trace else ""
+    running = ",".join(args.broker) if args.broker else None
+    trace = format_trace(spans, report.requests[0].transfer_id, running) if args.trace else ""
     if args.json:
         if args.trace:
             summary["trace"] = trace.splitlines()
@@ -159,8 +161,10 @@ def _running_brokers(addresses: list[str]) -> RunningBrokers:
     return brokers
 
 
-def format_trace(spans: list[ReceivedSpan], transfer_id: str) -> str:
-    """A heading and the span tree of ``transfer_id``'s trace (found by its publish span)."""
+def format_trace(spans: list[ReceivedSpan], transfer_id: str, broker: str | None = None) -> str:
+    """A heading and the span tree of ``transfer_id``'s trace (found by its publish span);
+    a last line when none of its spans came from ``broker`` (the running brokers' addresses,
+    or None for the demo's own)."""
     from harness.trace_receiver import span_tree
 
     roots = [
@@ -177,6 +181,11 @@ def format_trace(spans: list[ReceivedSpan], transfer_id: str) -> str:
         f"trace {trace_id} of {transfer_id}: {len(lines)} spans from {len(services)} "
         f"processes (durations in ms)"
     )
+    if broker and not any(s.kind == "SERVER" for s in spans if s.trace_id == trace_id):
+        lines.append(
+            f"no spans from the broker at {broker}: it exports spans only when started with "
+            "OTEL_EXPORTER_OTLP_ENDPOINT (or OTEL_TRACES_EXPORTER) set, to that collector"
+        )
     return "\n".join([heading, *lines])
 
 

@@ -339,7 +339,7 @@ def run(args: argparse.Namespace) -> int:
         file_limit = _raise_file_limit()
         _fit_connections(args, file_limit)
         service = BrokerService(store, config=config, observer=metrics)
-        server = _server(service, args, security)
+        server = _server(service, args, security, metrics)
         announcements = [f"metrics on {metrics_url}"] if metrics_url else []
         announce = _announcer(args.log_format)
         asyncio.run(_serve(server, security, file_limit, announcements, announce))
@@ -369,7 +369,10 @@ def _metrics(args: argparse.Namespace) -> tuple[BrokerMetrics | None, str]:
 
 
 def _server(
-    service: BrokerService, args: argparse.Namespace, security: ServerSecurity
+    service: BrokerService,
+    args: argparse.Namespace,
+    security: ServerSecurity,
+    metrics: BrokerMetrics | None,
 ) -> BrokerServer:
     """The server, its certificates and tokens read."""
     from broker.server import BrokerServer  # grpc: only for the commands that need it
@@ -384,6 +387,7 @@ def _server(
             max_connections=args.max_connections,
             handshake_timeout_ms=args.handshake_timeout_ms,
             idle_timeout_ms=args.idle_timeout_ms,
+            metrics=metrics,
         )
     except ValueError as exc:  # a bad certificate, key or tokens file, named by its flag
         raise UsageError.of(exc) from None

@@ -301,6 +301,7 @@ class SchedulerHalf:
                 "pdbroker.prefill_engine": self.engine_id,
                 "pdbroker.num_tokens": num_tokens,
             },
+            rpc="PublishBlocks",
         ):
             loop.run(protocol.publish(stub, request, self.settings.call_timeout_s))
 
