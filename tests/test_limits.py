@@ -47,6 +47,7 @@ DOCUMENTED_LIMITS = {
     "max_block_ids": 1_048_576,
     "max_allowed_decode_engines": 256,
     "max_extended_transfers": 1024,
+    "max_batch_entries": 1024,
     "max_template_runs": 1_048_576,
     "max_plan_runs": 16_777_216,
     "max_unary_plan_bytes": 16 << 20,
