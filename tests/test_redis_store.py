@@ -194,6 +194,7 @@ def test_server_side_ttls_forget_what_nobody_renews(redis_server: RedisServer) -
         service.keep_alive(lease)
     assert store.get_rank(("P", 0)) is not None and store.rank_by_lease(lease) is not None
     assert store.get_rank(("D", 0)) is None and store.engine_ranks("D") == []
+    assert store.ranks_named({"P", "D"}) == [("P", 0)]
     assert store.get_transfer(T1) is None and list(store.transfers()) == []
     assert [r.registration.key for r in store.ranks()] == [("P", 0)]
     assert store.client.smembers(store._key("ranks")) == {b"0:P"}  # index entry cleaned
