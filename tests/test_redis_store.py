@@ -204,6 +204,19 @@ def test_server_side_ttls_forget_what_nobody_renews(redis_server: RedisServer) -
     assert store.ranks() == [] and store.rank_by_lease(lease) is None
 
 
+def test_a_deregistered_data_parallel_rank_leaves_no_index_entry(
+    redis_server: RedisServer,
+) -> None:
+    store = redis_server.store()
+    service = BrokerService(store, FakeClock(), CONFIG)
+    sc = build_scenario(hybrid(), 1, 1, 100)
+    (lease,) = register_engine(service, sc.decode, "D_dp0", Role.DECODE, 1)
+    assert store.client.smembers(store._key("deployment", "D")) == {b"0:D_dp0"}
+    service.deregister(lease.lease_id)
+    assert store.ranks_named({"D"}) == []
+    assert not store.client.exists(store._key("deployment", "D"), store._key("engine", "D_dp0"))
+
+
 def test_release_cursor_resumes_from_another_store(redis_server: RedisServer) -> None:
     store = redis_server.store()
     key = ("P", 0)
