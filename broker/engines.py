@@ -4,11 +4,12 @@ must pass against it.
 An :class:`Engine` is a fully registered engine as one call sees it: its ranks, the
 :class:`~broker.layout.EngineLayout` they assemble, that layout's digest and its generation.
 The :class:`EngineCatalog` caches each engine's assembled layout and digest (newest
-generation) and one :class:`~broker.planner.PairPlanner` per pair of layout *values*, each
-with the lock that keeps its template cache to one thread at a time: engines with equal
-layouts share planners, whatever their ids, generations or memory addresses (a planner's
-templates are relative to page starts; addresses are applied per plan). Pure checks of
-registrations and publications against layouts live here too.
+generation, from when its last rank registered) and one
+:class:`~broker.planner.PairPlanner` per pair of layout *values*, each with the lock that
+keeps its template cache to one thread at a time: engines with equal layouts share planners,
+whatever their ids, generations or memory addresses (a planner's templates are relative to
+page starts; addresses are applied per plan). Pure checks of registrations and publications
+against layouts live here too.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from broker_helpers import FakeClock, assert_inside_regions, hybrid, register_engine, registration
 
+import broker.engines
 from broker.api import PlanQuery, Publication
 from broker.auth import AccessGuard, Authenticator, Identity
 from broker.config import ServiceConfig
@@ -74,6 +75,29 @@ def test_engines_of_equal_layouts_share_the_planner_and_keep_their_addresses() -
             source.remote,
             registration(SC.prefill, "P", Role.PREFILL, source.prefill_rank, 0).regions,
         )
+
+
+def test_a_layout_digest_is_computed_once_per_engine_generation(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """When an engine's last rank registers, not on the plan path."""
+    digested: list[int] = []
+    digest = broker.engines.layout_digest
+    monkeypatch.setattr(
+        broker.engines, "layout_digest", lambda layout: digested.append(1) or digest(layout)
+    )
+    service, observer = make_service()
+    register_engine(service, SC.prefill, "P", Role.PREFILL, 0)
+    register_engine(service, SC.decode, "D1", Role.DECODE, 1)
+    register_engine(service, SC.decode, "D2", Role.DECODE, 2)
+    assert len(digested) == 3
+    for i, decode in enumerate(("D1", "D2", "D1")):
+        first_ask(service, SC, decode, f"t{i}")
+    assert len(digested) == 3
+    service.register_rank(registration(SC.decode, "D1", Role.DECODE, 1, 1))  # a new generation
+    first_ask(service, SC, "D1", "t3")
+    assert len(digested) == 4
+    assert observer.cache_hits[-1]
 
 
 def test_the_planner_cache_drops_the_least_recently_used_past_its_bytes() -> None:
