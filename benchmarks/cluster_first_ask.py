@@ -34,6 +34,7 @@ SCENARIO = ("nemotron-3-nano-30b-a3b", 2, 2, 32768)
 def measure(prefill_engines: int, decode_engines: int) -> dict[str, float]:
     """One round in this process, with whichever ``broker`` package is on the path."""
     from broker.api import PlanQuery, Publication
+    from broker.layout import EngineLayout
     from broker.observer import ServiceObserver
     from broker.presets import resolve_model
     from broker.records import MemoryRegion, RankRegistration
@@ -47,14 +48,14 @@ def measure(prefill_engines: int, decode_engines: int) -> dict[str, float]:
     class Hits(ServiceObserver):
         hits = 0
 
-        def plan_handed_out(self, seconds, plan, cache_hit) -> None:  # type: ignore[no-untyped-def]
+        def plan_handed_out(self, seconds: float, plan: object, cache_hit: bool) -> None:
             self.hits += cache_hit
 
     observer = Hits()
     service = BrokerService(observer=observer)
     next_addr = [0x1000_0000]
 
-    def register(engine_id: str, role: Role, layout) -> None:  # type: ignore[no-untyped-def]
+    def register(engine_id: str, role: Role, layout: EngineLayout) -> None:
         for rank in layout.ranks:
             regions = []
             for _ in range(rank.num_regions):
