@@ -12,7 +12,7 @@ import pytest
 from broker_helpers import FakeClock, assert_inside_regions, hybrid, register_engine, registration
 
 import broker.engines
-from broker.api import PlanQuery, Publication
+from broker.api import PlanQuery, PlanResult, Publication
 from broker.auth import AccessGuard, Authenticator, Identity
 from broker.config import ServiceConfig
 from broker.errors import IncompatibleLayoutsError, LimitExceededError
@@ -38,7 +38,7 @@ class FirstAsks(ServiceObserver):
         self.cache_hits.append(cache_hit)
 
 
-def first_ask(service: BrokerService, sc: Scenario, decode: str, transfer_id: str) -> Any:
+def first_ask(service: BrokerService, sc: Scenario, decode: str, transfer_id: str) -> PlanResult:
     """Publish a transfer from ``P`` and have rank 0 of ``decode`` ask for it (claiming it:
     every decode rank is planned)."""
     service.publish(
@@ -49,9 +49,8 @@ def first_ask(service: BrokerService, sc: Scenario, decode: str, transfer_id: st
 
 def make_service(**config: int) -> tuple[BrokerService, FirstAsks]:
     observer = FirstAsks()
-    return BrokerService(clock=FakeClock(), config=ServiceConfig(**config), observer=observer), (
-        observer
-    )
+    service = BrokerService(clock=FakeClock(), config=ServiceConfig(**config), observer=observer)
+    return service, observer
 
 
 def test_engines_of_equal_layouts_share_the_planner_and_keep_their_addresses() -> None:
@@ -175,8 +174,8 @@ def reads_of(calls: Callable[[BrokerService, AccessGuard], object], unrelated: i
     """Rows and calls the store answers ``calls`` with, after ``unrelated`` TP1 engines of
     other callers registered."""
     store = CountingStore(BrokerService().store)
-    service = BrokerService(store, FakeClock(), ServiceConfig(max_ranks=1024))  # type: ignore[arg-type]
-    guard = AccessGuard(Authenticator(False, None), store, max_ranks_per_identity=3)  # type: ignore[arg-type]
+    service = BrokerService(store, FakeClock(), ServiceConfig(max_ranks=1024))
+    guard = AccessGuard(Authenticator(False, None), store, max_ranks_per_identity=3)
     tp1 = build_scenario(hybrid(), 1, 1, 100)
     for i in range(unrelated):
         register_engine(service, tp1.decode, f"U{i}_dp0", Role.DECODE, 8 + i)
