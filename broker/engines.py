@@ -108,9 +108,18 @@ class EngineCatalog:
         generation = max(r.generation for r in ranks)
         cached = self._layouts.get(engine_id)
         if cached is None or cached[0] != generation:
-            layout = assemble_layout([r.registration for r in ranks])
-            cached = self._layouts[engine_id] = (generation, layout, layout_digest(layout))
+            cached = self.remember(
+                engine_id, generation, assemble_layout([r.registration for r in ranks])
+            )
         return Engine(engine_id, tuple(ranks), cached[1], generation, cached[2])
+
+    def remember(
+        self, engine_id: str, generation: int, layout: EngineLayout
+    ) -> tuple[int, EngineLayout, bytes]:
+        """Cache the engine's layout of ``generation`` (assembled when its last rank
+        registered, or when first asked for) with its digest."""
+        cached = self._layouts[engine_id] = (generation, layout, layout_digest(layout))
+        return cached
 
     def forget(self, engine_id: str) -> None:
         """Drop the engine's cached layout (one of its ranks left)."""
