@@ -211,7 +211,7 @@ class AccessGuard:
         """As :meth:`act_as`, and within the caller's rank quota (a rank registering again
         takes no more)."""
         self.act_as(who, engine_id)
-        held = [key for key in self.store.rank_keys() if who.acts_for(key[0])]
+        held = self.store.ranks_named(who.names)
         if (engine_id, tp_rank) not in held and len(held) >= self.max_ranks_per_identity:
             log.warning("rank quota: caller %s holds %d ranks", who, len(held))
             raise LimitExceededError(
@@ -258,7 +258,7 @@ class AccessGuard:
         if transfer.decode_engine_id:
             claimer = transfer.decode_engine_id
             return who.acts_for(claimer) and self._reads(claimer)
-        engines = {key[0] for key in self.store.rank_keys() if who.acts_for(key[0])}
+        engines = {key[0] for key in self.store.ranks_named(who.names)}
         return any(transfer.admits(e) and self._reads(e) for e in engines)
 
     def administer(self, who: Identity) -> None:

@@ -17,7 +17,9 @@ class ServiceConfig:
     max_transfers: int = 100_000
     #: Registered ranks at once, over all engines.
     max_ranks: int = 4096
-    planner_cache_size: int = 64
+    #: Template bytes the cached planners hold (one planner per pair of engine layouts);
+    #: the least recently used are dropped beyond it.
+    planner_cache_bytes: int = 256 << 20
     #: Delivered release events kept per prefill rank for streams that resume.
     release_resume_window: int = 1024
     #: Bytes of release events (:attr:`~broker.records.ReleaseEvent.nbytes`) kept per prefill

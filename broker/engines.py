@@ -2,15 +2,19 @@
 must pass against it.
 
 An :class:`Engine` is a fully registered engine as one call sees it: its ranks, the
-:class:`~broker.layout.EngineLayout` they assemble and its generation. The
-:class:`EngineCatalog` caches assembled layouts per engine generation and one
-:class:`~broker.planner.PairPlanner` per pair of engine generations, each with the lock that
-keeps its template cache to one thread at a time. Pure checks of registrations and
-publications against layouts live here too.
+:class:`~broker.layout.EngineLayout` they assemble, that layout's digest and its generation.
+The :class:`EngineCatalog` caches each engine's assembled layout and digest (newest
+generation, from when its last rank registered) and one
+:class:`~broker.planner.PairPlanner` per pair of layout *values*, each with the lock that
+keeps its template cache to one thread at a time: engines with equal layouts share planners,
+whatever their ids, generations or memory addresses (a planner's templates are relative to
+page starts; addresses are applied per plan). Pure checks of registrations and publications
+against layouts live here too.
 """
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -36,34 +40,58 @@ from broker.wire import BlockIds, Role, ids_array
 
 @dataclass(frozen=True)
 class Engine:
-    """A fully registered engine: its ranks by tp rank, their layout and generation."""
+    """A fully registered engine: its ranks by tp rank, their layout (and its
+    :func:`layout_digest`) and generation."""
 
     engine_id: str
     ranks: tuple[RankRecord, ...]
     layout: EngineLayout
     generation: int
+    layout_digest: bytes
 
     @property
     def role(self) -> Role:
         return self.ranks[0].registration.role
 
 
+def layout_digest(layout: EngineLayout) -> bytes:
+    """A digest of everything a planner reads from ``layout`` (all its compared fields):
+    equal for equal layouts, whichever engine declared them."""
+    value = repr((layout.model, layout.tp_size, layout.ranks)).encode()
+    return hashlib.blake2b(value, digest_size=16).digest()
+
+
 @dataclass
 class PairPlanning:
-    """The planner of one (prefill, decode) engine-generation pair and its lock."""
+    """The planner of one (prefill, decode) pair of layouts and its lock, shared by every
+    engine pair of those layouts. ``counted_bytes``: its size when the catalog last
+    counted it."""
 
     planner: PairPlanner
     lock: threading.Lock = field(default_factory=threading.Lock)
+    counted_bytes: int = 0
 
 
 class EngineCatalog:
-    """Assembled layouts per (engine, generation) and planners per pair, the newest
-    ``planner_cache_size`` pairs."""
+    """Assembled layouts per engine and planners per pair of layouts, the least recently
+    used dropped while all of them hold more than ``planner_cache_bytes`` of templates.
 
-    def __init__(self, planner_cache_size: int) -> None:
-        self.planner_cache_size = planner_cache_size
-        self._layouts: dict[tuple[str, int], EngineLayout] = {}
-        self._pairs: OrderedDict[tuple[str, int, str, int], PairPlanning] = OrderedDict()
+    Templates are built while planning, after :meth:`pair` handed a planner out, so each
+    call recounts the planner it hands out and the one it handed out before (whose
+    planning, in place, is done by then; work planned on another thread comes back through
+    :meth:`pair`)."""
+
+    def __init__(self, planner_cache_bytes: int) -> None:
+        self.planner_cache_bytes = planner_cache_bytes
+        #: By engine id: (generation, layout, digest).
+        self._layouts: dict[str, tuple[int, EngineLayout, bytes]] = {}
+        self._pairs: OrderedDict[tuple[bytes, bytes], PairPlanning] = OrderedDict()
+        self._cached_bytes = 0
+
+    @property
+    def cached_bytes(self) -> int:
+        """Template bytes of the cached planners, as last counted."""
+        return self._cached_bytes
 
     def engine(self, store: StateStore, engine_id: str, field_name: str = "engine_id") -> Engine:
         """The engine as stored now; NOT_FOUND or FAILED_PRECONDITION naming ``field_name``
@@ -78,41 +106,62 @@ class EngineCatalog:
                 f"engine {engine_id!r} has {len(ranks)} of its {tp_size} ranks registered",
             )
         generation = max(r.generation for r in ranks)
-        layout = self._layouts.get((engine_id, generation))
-        if layout is None:
-            layout = assemble_layout([r.registration for r in ranks])
-            self._layouts[(engine_id, generation)] = layout
-        return Engine(engine_id, tuple(ranks), layout, generation)
+        cached = self._layouts.get(engine_id)
+        if cached is None or cached[0] != generation:
+            cached = self.remember(
+                engine_id, generation, assemble_layout([r.registration for r in ranks])
+            )
+        return Engine(engine_id, tuple(ranks), cached[1], generation, cached[2])
+
+    def remember(
+        self, engine_id: str, generation: int, layout: EngineLayout
+    ) -> tuple[int, EngineLayout, bytes]:
+        """Cache the engine's layout of ``generation`` (assembled when its last rank
+        registered, or when first asked for) with its digest."""
+        cached = self._layouts[engine_id] = (generation, layout, layout_digest(layout))
+        return cached
 
     def forget(self, engine_id: str) -> None:
-        """Drop the engine's cached layouts (one of its ranks left)."""
-        for cached in [k for k in self._layouts if k[0] == engine_id]:
-            del self._layouts[cached]
+        """Drop the engine's cached layout (one of its ranks left)."""
+        self._layouts.pop(engine_id, None)
 
     def pair(self, prefill: Engine, decode: Engine) -> tuple[PairPlanning, bool]:
-        """The pair's planner (made and cached if new), and whether it was cached."""
-        key = (prefill.engine_id, prefill.generation, decode.engine_id, decode.generation)
+        """The planner of the pair's layouts (made and cached if new), and whether it was
+        cached. IncompatibleLayoutsError names the engines of this pair."""
+        key = (prefill.layout_digest, decode.layout_digest)
+        recent = next(reversed(self._pairs.values()), None)
         pair = self._pairs.get(key)
-        if pair is not None:
+        cached = pair is not None
+        if pair is None:
+            pair = self._pairs[key] = PairPlanning(_planner(prefill, decode))
+        else:
             self._pairs.move_to_end(key)
-            return pair, True
-        try:
-            pair = PairPlanning(PairPlanner(prefill.layout, decode.layout))
-        except IncompatibleLayoutsError as exc:
-            name = (
-                "model_fingerprint"
-                if exc.field == "model"
-                else (exc.field if exc.field == "tp_size" else f"layout.{exc.field}")
-            )
-            raise IncompatibleLayoutsError(
-                name,
-                f"decode engine {decode.engine_id!r} cannot read from "
-                f"prefill engine {prefill.engine_id!r}: {exc.detail}",
-            ) from None
-        self._pairs[key] = pair
-        if len(self._pairs) > self.planner_cache_size:
-            self._pairs.popitem(last=False)
-        return pair, False
+        for counted in (recent, pair):
+            if counted is not None:
+                nbytes = counted.planner.nbytes
+                self._cached_bytes += nbytes - counted.counted_bytes
+                counted.counted_bytes = nbytes
+        while self._cached_bytes > self.planner_cache_bytes and len(self._pairs) > 1:
+            _, dropped = self._pairs.popitem(last=False)
+            self._cached_bytes -= dropped.counted_bytes
+        return pair, cached
+
+
+def _planner(prefill: Engine, decode: Engine) -> PairPlanner:
+    """A planner of the two engines' layouts; IncompatibleLayoutsError naming them."""
+    try:
+        return PairPlanner(prefill.layout, decode.layout)
+    except IncompatibleLayoutsError as exc:
+        name = (
+            "model_fingerprint"
+            if exc.field == "model"
+            else (exc.field if exc.field == "tp_size" else f"layout.{exc.field}")
+        )
+        raise IncompatibleLayoutsError(
+            name,
+            f"decode engine {decode.engine_id!r} cannot read from "
+            f"prefill engine {prefill.engine_id!r}: {exc.detail}",
+        ) from None
 
 
 def assemble_layout(registrations: Sequence[RankRegistration]) -> EngineLayout:

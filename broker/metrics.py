@@ -100,8 +100,8 @@ class BrokerMetrics(ServiceObserver):
         )
         self.plans = Counter(
             "pdbroker_plans_total",
-            "Plans handed out to decode ranks; cache=hit when the engine pair's planner "
-            "templates were cached.",
+            "Plans handed out to decode ranks; cache=hit when the planner of the engines' layouts "
+            "(its templates) was cached.",
             ["cache"],
             registry=r,
         )

@@ -25,7 +25,7 @@ class ServiceObserver:
 
     def plan_handed_out(self, seconds: float, plan: RankPlan, cache_hit: bool) -> None:
         """A decode rank received ``plan`` for the first time; ``seconds`` since its request
-        came, ``cache_hit`` when the engine pair's planner (its templates) was already
+        came, ``cache_hit`` when the planner of the engines' layouts (its templates) was already
         cached."""
 
     def transfer_finished(self, state: TransferState) -> None:

@@ -16,6 +16,7 @@ once: inside one page on both sides, no decode byte written twice, exactly the u
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import pairwise
@@ -60,6 +61,11 @@ class TemplateTable:
         self.ids: dict[TemplateKey, int] = {}
         self.meta = np.zeros((5, 0), dtype=_I64)
         self.runs = np.zeros((6, 0), dtype=_I64)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes its arrays and its id dict hold (the dict's keys aside)."""
+        return self.runs.nbytes + self.meta.nbytes + sys.getsizeof(self.ids)
 
     def add(
         self,

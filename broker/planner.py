@@ -252,6 +252,11 @@ class PairPlanner:
 
     # ---- public API
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes its cached templates hold (:attr:`TemplateTable.nbytes`)."""
+        return self._table.nbytes
+
     def plan(self, request: TransferRequest) -> TransferPlan:
         """Plans of every decode rank, made together: one pass over all their runs."""
         return TransferPlan(self._plan_ranks(range(self.decode.tp_size), request))

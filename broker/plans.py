@@ -29,7 +29,7 @@ class PlanWork:
     """Plans the service needs: every decode rank's (``decode_rank`` None: a claim) or one
     rank's, for ``request``. ``basis`` names what they are valid for (the transfer, both
     engines' generations, the decode block ids); ``started`` is when the request came
-    (``time.perf_counter()``) and ``cache_hit`` whether the pair's planner was cached."""
+    (``time.perf_counter()``) and ``cache_hit`` whether the planner of the pair's layouts was cached."""
 
     pair: PairPlanning
     request: TransferRequest
@@ -46,7 +46,7 @@ class PlanWork:
         )
 
     def run(self) -> Planned:
-        """Plan (any thread; one at a time per pair: the planner's cache is not shared)."""
+        """Plan (any thread; one at a time per planner: its cache is not thread-safe)."""
         with self.pair.lock:
             return self._plan()
 

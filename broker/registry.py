@@ -77,8 +77,7 @@ class Registry:
                 "(--max-metadata-bytes-per-engine)",
             )
         complete = len(siblings) + 1 == reg.tp_size
-        if complete:
-            assemble_layout([s.registration for s in siblings] + [reg])
+        layout = assemble_layout([s.registration for s in siblings] + [reg]) if complete else None
         if old is not None:
             self.remove(old, "re-registered")
         now = self.clock.now_ms()
@@ -92,6 +91,8 @@ class Registry:
         store.put_rank(record)
         self.effects.later(self.effects.observer.rank_registered, reg.role)
         generation = max([record.generation] + [s.generation for s in siblings])
+        if layout is not None:
+            self.engines.remember(reg.engine_id, generation, layout)
         return Lease(record.lease_id, limits.lease_ttl_ms, generation, complete)
 
     @atomic

@@ -98,7 +98,7 @@ class BrokerService:
             transfers.Rules(config.retention_ms, config.max_read_ms, config.max_ttl_ms),
             (config.release_backlog_bytes, config.release_backlog_total_bytes),
         )
-        self.engines = EngineCatalog(config.planner_cache_size)
+        self.engines = EngineCatalog(config.planner_cache_bytes)
         self.registry = Registry(
             self.effects,
             self.clock,
@@ -208,8 +208,8 @@ class BrokerService:
         """Hand the decode rank its plan, as a :class:`PlanTicket` to turn into descriptors.
         The first request for a transfer claims it for the decode engine and plans every
         decode rank, which fixes each prefill rank's consumers: planning of requests of at
-        most ``in_place`` block ids is done here (unless another thread plans for the same
-        engine pair), else the :class:`PlanWork` that makes the plans is returned — run it
+        most ``in_place`` block ids is done here (unless another thread plans with the same
+        planner), else the :class:`PlanWork` that makes the plans is returned — run it
         and call again with its result. A plan whose answer would exceed ``answer_bytes`` is
         refused (RESOURCE_EXHAUSTED naming ``plan``) before it is handed out."""
         started = planned.work.started if planned is not None else time.perf_counter()

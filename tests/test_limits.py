@@ -67,6 +67,7 @@ DOCUMENTED_DEFAULTS = {
     "max_transfers_per_engine": 10_000,
     "max_block_ids_per_engine": 1 << 22,
     "max_metadata_bytes_per_engine": 128 << 20,
+    "planner_cache_bytes": 256 << 20,
     "release_resume_window": 1024,  # the proto's WatchReleasesRequest.after_sequence
 }
 RELIABILITY = Path(__file__).parents[1] / "docs" / "RELIABILITY.md"

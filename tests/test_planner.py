@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
+import tracemalloc
 
 import pytest
 from test_planner_properties import check_plan_by_simulation
@@ -18,6 +20,7 @@ from broker.layout import (
 )
 from broker.models import AttentionParams, MambaParams, ModelSpec, build_engine_layout
 from broker.planner import PairPlanner, TransferRequest
+from broker.presets import resolve_model
 from harness.scenarios import build_scenario
 
 MAMBA2 = MambaParams(
@@ -331,3 +334,21 @@ def test_mla_layouts_keep_one_latent_head() -> None:
             dataclasses.replace(mla(), attention=AttentionParams(2, 576, latent=True)), 1, 4
         )
     assert err.value.field == "attention.num_kv_heads"
+
+
+def test_nbytes_is_what_its_templates_hold() -> None:
+    """``PairPlanner.nbytes`` (what the broker's planner cache is bounded by) against the
+    memory planning leaves allocated, its plans dropped: all of it but the table's keys."""
+    sc = build_scenario(resolve_model("qwen3.5-27b"), 1, 8, 32768)
+    PairPlanner(sc.prefill, sc.decode).plan(sc.request)  # numpy's first-call allocations
+    planner = PairPlanner(sc.prefill, sc.decode)
+    assert planner.nbytes < 1024
+    gc.collect()
+    tracemalloc.start()
+    try:
+        planner.plan(sc.request)
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert 0.9 * held <= planner.nbytes <= held

@@ -194,6 +194,7 @@ def test_server_side_ttls_forget_what_nobody_renews(redis_server: RedisServer) -
         service.keep_alive(lease)
     assert store.get_rank(("P", 0)) is not None and store.rank_by_lease(lease) is not None
     assert store.get_rank(("D", 0)) is None and store.engine_ranks("D") == []
+    assert store.ranks_named({"P", "D"}) == [("P", 0)]
     assert store.get_transfer(T1) is None and list(store.transfers()) == []
     assert [r.registration.key for r in store.ranks()] == [("P", 0)]
     assert store.client.smembers(store._key("ranks")) == {b"0:P"}  # index entry cleaned
@@ -201,6 +202,19 @@ def test_server_side_ttls_forget_what_nobody_renews(redis_server: RedisServer) -
     assert store.due_transfers(2**62) == []
     time.sleep(0.5)
     assert store.ranks() == [] and store.rank_by_lease(lease) is None
+
+
+def test_a_deregistered_data_parallel_rank_leaves_no_index_entry(
+    redis_server: RedisServer,
+) -> None:
+    store = redis_server.store()
+    service = BrokerService(store, FakeClock(), CONFIG)
+    sc = build_scenario(hybrid(), 1, 1, 100)
+    (lease,) = register_engine(service, sc.decode, "D_dp0", Role.DECODE, 1)
+    assert store.client.smembers(store._key("deployment", "D")) == {b"0:D_dp0"}
+    service.deregister(lease.lease_id)
+    assert store.ranks_named({"D"}) == []
+    assert not store.client.exists(store._key("deployment", "D"), store._key("engine", "D_dp0"))
 
 
 def test_release_cursor_resumes_from_another_store(redis_server: RedisServer) -> None:

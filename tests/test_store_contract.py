@@ -74,6 +74,7 @@ def snapshot(store: StateStore) -> tuple:
         store.ranks(),
         [store.rank_by_agent(r.registration.agent_name) for r in store.ranks()],
         store.count_ranks(),
+        [store.ranks_named({name}) for name in ("P", "D", "D_dp1")],
         transfers,
         store.count_transfers(),
         [store.transfers_named(name) for name in ("t1", "t2")],
@@ -134,6 +135,7 @@ def _fill(store: StateStore) -> None:
 #: Writes of every kind a unit of work may make before it fails.
 WRITES: dict[str, Callable[[StateStore], object]] = {
     "put rank": lambda s: s.put_rank(rank("Q", 0, 4)),
+    "put data-parallel rank": lambda s: s.put_rank(rank("D_dp1", 0, 5)),
     "renew lease": lambda s: s.put_rank(dataclasses.replace(rank("P", 0, 1), lease_id="new")),
     "delete rank": lambda s: s.delete_rank(("P", 1)),
     "put transfer": lambda s: s.put_transfer(transfer("P", "t2")),
@@ -178,7 +180,7 @@ def test_indexes_answer_from_the_records_put(store: StateStore) -> None:
     _fill(store)
     assert [r.key for r in store.engine_ranks("P")] == [("P", 0), ("P", 1)]
     assert store.count_ranks() == 3
-    assert store.rank_keys() == [("D", 0), ("P", 0), ("P", 1)]
+    assert store.ranks_named({"P", "D", "Q"}) == [("D", 0), ("P", 0), ("P", 1)]
     assert store.rank_by_lease("lease-P-1-2").key == ("P", 1)
     assert store.rank_by_agent("P-agent1").key == ("P", 1)
     assert store.transfers_named("t1") == [("P", "t1"), ("Q", "t1")]
@@ -194,9 +196,40 @@ def test_indexes_answer_from_the_records_put(store: StateStore) -> None:
     assert store.engine_usage("P") == (0, 0)
     store.delete_rank(("P", 1))
     assert store.rank_by_lease("lease-P-1-2") is None and store.rank_by_agent("P-agent1") is None
-    assert ("P", 1) not in store.rank_keys()
+    assert store.ranks_named({"P"}) == [("P", 0)]
     store.delete_transfer(("Q", "t1"))
     assert store.transfers_named("t1") == [("P", "t1")] and store.transfers_of("Q") == []
+
+
+def test_ranks_named_are_an_engine_and_its_data_parallel_ranks(store: StateStore) -> None:
+    for record in (
+        rank("P", 0, 1),
+        rank("P_dp0", 0, 2),
+        rank("P_dp0", 1, 3),
+        rank("P_dp1", 0, 4),
+        rank("P_dp1_dp2", 0, 5),  # rank 2 of P_dp1, not of P
+        rank("Px", 0, 6),
+        rank("D_dp0", 0, 7),
+    ):
+        store.put_rank(record)
+    p, dp0, dp1 = [("P", 0)], [("P_dp0", 0), ("P_dp0", 1)], [("P_dp1", 0)]
+    assert store.ranks_named({"P"}) == p + dp0 + dp1
+    assert store.ranks_named({"P_dp1"}) == dp1 + [("P_dp1_dp2", 0)]
+    assert store.ranks_named({"P_dp0", "D", "nobody"}) == [("D_dp0", 0)] + dp0
+    assert store.ranks_named(set()) == []
+    store.delete_rank(("P_dp0", 0))
+    assert store.ranks_named({"P"}) == p + [("P_dp0", 1)] + dp1
+    store.delete_rank(("P_dp0", 1))
+    store.delete_rank(("P", 0))
+    assert store.ranks_named({"P"}) == dp1
+
+    def put_in_a_unit() -> list:
+        store.put_rank(rank("P_dp3", 0, 8))
+        store.delete_rank(("P_dp1", 0))
+        return store.ranks_named({"P"})
+
+    assert store.transact(put_in_a_unit) == [("P_dp3", 0)]  # its own writes count
+    assert store.ranks_named({"P"}) == [("P_dp3", 0)]
 
 
 def test_due_deadlines_come_back_until_handled(store: StateStore) -> None:

@@ -147,6 +147,15 @@ _INT_OPTIONS = (
         "release events kept over all prefill ranks (bytes)",
     ),
     (
+        "--planner-cache-bytes",
+        "PDBROKER_PLANNER_CACHE_BYTES",
+        _DEFAULTS.planner_cache_bytes,
+        (
+            "templates kept by cached planners (bytes; one planner per pair of engine "
+            "layouts); the least recently used are dropped first"
+        ),
+    ),
+    (
         "--max-ranks-per-identity",
         "PDBROKER_MAX_RANKS_PER_IDENTITY",
         1024,
@@ -332,6 +341,7 @@ def run(args: argparse.Namespace) -> int:
         max_block_ids_per_engine=args.max_block_ids_per_engine,
         max_metadata_bytes_per_engine=args.max_metadata_bytes_per_engine,
         release_backlog_total_bytes=args.release_backlog_total_bytes,
+        planner_cache_bytes=args.planner_cache_bytes,
     )
     try:
         metrics, metrics_url = _metrics(args)

@@ -14,15 +14,16 @@ Storage only: no business rules, no clocks. What both stores promise, and
   units and take effect at once.
 - **Indexes for every lookup a call makes.** A call touches the records it names and those
   the indexes point it to (transfers by engine, by bare id, by plan id, by deadline; ranks
-  by engine, lease, agent name and lease deadline), never a scan of all of them; only the
-  operator listings (:meth:`~StateStore.ranks`, :meth:`~StateStore.transfers`) read all.
+  by engine, data-parallel deployment, lease, agent name and lease deadline), never a scan
+  of all of them; only the operator listings (:meth:`~StateStore.ranks`,
+  :meth:`~StateStore.transfers`) read all.
 - Getters return ``None`` for missing keys, deletes of missing keys do nothing.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import TypeVar
 
 from broker.records import RankKey, RankRecord, ReleaseEvent, TransferKey, TransferRecord
@@ -67,8 +68,8 @@ class StateStore(ABC):
 
     @abstractmethod
     def put_rank(self, record: RankRecord) -> None:
-        """Insert or replace the rank at ``record.key``; index its engine, lease, agent name
-        and lease expiry."""
+        """Insert or replace the rank at ``record.key``; index its engine (and data-parallel
+        deployment), lease, agent name and lease expiry."""
 
     @abstractmethod
     def get_rank(self, key: RankKey) -> RankRecord | None: ...
@@ -92,9 +93,12 @@ class StateStore(ABC):
     def count_ranks(self) -> int: ...
 
     @abstractmethod
-    def rank_keys(self) -> list[RankKey]:
-        """Every registered rank's key, sorted, read without the records (checks over every
-        rank; in a unit of work its own writes may not count yet)."""
+    def ranks_named(self, names: Collection[str]) -> list[RankKey]:
+        """Keys, sorted, of the registered ranks of every engine one of ``names`` names
+        (:func:`~broker.wire.names_engine`: the engine itself, or a data-parallel rank
+        ``NAME_dp<N>`` of it), read through the engine and deployment indexes without the
+        records (a caller's ranks; in a unit of work its own writes count, and what it reads
+        here is not watched)."""
 
     @abstractmethod
     def due_leases(self, now_ms: int) -> list[RankKey]:

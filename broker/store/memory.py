@@ -11,13 +11,14 @@ from __future__ import annotations
 import bisect
 import heapq
 from array import array
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Collection, Hashable, Iterator
 from dataclasses import replace
 from operator import attrgetter
 from typing import Any, TypeVar
 
 from broker.records import RankKey, RankRecord, ReleaseEvent, TransferKey, TransferRecord
 from broker.store.contract import REDELIVER_MS, StateStore, held_block_ids
+from broker.wire import data_parallel_deployment
 
 T = TypeVar("T")
 _MISSING = object()
@@ -46,6 +47,8 @@ class InMemoryStateStore(StateStore):
         self._counters: dict[str, int] = {}
         self._ranks: dict[RankKey, RankRecord] = {}
         self._engines: dict[str, set[int]] = {}
+        #: Engines with registered ranks by data-parallel deployment (``X`` of ``X_dp<N>``).
+        self._deployments: dict[str, set[str]] = {}
         self._leases: dict[str, RankKey] = {}
         self._agents: dict[str, RankKey] = {}
         # (expiry, key) min-heaps; an entry is live while its table agrees with it.
@@ -155,6 +158,9 @@ class InMemoryStateStore(StateStore):
             self._pop(self._agents, old.registration.agent_name)
         self._set(self._ranks, key, record)
         self._add_to(self._engines, key[0], key[1])
+        deployment = data_parallel_deployment(key[0])
+        if deployment:
+            self._add_to(self._deployments, deployment, key[0])
         self._set(self._leases, record.lease_id, key)
         self._set(self._agents, record.registration.agent_name, key)
         if old is None or old.lease_expires_at_ms != record.lease_expires_at_ms:
@@ -177,6 +183,9 @@ class InMemoryStateStore(StateStore):
             self._pop(self._leases, record.lease_id)
             self._pop(self._agents, record.registration.agent_name)
             self._remove_from(self._engines, key[0], key[1])
+            deployment = data_parallel_deployment(key[0])
+            if deployment and key[0] not in self._engines:
+                self._remove_from(self._deployments, deployment, key[0])
 
     def engine_ranks(self, engine_id: str) -> list[RankRecord]:
         return [self._ranks[(engine_id, r)] for r in sorted(self._engines.get(engine_id, ()))]
@@ -184,8 +193,11 @@ class InMemoryStateStore(StateStore):
     def count_ranks(self) -> int:
         return len(self._ranks)
 
-    def rank_keys(self) -> list[RankKey]:
-        return sorted(self._ranks)
+    def ranks_named(self, names: Collection[str]) -> list[RankKey]:
+        engines = {name for name in names if name in self._engines}
+        for name in names:
+            engines.update(self._deployments.get(name, ()))
+        return sorted((engine, r) for engine in engines for r in self._engines[engine])
 
     def due_leases(self, now_ms: int) -> list[RankKey]:
         def expired(expires: int, key: RankKey) -> bool:

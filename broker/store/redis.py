@@ -6,8 +6,9 @@ Keys (``P`` is the prefix, ``R`` a rank ``"{tp_rank}:{engine_id}"``, ``T`` a tra
 =========================  ==========================================================
 ``P counter:NAME``         ``INCR`` counters (generations, release sequences)
 ``P rank:R``               hash: ``reg`` (registration JSON), ``meta`` (agent metadata),
-                           ``lease``, ``exp``, ``at``, ``gen``, ``agent``; sets ``P ranks``
-                           and ``P engine:ID``, sorted set ``P leases`` (by expiry)
+                           ``lease``, ``exp``, ``at``, ``gen``, ``agent``; sets ``P ranks``,
+                           ``P engine:ID``, ``P deployment:X`` (ranks of ``X_dp<N>``),
+                           sorted set ``P leases`` (by expiry)
 ``P lease:LEASE``          ``R`` of the rank holding that lease
 ``P agent:NAME``           ``R`` of the rank registered with that NIXL agent
 ``P transfer:T``           hash: ``m`` (record JSON naming its plans' token), ``d``
@@ -53,7 +54,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from typing import Any, TypeVar, cast
 
 import redis
@@ -86,6 +87,7 @@ from broker.store.redis_unit import (
     rank_member,
     transfer_member,
 )
+from broker.wire import data_parallel_deployment, names_engine
 
 T = TypeVar("T")
 
@@ -220,6 +222,7 @@ class RedisStateStore(StateStore):
             self._key("backlog", member),
             self._key("agent", reg.agent_name),
             self._key("leases"),
+            *self._deployment_key(key[0]),
         ]
         args = [
             member,
@@ -270,6 +273,7 @@ class RedisStateStore(StateStore):
             self._key("ranks"),
             self._key("engine", key[0]),
             self._key("leases"),
+            *self._deployment_key(key[0]),
         ]
         args = [rank_member(key), key[1], self._prefix_of("lease"), self._prefix_of("agent")]
         if self._unit is not None:
@@ -294,8 +298,18 @@ class RedisStateStore(StateStore):
         """Registered ranks (in a unit of work, not counting its own writes)."""
         return int(self.client.scard(self._key("ranks")))
 
-    def rank_keys(self) -> list[RankKey]:
-        return sorted(parse_rank(m) for m in self.client.smembers(self._key("ranks")))
+    def _deployment_key(self, engine_id: str) -> list[bytes]:
+        """``P deployment:X`` of a data-parallel rank ``X_dp<N>`` (none for other engines)."""
+        return [self._key("deployment", d) for d in [data_parallel_deployment(engine_id)] if d]
+
+    def ranks_named(self, names: Collection[str]) -> list[RankKey]:
+        ordered = list(names)
+        keys = [self._key(index, name) for name in ordered for index in ("engine", "deployment")]
+        members = self._run("named", keys, [self._prefix_of("rank"), *ordered], self.client)
+        pending = {} if self._unit is None else self._unit.ranks
+        found = {parse_rank(m) for m in members} - pending.keys()
+        found.update(k for k, r in pending.items() if r is not None and names_engine(names, k[0]))
+        return sorted(found)
 
     def due_leases(self, now_ms: int) -> list[RankKey]:
         args = [now_ms, self._prefix_of("rank")]

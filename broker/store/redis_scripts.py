@@ -4,7 +4,8 @@ and its index entries in step in one round trip. Key names follow the table in
 
 from __future__ import annotations
 
-# KEYS: rank, ranks, engine, lease, stream, cursor, contacts, backlog, agent, leases
+# KEYS: rank, ranks, engine, lease, stream, cursor, contacts, backlog, agent, leases, and the
+#       deployment index of a data-parallel rank's engine
 # ARGV: member, tp_rank, registration, metadata, lease_id, expires, registered, generation,
 #       ttl_ms, lease prefix, agent prefix, agent name
 PUT_RANK = """
@@ -18,11 +19,13 @@ redis.call('SET', KEYS[9], ARGV[1], 'PX', ARGV[9])
 redis.call('SADD', KEYS[2], ARGV[1])
 redis.call('SADD', KEYS[3], ARGV[2])
 redis.call('ZADD', KEYS[10], ARGV[6], ARGV[1])
+if KEYS[11] then redis.call('SADD', KEYS[11], ARGV[1]) end
 for i = 1, 8 do
   if i ~= 2 and i ~= 3 then redis.call('PEXPIRE', KEYS[i], ARGV[9]) end
 end
 """
-# KEYS: rank, ranks, engine, leases; ARGV: member, tp_rank, lease prefix, agent prefix
+# KEYS: rank, ranks, engine, leases, and the deployment index of a data-parallel rank's engine
+# ARGV: member, tp_rank, lease prefix, agent prefix
 DELETE_RANK = """
 local lease, agent = unpack(redis.call('HMGET', KEYS[1], 'lease', 'agent'))
 if lease then redis.call('DEL', ARGV[3] .. lease) end
@@ -31,6 +34,21 @@ redis.call('DEL', KEYS[1])
 redis.call('SREM', KEYS[2], ARGV[1])
 redis.call('SREM', KEYS[3], ARGV[2])
 redis.call('ZREM', KEYS[4], ARGV[1])
+if KEYS[5] then redis.call('SREM', KEYS[5], ARGV[1]) end
+"""
+# KEYS: the engine index and the deployment index of each name; ARGV: rank key prefix, then
+# the names. Returns the members of the ranks those indexes name whose record Redis still
+# holds.
+NAMED = """
+local found = {}
+local function add_live(member)
+  if redis.call('EXISTS', ARGV[1] .. member) == 1 then table.insert(found, member) end
+end
+for i = 2, #ARGV do
+  for _, tp in ipairs(redis.call('SMEMBERS', KEYS[2 * i - 3])) do add_live(tp .. ':' .. ARGV[i]) end
+  for _, member in ipairs(redis.call('SMEMBERS', KEYS[2 * i - 2])) do add_live(member) end
+end
+return found
 """
 # KEYS: engine; ARGV: rank key prefix, engine id. Returns [tp_rank, reg, meta, lease, exp, at,
 # gen] per member of the engine's set.
@@ -223,6 +241,7 @@ SCRIPTS = {
     "put_rank": PUT_RANK,
     "delete_rank": DELETE_RANK,
     "engine": ENGINE,
+    "named": NAMED,
     "put_transfer": PUT_TRANSFER,
     "delete_transfer": DELETE_TRANSFER,
     "due": DUE,

@@ -1,0 +1,214 @@
+"""What a call costs does not grow with the cluster: engines of equal layouts share one
+planner (its templates), the planner cache is bounded in bytes, and registration and
+authorization read the caller's own ranks only. On both stores."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from broker_helpers import FakeClock, assert_inside_regions, hybrid, register_engine, registration
+
+import broker.engines
+from broker.api import PlanQuery, PlanResult, Publication
+from broker.auth import AccessGuard, Authenticator, Identity
+from broker.config import ServiceConfig
+from broker.errors import IncompatibleLayoutsError, LimitExceededError
+from broker.observer import ServiceObserver
+from broker.planner import PairPlanner, RankPlan
+from broker.service import BrokerService
+from broker.store.contract import StateStore
+from broker.wire import Role
+from harness.scenarios import Scenario, build_scenario
+
+#: Every test runs against the in-memory store and against Redis (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("default_store")
+SC = build_scenario(hybrid(), 2, 2, 100)
+
+
+class FirstAsks(ServiceObserver):
+    """Whether each plan handed out found its planner cached."""
+
+    def __init__(self) -> None:
+        self.cache_hits: list[bool] = []
+
+    def plan_handed_out(self, seconds: float, plan: RankPlan, cache_hit: bool) -> None:
+        self.cache_hits.append(cache_hit)
+
+
+def first_ask(service: BrokerService, sc: Scenario, decode: str, transfer_id: str) -> PlanResult:
+    """Publish a transfer from ``P`` and have rank 0 of ``decode`` ask for it (claiming it:
+    every decode rank is planned)."""
+    service.publish(
+        Publication(transfer_id, "P", sc.request.prefill_block_ids, sc.request.num_tokens)
+    )
+    return service.get_plan(PlanQuery(transfer_id, decode, 0, sc.request.decode_block_ids))
+
+
+def make_service(**config: int) -> tuple[BrokerService, FirstAsks]:
+    observer = FirstAsks()
+    service = BrokerService(clock=FakeClock(), config=ServiceConfig(**config), observer=observer)
+    return service, observer
+
+
+def test_engines_of_equal_layouts_share_the_planner_and_keep_their_addresses() -> None:
+    service, observer = make_service()
+    bigger = build_scenario(hybrid(), 2, 2, 100, decode_offset=8)  # 8 more decode blocks
+    register_engine(service, SC.prefill, "P", Role.PREFILL, 0)
+    register_engine(service, SC.decode, "D1", Role.DECODE, 1)
+    register_engine(service, SC.decode, "D2", Role.DECODE, 2)
+    register_engine(service, bigger.decode, "D3", Role.DECODE, 3)
+    first_ask(service, SC, "D1", "t1")
+    result = first_ask(service, SC, "D2", "t2")
+    first_ask(service, bigger, "D3", "t3")
+    assert observer.cache_hits == [False, True, False]
+    expected = PairPlanner(SC.prefill, SC.decode).plan_rank(0, SC.request)
+    assert result.total_bytes == expected.nbytes
+    for source in result.sources:  # D2's and P's regions, not those of D1
+        assert_inside_regions(
+            source.local, registration(SC.decode, "D2", Role.DECODE, 0, 2).regions
+        )
+        assert_inside_regions(
+            source.remote,
+            registration(SC.prefill, "P", Role.PREFILL, source.prefill_rank, 0).regions,
+        )
+
+
+def test_a_layout_digest_is_computed_once_per_engine_generation(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """When an engine's last rank registers, not on the plan path."""
+    digested: list[int] = []
+    digest = broker.engines.layout_digest
+    monkeypatch.setattr(
+        broker.engines, "layout_digest", lambda layout: digested.append(1) or digest(layout)
+    )
+    service, observer = make_service()
+    register_engine(service, SC.prefill, "P", Role.PREFILL, 0)
+    register_engine(service, SC.decode, "D1", Role.DECODE, 1)
+    register_engine(service, SC.decode, "D2", Role.DECODE, 2)
+    assert len(digested) == 3
+    for i, decode in enumerate(("D1", "D2", "D1")):
+        first_ask(service, SC, decode, f"t{i}")
+    assert len(digested) == 3
+    service.register_rank(registration(SC.decode, "D1", Role.DECODE, 1, 1))  # a new generation
+    first_ask(service, SC, "D1", "t3")
+    assert len(digested) == 4
+    assert observer.cache_hits[-1]
+
+
+def test_the_planner_cache_drops_the_least_recently_used_past_its_bytes() -> None:
+    """Three decode layouts whose planners hold ``size`` bytes each once planned; the cache
+    holds two and a half. A planner is counted when it is handed out and on the next ask
+    (its planning done), so the third one pushes out the least recently used then."""
+    scenarios = {
+        name: build_scenario(hybrid(), 2, 2, 100, decode_offset=offset)
+        for name, offset in (("A", 0), ("B", 8), ("C", 16))
+    }
+    sizes = set()
+    for sc in scenarios.values():
+        planner = PairPlanner(sc.prefill, sc.decode)
+        planner.plan(sc.request)
+        sizes.add(planner.nbytes)
+    (size,) = sizes
+    service, observer = make_service(planner_cache_bytes=size * 5 // 2)
+    register_engine(service, SC.prefill, "P", Role.PREFILL, 0)
+    for i, (name, sc) in enumerate(scenarios.items()):
+        register_engine(service, sc.decode, name, Role.DECODE, i + 1)
+    for i, name in enumerate("ABACABC"):
+        first_ask(service, scenarios[name], name, f"t{i}")
+    # B is dropped when A is asked again (C then counted), A when C is (B then counted).
+    assert observer.cache_hits == [False, False, True, False, True, False, True]
+    assert service.engines.cached_bytes <= size * 5 // 2
+
+
+def test_incompatible_layouts_name_the_engines_asking_even_when_shared() -> None:
+    service, observer = make_service()
+    other = build_scenario(hybrid(kv_heads=8, name="other"), 2, 2, 100)
+    register_engine(service, SC.prefill, "P", Role.PREFILL, 0)
+    register_engine(service, other.decode, "X1", Role.DECODE, 1)
+    register_engine(service, other.decode, "X2", Role.DECODE, 2)
+    for i, decode in enumerate(("X1", "X2", "X1")):
+        with pytest.raises(IncompatibleLayoutsError) as err:
+            first_ask(service, SC, decode, f"t{i}")
+        assert err.value.field == "model_fingerprint"
+        (sharer,) = {"X1", "X2"} - {decode}
+        assert f"decode engine {decode!r} cannot read from prefill engine 'P'" in str(err.value)
+        assert repr(sharer) not in str(err.value)
+    assert observer.cache_hits == []
+
+
+# --------------------------------------------------------------------------- registration
+
+
+class CountingStore:
+    """A real store whose calls count the rows they hand back: the records or keys of a
+    list, one for any other answer."""
+
+    def __init__(self, store: StateStore) -> None:
+        self.store = store
+        self.rows = 0
+        self.calls: Counter[str] = Counter()
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.store, name)
+        if name.startswith("_") or not callable(attr):
+            return attr
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            answer = attr(*args, **kwargs)
+            self.calls[name] += 1
+            self.rows += len(answer) if isinstance(answer, list) else answer is not None
+            return answer
+
+        return counted
+
+    def reset(self) -> None:
+        self.rows = 0
+        self.calls.clear()
+
+
+def reads_of(calls: Callable[[BrokerService, AccessGuard], object], unrelated: int) -> Counter:
+    """Rows and calls the store answers ``calls`` with, after ``unrelated`` TP1 engines of
+    other callers registered."""
+    store = CountingStore(BrokerService().store)
+    service = BrokerService(store, FakeClock(), ServiceConfig(max_ranks=1024))
+    guard = AccessGuard(Authenticator(False, None), store, max_ranks_per_identity=3)
+    tp1 = build_scenario(hybrid(), 1, 1, 100)
+    for i in range(unrelated):
+        register_engine(service, tp1.decode, f"U{i}_dp0", Role.DECODE, 8 + i)
+    register_engine(service, SC.prefill, "P", Role.PREFILL, 0)
+    service.register_rank(registration(SC.decode, "X_dp0", Role.DECODE, 0, 1))
+    store.reset()
+    calls(service, guard)
+    return store.calls + Counter(rows=store.rows)
+
+
+def register_as_x(service: BrokerService, guard: AccessGuard) -> None:
+    """X registers rank 1 of X_dp0 and rank 0 of X_dp1; its quota of 3 then refuses a fourth
+    rank but lets one of its ranks register again."""
+    x = Identity(frozenset({"X"}))
+    for engine, rank in (("X_dp0", 1), ("X_dp1", 0)):
+        guard.register(x, engine, rank)
+        service.register_rank(registration(SC.decode, engine, Role.DECODE, rank, 2 + rank))
+    with pytest.raises(LimitExceededError, match="holds 3 registered ranks"):
+        guard.register(x, "X_dp1", 1)
+    guard.register(x, "X_dp0", 0)
+
+
+def see_as_x(service: BrokerService, guard: AccessGuard) -> None:
+    """X, whose X_dp0 may read a transfer nobody claimed yet, is one of its parties."""
+    service.publish(Publication("t1", "P", SC.request.prefill_block_ids, 100))
+    assert guard.see_transfer(Identity(frozenset({"X"})), "t1") == "P"
+
+
+@pytest.mark.parametrize("calls", [register_as_x, see_as_x])
+def test_registration_and_authorization_read_only_the_callers_ranks(
+    calls: Callable[[BrokerService, AccessGuard], object],
+) -> None:
+    alone = reads_of(calls, 0)
+    among_others = reads_of(calls, 200)
+    assert among_others == alone
+    assert not {"ranks", "transfers"} & set(alone)  # no operator listing
