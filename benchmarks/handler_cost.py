@@ -26,7 +26,7 @@ from broker.service import BrokerService
 from broker.servicer import BrokerServicer
 from broker.v1 import broker_pb2 as pb
 from broker.wire import Role
-from harness.control_plane_bench import DECODE_ADDR, PREFILL_ADDR, registrations
+from harness.bench_engines import DECODE_ADDR, PREFILL_ADDR, registrations
 from harness.scenarios import build_scenario
 
 
