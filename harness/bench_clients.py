@@ -1,7 +1,7 @@
 """The timed decode clients of the control-plane benchmark
 (:mod:`harness.control_plane_bench`): each an :class:`~clients.decode.AsyncDecodeClient` on
 its own channel, spread over a few processes, asking for plans, checking each as a rank does
-before posting its reads (:func:`~clients.decode.check_plan`), then reporting them.
+before posting its reads (:func:`~clients.plan_check.check_plan`), then reporting them.
 
 At batch 1 each client asks one plan per call (``GetTransferPlan``) and hosts the ranks it
 asks as (:func:`client_ranks`), as a decode engine's worker processes do; at batch *K* each
@@ -29,7 +29,8 @@ import numpy as np
 
 from broker.layout import EngineLayout
 from broker.v1 import broker_pb2 as pb
-from clients.decode import AsyncDecodeClient, PlanAsk, PlanReport, check_plan
+from clients.decode import AsyncDecodeClient, PlanAsk, PlanReport
+from clients.plan_check import check_plan
 from clients.protocol import BrokerCallError, call
 from clients.transport import NoMemoryTransport, fake_memory
 from harness.bench_engines import (
@@ -214,7 +215,7 @@ class _BenchClient:
 
         def check(held: list[Held]) -> None:
             for rank, plan in held:
-                check_plan(plan, self.client.sessions[rank].regions, rank)
+                check_plan(plan, self.client.sessions[rank].region_index, rank)
             self.held += held
 
         return await _timed_calls(
