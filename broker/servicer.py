@@ -334,7 +334,8 @@ class BrokerServicer(pb_grpc.BrokerServicer):
 
     async def ReportTransfers(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         """Each report is recorded as :meth:`ReportTransfer` records one, in order, and
-        answered on its own."""
+        answered on its own; in the trace context of its ``traceparent`` (the reporting
+        rank's span) when it names one, else of the call."""
         try:
             request = await self.parsed(request)
             who = self.authorize(context, _caller, request)
@@ -351,7 +352,11 @@ class BrokerServicer(pb_grpc.BrokerServicer):
                 if self.guard is not None:
                     self.guard.report_plan(who, entry.plan_id)
                 report = convert.report_from_proto(entry)
-                outcome = self.in_context(context, self.service.report, report)
+                if self.traced and entry.traceparent:  # the reporting rank's span
+                    with tracing.attached(tracing.context_from_traceparent(entry.traceparent)):
+                        outcome = self.service.report(report)
+                else:
+                    outcome = self.in_context(context, self.service.report, report)
                 convert.outcome_to_proto(outcome, into=result.outcome)
             except Exception as exc:  # noqa: BLE001 - an entry's failure is its answer
                 result.code, result.message = await _entry_refusal(context, exc, "reports", i)

@@ -156,12 +156,6 @@ class AsyncDecodeClient(AsyncEngineClient):
         results: dict[int, RankFetch | BaseException] = {
             i: plan for i, plan in enumerate(plans) if isinstance(plan, BrokerCallError)
         }
-        reports = [
-            PlanReport(
-                jobs[i][1].tp_rank, plan.plan_id, plan.total_bytes, read_end - planned, error
-            )
-            for (i, plan), (error, _, read_end) in zip(read_jobs, reads)
-        ]
         spans = [
             tracing.start_span(
                 "decode.report",
@@ -169,6 +163,17 @@ class AsyncDecodeClient(AsyncEngineClient):
                 _report_attributes(jobs[i][0].transfer_id, jobs[i][1].tp_rank, error),
             )
             for (i, plan), (error, _, _) in zip(read_jobs, reads)
+        ]
+        reports = [
+            PlanReport(
+                jobs[i][1].tp_rank,
+                plan.plan_id,
+                plan.total_bytes,
+                read_end - planned,
+                error,
+                tracing.span_traceparent(span),
+            )
+            for (i, plan), (error, _, read_end), span in zip(read_jobs, reads, spans)
         ]
         reported_at = time.monotonic()
         try:
@@ -189,7 +194,7 @@ class AsyncDecodeClient(AsyncEngineClient):
                     span.set_attribute("pdbroker.intact", outcome.intact)
                 tracing.end_span(span)
                 _check_usable(plan, outcome, failure)
-                results[i] = _rank_fetch(
+                results[i] = RankFetch.of(
                     jobs[i][1].tp_rank,
                     plan,
                     planned - started,
@@ -239,7 +244,9 @@ class AsyncDecodeClient(AsyncEngineClient):
             self.stub,
             self.engine_id,
             [
-                self._report_request(r.tp_rank, r.plan_id, r.nbytes, r.duration_s, r.error)
+                self._report_request(
+                    r.tp_rank, r.plan_id, r.nbytes, r.duration_s, r.error, r.traceparent
+                )
                 for r in reports
             ],
             self.call_timeout_s,
@@ -273,7 +280,13 @@ class AsyncDecodeClient(AsyncEngineClient):
         )
 
     def _report_request(
-        self, tp_rank: int, plan_id: str, nbytes: int, duration_s: float, error: str
+        self,
+        tp_rank: int,
+        plan_id: str,
+        nbytes: int,
+        duration_s: float,
+        error: str,
+        traceparent: str = "",
     ) -> pb.ReportTransferRequest:
         return pb.ReportTransferRequest(
             plan_id=plan_id,
@@ -283,6 +296,7 @@ class AsyncDecodeClient(AsyncEngineClient):
             bytes_moved=0 if error else nbytes,
             duration_us=int(duration_s * 1e6),
             error=error[: LIMITS.max_text_chars],
+            traceparent=traceparent,
         )
 
     def _session(self, tp_rank: int) -> RankSession:
@@ -400,7 +414,7 @@ class AsyncDecodeClient(AsyncEngineClient):
             if span is not None:
                 span.set_attribute("pdbroker.intact", outcome.intact)
         _check_usable(plan, outcome, failure)
-        return _rank_fetch(
+        return RankFetch.of(
             session.tp_rank,
             plan,
             planned - started,
@@ -509,29 +523,6 @@ def _check_usable(
         )
 
 
-def _rank_fetch(
-    tp_rank: int,
-    plan: pb.GetTransferPlanResponse,
-    plan_s: float,
-    read_s: float,
-    report_s: float,
-    reported_at: float,
-) -> RankFetch:
-    return RankFetch(
-        tp_rank,
-        plan.plan_id,
-        tuple(s.prefill_rank for s in plan.sources),
-        plan.total_bytes,
-        plan.num_descriptors,
-        plan.naive_bytes,
-        plan.vllm_descriptors,
-        plan_s,
-        read_s,
-        report_s,
-        reported_at,
-    )
-
-
 def _load_agent(session: RankSession, source: pb.SourcePlan) -> None:
     """Load the metadata of ``source``'s prefill agent when the plan carries it."""
     if source.remote_agent_metadata:
@@ -581,6 +572,11 @@ class DecodeClient(BlockingEngineClient):
                 transfer_id, block_ids, timeout_s, prefill_engine_id=prefill_engine_id
             )
         )
+
+    def fetch_many(
+        self, asks: Sequence[FetchAsk], timeout_s: float | None = None
+    ) -> list[Fetch | FetchError]:
+        return self._run(self._async.fetch_many(asks, timeout_s))
 
     def extend(
         self, transfers: Sequence[tuple[str, str]]

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from broker.v1 import broker_pb2 as pb
 from clients.transport import TransferError
 
 
@@ -28,6 +29,31 @@ class RankFetch:
     read_s: float
     report_s: float
     reported_at: float
+
+    @classmethod
+    def of(
+        cls,
+        tp_rank: int,
+        plan: pb.GetTransferPlanResponse,
+        plan_s: float,
+        read_s: float,
+        report_s: float,
+        reported_at: float,
+    ) -> RankFetch:
+        """Rank ``tp_rank``'s part, read by ``plan``."""
+        return cls(
+            tp_rank,
+            plan.plan_id,
+            tuple(s.prefill_rank for s in plan.sources),
+            plan.total_bytes,
+            plan.num_descriptors,
+            plan.naive_bytes,
+            plan.vllm_descriptors,
+            plan_s,
+            read_s,
+            report_s,
+            reported_at,
+        )
 
 
 @dataclass(frozen=True)
@@ -68,14 +94,17 @@ class PlanAsk:
 
 @dataclass(frozen=True)
 class PlanReport:
-    """One hosted rank's report of a plan, for :meth:`~clients.decode.AsyncDecodeClient.report_many`: DONE
-    with ``nbytes`` moved in ``duration_s``, or FAILED with ``error`` when one is given."""
+    """One hosted rank's report of a plan, for
+    :meth:`~clients.decode.AsyncDecodeClient.report_many`: DONE with ``nbytes`` moved in
+    ``duration_s``, or FAILED with ``error`` when one is given; ``traceparent``: the span the
+    broker records the report under (the rank's ``decode.report``; '' for the call's)."""
 
     tp_rank: int
     plan_id: str
     nbytes: int = 0
     duration_s: float = 0.0
     error: str = ""
+    traceparent: str = ""
 
 
 class TransferEnded(TransferError):

@@ -166,11 +166,14 @@ def test_nothing_left_registered(fleet: FleetReport) -> None:
     assert fleet.leftover_engines == ()
 
 
-def test_demo_command_verifies_real_models_and_prints_a_trace() -> None:
+@pytest.mark.parametrize("flags", [(), ("--per-rank",)], ids=["batched", "per-rank"])
+def test_demo_command_verifies_real_models_and_prints_a_trace(flags: tuple[str, ...]) -> None:
     """``pdbroker demo --trace``: Nemotron-3-Nano P2→D2 and Qwen3.5-0.8B P1→D2, real preset
-    layouts; the span tree of the first transfer (P2→D2) gathered from all three processes."""
+    layouts; the span tree of the first transfer (P2→D2) gathered from all three processes,
+    the same whether decode fetches batched (the default: each report of a batched call
+    names its rank's span) or rank by rank."""
     done = subprocess.run(
-        [sys.executable, "-m", "broker.cli", "demo", "--requests", "2", "--trace"],
+        [sys.executable, "-m", "broker.cli", "demo", "--requests", "2", "--trace", *flags],
         check=False,
         capture_output=True,
         text=True,

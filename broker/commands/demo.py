@@ -3,6 +3,8 @@ with real NIXL agents (UCX over loopback, DRAM) and real model layouts move N re
 publish → plan → NIXL read → report → release; decode checks every byte of its memory against
 what its own layout says it must hold. Exits 0 only if every byte matched and every release
 arrived; the last line is ``demo: <N> transfers, <B> bytes verified, <M> mismatches``.
+Decode asks for the plans of every rank of the requests waiting for it in one call and
+reports them in one call; ``--per-rank`` makes one call per rank instead.
 
 With ``--trace`` every process exports its spans over OTLP to a receiver inside the demo,
 which then prints the span tree of the first transfer, one span per line:
@@ -55,6 +57,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "starting one; engines fail over between them",
     )
     p.add_argument(
+        "--per-rank",
+        action="store_true",
+        help="decode fetches one request at a time, one GetTransferPlan and one "
+        "ReportTransfer per rank (default: every waiting request's ranks in one "
+        "GetTransferPlans and one ReportTransfers call)",
+    )
+    p.add_argument(
         "--trace",
         action="store_true",
         help="trace every process into a receiver in the demo and print the span tree "
@@ -88,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
                 seed=args.seed,
                 on_progress=_progress_bar,
                 broker=brokers,
+                per_rank=args.per_rank,
             )
             spans = receiver.spans()  # complete: every process flushed its spans on exit
     else:
@@ -98,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             on_progress=_progress_bar,
             broker=brokers,
+            per_rank=args.per_rank,
         )
     print(file=sys.stderr)
     print(format_report(report))
