@@ -25,12 +25,12 @@ way, through the same client: what Python gRPC alone costs on the machine at tha
 The machinery: :mod:`harness.bench_engines` (the broker process, ``P`` and ``D``) and
 :mod:`harness.bench_clients` (the timed clients).
 
-First contact: a brand-new decode engine registers all its ranks and gets its first plan of
-a published transfer, timed until it is in hand with the prefill ranks' agent metadata:
-per rank (one client per rank, each on its own new channel, concurrently, as separate worker
-processes would; rank 0 asks ``GetTransferPlan``), and batched (one client hosting every
-rank asks every rank's plan in one ``GetTransferPlans`` call), new engines alternating
-between the two.
+First contact: a brand-new decode engine registers all its ranks and gets every rank's plan
+of a published transfer, timed until they are in hand with the prefill ranks' agent
+metadata: per rank (one client per rank, each on its own new channel, concurrently, as
+separate worker processes would, each asking ``GetTransferPlan`` for its rank), and batched
+(one client hosting every rank asks every rank's plan in one ``GetTransferPlans`` call), new
+engines alternating between the two.
 
 Calls per transfer (:func:`calls_per_transfer`): the unary calls a prefill and a decode
 engine make to move one transfer, counted at the clients, fetching rank by rank
@@ -90,9 +90,9 @@ async def _first_contact(
     address: str, sc: Scenario, engine_id: str, transfer_id: str, batched: bool
 ) -> tuple[float, float]:
     """Seconds from ``engine_id``'s first RegisterRank to all its ranks registered and to
-    its first plan of ``transfer_id`` in hand, with every source's agent metadata: rank 0's
-    (one client per rank), or every rank's from one ``GetTransferPlans`` call of one client
-    hosting them all (``batched``)."""
+    every rank's plan of ``transfer_id`` in hand, with every source's agent metadata: one
+    client per rank, each asking ``GetTransferPlan`` for its rank at once, or one client
+    hosting every rank asking one ``GetTransferPlans`` call (``batched``)."""
     transport = NoMemoryTransport(AGENT_METADATA_BYTES)
     memory = fake_memory(sc.decode, DECODE_ADDR)
     hosted = [memory] if batched else [{r: memory[r]} for r in range(sc.decode.tp_size)]
@@ -116,7 +116,9 @@ async def _first_contact(
             asks = [PlanAsk(r, transfer_id, ids) for r in range(sc.decode.tp_size)]
             plans = await clients[0].plans(asks)
         else:
-            plans = [await clients[0].plan(0, transfer_id, ids)]
+            plans = await asyncio.gather(
+                *(c.plan(r, transfer_id, ids) for r, c in enumerate(clients))
+            )
         elapsed = time.perf_counter() - start
     finally:
         await asyncio.gather(*(c.close() for c in clients))

@@ -32,8 +32,8 @@ def add_control_plane(kinds: argparse._SubParsersAction) -> argparse.ArgumentPar
         default=[1, 4, 16, 64],
         help="comma-separated entries per plan and per report call, each timed at every "
         "client count (default 1,4,16,64); 1 is the unary path (GetTransferPlan, "
-        "ReportTransfer), which always runs, as does the realistic batch (every rank of 8 "
-        "transfers)",
+        "ReportTransfer), which always runs, and with any larger batch so does the realistic "
+        "one (every rank of 8 transfers)",
     )
     control.add_argument("--seconds", type=float, default=3.0, help="timed per stage")
     control.add_argument(
@@ -110,7 +110,8 @@ def run_control_plane(args: argparse.Namespace) -> int:
     model = resolve_model(args.model)
     sc = build_scenario(model, args.prefill_tp, args.decode_tp, args.tokens)
     count_sc = build_scenario(model, COUNTED_TP, COUNTED_TP, args.tokens)
-    batches = sorted({1, realistic_batch(args.decode_tp), *args.batch})
+    batched = {realistic_batch(args.decode_tp)} if max(args.batch) > 1 else set()
+    batches = sorted({1, *batched, *args.batch})
     vllm_us = None
     if not args.no_vllm and importlib.util.find_spec("vllm") is not None:
         vllm_us = round(vllm_decode_us(args.model, sc), 1)
@@ -246,8 +247,7 @@ def _control_plane_table(r: dict) -> str:
     for way, fc in r["first_contact"].items():
         lines.append(
             f"first contact, {way.replace('_', ' ')} (new decode engine, "
-            f"{r['decode_tp']} ranks registered -> "
-            f"{'every rank' if way == 'batched' else 'rank 0'}'s first plan): median "
+            f"{r['decode_tp']} ranks registered -> every rank's first plan): median "
             f"{fc['median_ms']} ms (registered after {fc['registered_median_ms']} ms), "
             f"p90 {fc['p90_ms']} ms, max {fc['max_ms']} ms over {fc['pairs']} pairs"
         )
