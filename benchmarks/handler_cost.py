@@ -1,15 +1,13 @@
-"""What ``GetTransferPlan`` costs the broker without gRPC's transport: request bytes parsed,
-the method as the server serves it (:mod:`broker.server`'s per-method wrapper), the response
-serialized, in one process; side by side, the same with the per-RPC metrics
-(``grpc_server_*``, :class:`broker.metrics.MethodMetrics`) counting every call.
+"""What plans and reports cost the broker without gRPC, unary and batched: request bytes
+parsed, the servicer method, the response serialized, in one process.
 
-A Nemotron-3-Nano TP2 prefill and TP2 decode engine register (fake addresses), ``--transfers``
-transfers of ``--tokens`` tokens are published, then every transfer is asked for by both
-decode ranks in turn, as in serving: the first ask claims the transfer and plans both ranks,
-the second only hands out its plan. Transfers alternate between the plain and the counted
-handler, so both share the machine's minute. Prints the lowest of ``--trials`` median times
-of first and of second asks of each, their ratio, and what the metrics' bookkeeping costs a call
-timed alone.
+A Nemotron-3-Nano TP2 prefill and TP2 decode engine register (fake addresses) and transfers
+of ``--tokens`` tokens are published. Each way then plans every rank of fresh transfers, as
+in serving (a transfer's first ask claims it and plans both ranks, the second only hands out
+its plan), and reports every plan DONE: ``GetTransferPlan`` and ``ReportTransfer`` one entry
+a call, or ``GetTransferPlans`` and ``ReportTransfers`` ``--batch`` entries a call. The ways
+alternate trial by trial, each trial on ``--transfers`` fresh transfers; printed: the lowest
+of ``--trials`` CPU times per rank-plan and per report, and their ratios.
 
     .venv/bin/python benchmarks/handler_cost.py
 """
@@ -18,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import statistics
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -27,50 +24,45 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from grpc import StatusCode
-
 from broker import convert
 from broker.config import ServiceConfig
-from broker.limits import max_request_bytes_of
-from broker.metrics import BrokerMetrics
 from broker.presets import resolve_model
-from broker.server import SERVICE_NAME, _lenient, _serializer, _served
 from broker.service import BrokerService
 from broker.servicer import BrokerServicer
 from broker.v1 import broker_pb2 as pb
 from broker.wire import Role
-from harness.control_plane_bench import DECODE_ADDR, PREFILL_ADDR, registrations
+from harness.bench_engines import DECODE_ADDR, PREFILL_ADDR, registrations
 from harness.scenarios import build_scenario
 
-MODES = ("plain", "counted")
+
+class Context:
+    """The servicer context a call without gRPC needs: no metadata; an abort raises."""
+
+    def invocation_metadata(self) -> tuple[()]:
+        return ()
+
+    async def abort(self, code: Any, details: str, trailing_metadata: Any = ()) -> None:
+        raise RuntimeError(f"{code}: {details}")
 
 
-def bookkeeping_us(iterations: int = 200_000) -> float:
-    """Microseconds a call's metrics cost alone (started, handled OK, its time observed):
-    the lowest of 5 means of ``iterations`` calls."""
-    method = BrokerMetrics().method("unary", SERVICE_NAME, "GetTransferPlan")
-    means = []
-    for _ in range(5):
-        t0 = time.perf_counter_ns()
-        for _ in range(iterations):
-            method.started.inc()
-            at = time.perf_counter()
-            method.handled(StatusCode.OK, time.perf_counter() - at)
-        means.append((time.perf_counter_ns() - t0) / iterations / 1e3)
-    return min(means)
+Plans = list[pb.GetTransferPlanResponse]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="nemotron-3-nano-30b-a3b")
     parser.add_argument("--tokens", type=int, default=32768)
-    parser.add_argument("--transfers", type=int, default=1500, help="per trial")
+    parser.add_argument("--batch", type=int, default=16, help="entries per batched call")
+    parser.add_argument("--transfers", type=int, default=400, help="per trial and way")
     parser.add_argument("--trials", type=int, default=5)
     args = parser.parse_args()
 
     sc = build_scenario(resolve_model(args.model), 2, 2, args.tokens)
-    total = args.transfers * (args.trials + 1)
-    service = BrokerService(config=ServiceConfig(max_transfers=total, default_ttl_ms=3_600_000))
+    total = args.transfers * 2 * (args.trials + 1)
+    config = ServiceConfig(
+        max_transfers=total, max_transfers_per_engine=total, default_ttl_ms=3_600_000
+    )
+    service = BrokerService(config=config)
     servicer = BrokerServicer(service)
     for request in registrations(sc.prefill, "P", Role.PREFILL, PREFILL_ADDR) + registrations(
         sc.decode, "D", Role.DECODE, DECODE_ADDR
@@ -86,53 +78,120 @@ def main() -> int:
         )
         service.publish(convert.publication_from_proto(request, ""))
     decode_ids = [pb.BlockIds(ids=g) for g in sc.request.decode_block_ids]
-    asks = [
-        [
+    context = Context()
+
+    def entries(first: int) -> list[pb.GetTransferPlanRequest]:
+        return [
             pb.GetTransferPlanRequest(
                 transfer_id=f"t{i}", engine_id="D", tp_rank=d, block_ids=decode_ids
-            ).SerializeToString()
-            for i in range(total)
+            )
+            for i in range(first, first + args.transfers)
+            for d in range(2)
         ]
-        for d in range(2)
+
+    def reports(plans: Plans) -> list[pb.ReportTransferRequest]:
+        return [
+            pb.ReportTransferRequest(
+                plan_id=p.plan_id,
+                engine_id="D",
+                tp_rank=int(p.plan_id.rsplit("-", 1)[1]),
+                status=pb.REPORT_STATUS_DONE,
+                bytes_moved=p.total_bytes,
+                duration_us=1000,
+            )
+            for p in plans
+        ]
+
+    async def unary_plans(asks: list[bytes]) -> Plans:
+        plans = []
+        for data in asks:
+            answer = await servicer.GetTransferPlan(
+                pb.GetTransferPlanRequest.FromString(data), context
+            )
+            plans.append(pb.GetTransferPlanResponse.FromString(answer.SerializeToString()))
+        return plans
+
+    async def unary_reports(asks: list[bytes]) -> None:
+        for data in asks:
+            request = pb.ReportTransferRequest.FromString(data)
+            (await servicer.ReportTransfer(request, context)).SerializeToString()
+
+    async def batched_plans(asks: list[bytes]) -> Plans:
+        plans = []
+        for data in asks:
+            request = pb.GetTransferPlansRequest.FromString(data)
+            answer = await servicer.GetTransferPlans(request, context)
+            results = pb.GetTransferPlansResponse.FromString(answer.SerializeToString()).results
+            if any(r.code for r in results):
+                raise RuntimeError(f"refused: {[r.message for r in results if r.code]}")
+            plans += [r.plan for r in results]
+        return plans
+
+    async def batched_reports(asks: list[bytes]) -> None:
+        for data in asks:
+            request = pb.ReportTransfersRequest.FromString(data)
+            (await servicer.ReportTransfers(request, context)).SerializeToString()
+
+    def unary_asks(first: int) -> list[bytes]:
+        return [e.SerializeToString() for e in entries(first)]
+
+    def batched_asks(first: int) -> list[bytes]:
+        es, k = entries(first), args.batch
+        return [
+            pb.GetTransferPlansRequest(engine_id="D", entries=es[i : i + k]).SerializeToString()
+            for i in range(0, len(es), k)
+        ]
+
+    def unary_report_asks(plans: Plans) -> list[bytes]:
+        return [r.SerializeToString() for r in reports(plans)]
+
+    def batched_report_asks(plans: Plans) -> list[bytes]:
+        rs, k = reports(plans), args.batch
+        return [
+            pb.ReportTransfersRequest(engine_id="D", reports=rs[i : i + k]).SerializeToString()
+            for i in range(0, len(rs), k)
+        ]
+
+    Way = tuple[
+        Callable[[int], list[bytes]],
+        Callable[[list[bytes]], Awaitable[Plans]],
+        Callable[[Plans], list[bytes]],
+        Callable[[list[bytes]], Awaitable[None]],
     ]
-    parse = _lenient(pb.GetTransferPlanRequest, max_request_bytes_of("GetTransferPlan"))
-    encode = _serializer(pb.GetTransferPlanResponse)
-    metrics = BrokerMetrics().method("unary", SERVICE_NAME, "GetTransferPlan")
-    handlers: dict[str, Callable[[Any, Any], Awaitable[Any]]] = {
-        "plain": _served(servicer.GetTransferPlan, False, None, ""),
-        "counted": _served(servicer.GetTransferPlan, False, metrics, ""),
+    ways: dict[str, Way] = {
+        "unary": (unary_asks, unary_plans, unary_report_asks, unary_reports),
+        f"batch {args.batch}": (batched_asks, batched_plans, batched_report_asks, batched_reports),
     }
 
-    async def trial(batch: range) -> dict[str, list[float]]:
-        """Median microseconds of first and of second asks of each mode over ``batch``."""
-        samples: dict[str, tuple[list[int], list[int]]] = {mode: ([], []) for mode in MODES}
-        for i in batch:
-            mode = MODES[i % 2]
-            handler = handlers[mode]
-            for d in range(2):
-                t0 = time.perf_counter_ns()
-                encode(await handler(parse(asks[d][i]), None))  # no context: none is read
-                samples[mode][d].append(time.perf_counter_ns() - t0)
-        return {m: [statistics.median(ns) / 1e3 for ns in samples[m]] for m in MODES}
+    async def trials() -> dict[str, list[float]]:
+        best = {name: [float("inf"), float("inf")] for name in ways}
+        first = 0
+        for trial in range(args.trials + 1):  # trial 0 warms the pair's planner up
+            for name, (asks, plan, report_asks, report) in ways.items():
+                requests = asks(first)
+                first += args.transfers
+                start = time.process_time()
+                plans = await plan(requests)
+                planned = time.process_time()
+                answers = report_asks(plans)
+                reported = time.process_time()
+                await report(answers)
+                spent = [planned - start, time.process_time() - reported]
+                if trial:
+                    best[name] = [min(b, s / len(plans) * 1e6) for b, s in zip(best[name], spent)]
+        return best
 
-    best = {mode: [float("inf"), float("inf")] for mode in MODES}
-    for t in range(args.trials + 1):  # trial 0 warms the pair's planner
-        medians = asyncio.run(trial(range(t * args.transfers, (t + 1) * args.transfers)))
-        if t:
-            best = {m: [min(b, x) for b, x in zip(best[m], medians[m])] for m in MODES}
-    per_call = {m: sum(best[m]) / 2 for m in MODES}
+    best = asyncio.run(trials())
+    unary = best["unary"]
     print(
-        f"{args.model} {args.tokens} tokens, P TP2 -> D TP2, in-process, lowest of {args.trials}:"
+        f"{args.model} {args.tokens} tokens, P TP2 -> D TP2, in process, lowest of "
+        f"{args.trials} trials, CPU us:"
     )
-    for mode in MODES:
+    for name, (plan_us, report_us) in best.items():
         print(
-            f"  {mode:>7}: first ask {best[mode][0]:.1f} us (claims, plans both ranks), "
-            f"second ask {best[mode][1]:.1f} us; {per_call[mode]:.1f} us per call"
+            f"  {name:>9}: {plan_us:7.1f} per rank-plan ({unary[0] / plan_us:4.2f}x unary), "
+            f"{report_us:6.1f} per report ({unary[1] / report_us:4.2f}x unary)"
         )
-    print(
-        f"  counted / plain: {per_call['counted'] / per_call['plain']:.3f} per call; "
-        f"the metrics alone: {bookkeeping_us():.2f} us per call"
-    )
     return 0
 
 

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from broker import tracing
 from broker.span_tracer import install_broker_tracing
-from harness.control_plane_bench import cpu_seconds
+from harness.bench_engines import cpu_seconds
 from harness.trace_receiver import TraceReceiver
 
 

@@ -43,8 +43,8 @@ from broker.presets import resolve_model
 from broker.v1 import broker_pb2 as pb
 from broker.v1 import broker_pb2_grpc as pb_grpc
 from broker.wire import Role
+from harness.bench_engines import DECODE_ADDR, PREFILL_ADDR, cpu_seconds, register
 from harness.brokers import BrokerProcess
-from harness.control_plane_bench import DECODE_ADDR, PREFILL_ADDR, cpu_seconds, register
 from harness.scenarios import Scenario, build_scenario
 from harness.trace_receiver import TraceReceiver
 

@@ -196,32 +196,36 @@ def plan_query_from_proto(msg: pb.GetTransferPlanRequest) -> PlanQuery:
     )
 
 
-def plan_to_proto(plan: PlanResult, descriptors: int | None = None) -> pb.GetTransferPlanResponse:
-    """The plan as one message; with ``descriptors``, only each source's first ones."""
-    return pb.GetTransferPlanResponse(
-        plan_id=plan.plan_id,
-        sources=[
-            pb.SourcePlan(
-                prefill_rank=s.prefill_rank,
-                remote_agent_name=s.agent_name,
-                remote_agent_metadata=s.agent_metadata,
-                local_descriptors=pack(s.local[:descriptors]),
-                remote_descriptors=pack(s.remote[:descriptors]),
-                num_descriptors=s.num_descriptors,
-                total_bytes=s.total_bytes,
-                notification=s.notification,
-                local_memory_kind=MEMORY_KIND.to_proto(s.local_memory_kind),
-                remote_memory_kind=MEMORY_KIND.to_proto(s.remote_memory_kind),
-            )
-            for s in plan.sources
-        ],
-        total_bytes=plan.total_bytes,
-        num_descriptors=plan.num_descriptors,
-        naive_bytes=plan.naive_bytes,
-        vllm_descriptors=plan.vllm_descriptors,
-        expires_at_ms=plan.expires_at_ms,
-        traceparent=plan.traceparent,
-    )
+def plan_to_proto(
+    plan: PlanResult,
+    descriptors: int | None = None,
+    into: pb.GetTransferPlanResponse | None = None,
+) -> pb.GetTransferPlanResponse:
+    """The plan as one message, written into ``into`` (a field of a batched answer, filled in
+    place rather than copied there) or a new one; with ``descriptors``, only each source's
+    first ones."""
+    msg = pb.GetTransferPlanResponse() if into is None else into
+    msg.plan_id = plan.plan_id
+    for s in plan.sources:
+        msg.sources.add(
+            prefill_rank=s.prefill_rank,
+            remote_agent_name=s.agent_name,
+            remote_agent_metadata=s.agent_metadata,
+            local_descriptors=pack(s.local[:descriptors]),
+            remote_descriptors=pack(s.remote[:descriptors]),
+            num_descriptors=s.num_descriptors,
+            total_bytes=s.total_bytes,
+            notification=s.notification,
+            local_memory_kind=MEMORY_KIND.to_proto(s.local_memory_kind),
+            remote_memory_kind=MEMORY_KIND.to_proto(s.remote_memory_kind),
+        )
+    msg.total_bytes = plan.total_bytes
+    msg.num_descriptors = plan.num_descriptors
+    msg.naive_bytes = plan.naive_bytes
+    msg.vllm_descriptors = plan.vllm_descriptors
+    msg.expires_at_ms = plan.expires_at_ms
+    msg.traceparent = plan.traceparent
+    return msg
 
 
 def plan_chunks(plan: PlanResult, chunk_bytes: int) -> Iterator[bytes]:
@@ -285,19 +289,26 @@ def check_entry_engine(entry: Any, engine_id: str) -> None:
         )
 
 
-def check_batch_block_ids(entries: Sequence[pb.GetTransferPlanRequest]) -> None:
-    """The block ids of a batch's entries together within ``max_block_ids``."""
-    total = sum(count_block_ids(e.block_ids) for e in entries)
+def batch_block_ids(entries: Sequence[pb.GetTransferPlanRequest]) -> list[int]:
+    """Each entry's block ids counted (no id read), together within ``max_block_ids``."""
+    counts = [count_block_ids(e.block_ids) for e in entries]
+    total = sum(counts)
     if total > LIMITS.max_block_ids:
         raise LimitExceededError(
             "entries", f"{total} block ids in all entries, at most {LIMITS.max_block_ids}"
         )
+    return counts
 
 
-def outcome_to_proto(outcome: ReportOutcome) -> pb.ReportTransferResponse:
-    return pb.ReportTransferResponse(
-        duplicate=outcome.duplicate, intact=outcome.intact, state=state_to_proto(outcome.state)
-    )
+def outcome_to_proto(
+    outcome: ReportOutcome, into: pb.ReportTransferResponse | None = None
+) -> pb.ReportTransferResponse:
+    """The outcome as a message, written into ``into`` (a field of a batched answer) or a
+    new one."""
+    msg = pb.ReportTransferResponse() if into is None else into
+    msg.duplicate, msg.intact = outcome.duplicate, outcome.intact
+    msg.state = state_to_proto(outcome.state)
+    return msg
 
 
 def extension_from_proto(

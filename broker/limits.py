@@ -94,7 +94,8 @@ def max_request_bytes_of(method: str, limits: Limits = LIMITS) -> int:
     if method == "GetTransferPlans":  # block ids as one request's, three ids an entry
         per_entry = 3 * 4 * limits.max_id_chars + 32
         return 10 * limits.max_block_ids + limits.max_batch_entries * per_entry + (1 << 20)
-    if method == "ReportTransfers":  # two ids and an error text (cut, not refused) an entry
-        per_entry = 2 * 4 * limits.max_id_chars + 4 * limits.max_text_chars + 64
+    if method == "ReportTransfers":  # two ids, an error text (cut, not refused) and a
+        # traceparent (55 characters) an entry
+        per_entry = 2 * 4 * limits.max_id_chars + 4 * limits.max_text_chars + 128
         return limits.max_batch_entries * per_entry + MAX_SMALL_REQUEST_BYTES
     return MAX_SMALL_REQUEST_BYTES

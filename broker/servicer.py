@@ -285,14 +285,15 @@ class BrokerServicer(pb_grpc.BrokerServicer):
     ) -> PlanResult:
         request = await self.parsed(request)
         self.authorize(context, _as_engine, request)
-        return await self._planned(request, answer_bytes)
+        return await self._planned(request, answer_bytes, count_block_ids(request.block_ids))
 
     async def _planned(
-        self, request: pb.GetTransferPlanRequest, answer_bytes: int | None
+        self, request: pb.GetTransferPlanRequest, answer_bytes: int | None, block_ids: int
     ) -> PlanResult:
-        """The decode rank's plan; the planning, descriptors and translation of large ones
-        on the worker thread, deciding on the loop (:meth:`BrokerService.plan_step`)."""
-        heavy = count_block_ids(request.block_ids) > OFFLOAD_BLOCK_IDS
+        """The decode rank's plan (its request holding ``block_ids`` block ids); the
+        planning, descriptors and translation of large ones on the worker thread, deciding
+        on the loop (:meth:`BrokerService.plan_step`)."""
+        heavy = block_ids > OFFLOAD_BLOCK_IDS
         query = await self.pure(heavy, convert.plan_query_from_proto, request)
         planned: Planned | None = None
         while True:
@@ -312,52 +313,55 @@ class BrokerServicer(pb_grpc.BrokerServicer):
             request = await self.parsed(request)
             self.authorize(context, _as_engine, request)
             engine_id = convert.batch_engine(request, request.entries, "entries")
-            convert.check_batch_block_ids(request.entries)
+            counts = convert.batch_block_ids(request.entries)
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status
             await abort(context, exc)
         budget = LIMITS.max_unary_plan_bytes
-        results: list[pb.TransferPlanResult] = []
+        response = pb.GetTransferPlansResponse()
         slice_start = time.perf_counter()
-        for i, entry in enumerate(request.entries):
+        for i, (entry, block_ids) in enumerate(zip(request.entries, counts)):
+            result = response.results.add()
             try:
                 convert.check_entry_engine(entry, engine_id)
                 entry.engine_id = engine_id
-                answer = convert.plan_to_proto(await self._planned(entry, budget))
-                budget -= answer.ByteSize()
-                results.append(pb.TransferPlanResult(plan=answer))
+                plan = await self._planned(entry, budget, block_ids)
+                budget -= convert.plan_to_proto(plan, into=result.plan).ByteSize()
             except Exception as exc:  # noqa: BLE001 - an entry's failure is its answer
-                results.append(
-                    pb.TransferPlanResult(**await _entry_refusal(context, exc, "entries", i))
-                )
+                result.ClearField("plan")
+                result.code, result.message = await _entry_refusal(context, exc, "entries", i)
             slice_start = await _yield_when_due(slice_start)
-        return pb.GetTransferPlansResponse(results=results)
+        return response
 
     async def ReportTransfers(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         """Each report is recorded as :meth:`ReportTransfer` records one, in order, and
-        answered on its own."""
+        answered on its own; in the trace context of its ``traceparent`` (the reporting
+        rank's span) when it names one, else of the call."""
         try:
             request = await self.parsed(request)
             who = self.authorize(context, _caller, request)
             engine_id = convert.batch_engine(request, request.reports, "reports")
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status
             await abort(context, exc)
-        results: list[pb.TransferReportResult] = []
+        response = pb.ReportTransfersResponse()
         slice_start = time.perf_counter()
         for i, entry in enumerate(request.reports):
+            result = response.results.add()
             try:
                 convert.check_entry_engine(entry, engine_id)
                 entry.engine_id = engine_id
                 if self.guard is not None:
                     self.guard.report_plan(who, entry.plan_id)
                 report = convert.report_from_proto(entry)
-                outcome = self.in_context(context, self.service.report, report)
-                results.append(pb.TransferReportResult(outcome=convert.outcome_to_proto(outcome)))
+                if self.traced and entry.traceparent:  # the reporting rank's span
+                    with tracing.attached(tracing.context_from_traceparent(entry.traceparent)):
+                        outcome = self.service.report(report)
+                else:
+                    outcome = self.in_context(context, self.service.report, report)
+                convert.outcome_to_proto(outcome, into=result.outcome)
             except Exception as exc:  # noqa: BLE001 - an entry's failure is its answer
-                results.append(
-                    pb.TransferReportResult(**await _entry_refusal(context, exc, "reports", i))
-                )
+                result.code, result.message = await _entry_refusal(context, exc, "reports", i)
             slice_start = await _yield_when_due(slice_start)
-        return pb.ReportTransfersResponse(results=results)
+        return response
 
     async def ExtendTransfers(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         """A large request (many entries of long ids) is parsed on the worker thread."""
@@ -462,13 +466,13 @@ class BrokerServicer(pb_grpc.BrokerServicer):
 
 async def _entry_refusal(
     context: grpc.aio.ServicerContext, exc: Exception, field: str, index: int
-) -> dict[str, Any]:
+) -> tuple[int, str]:
     """An entry's refusal as a result's ``code`` and ``message`` (its path first). The store
     being unavailable fails the whole call instead, UNAVAILABLE, for the caller to repeat it
     on another replica (every entry is idempotent)."""
     if isinstance(exc, StoreUnavailableError) or not isinstance(exc, PdbrokerError):
         await abort(context, exc)
-    return {"code": status_code(exc).value[0], "message": f"{field}[{index}].{exc}"}
+    return status_code(exc).value[0], f"{field}[{index}].{exc}"
 
 
 async def _yield_when_due(slice_start: float) -> float:

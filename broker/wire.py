@@ -220,10 +220,11 @@ def ids_array(ids: Sequence[int]) -> np.ndarray:
 def block_ids_from_proto(groups: Sequence[pb.BlockIds], field: str = "block_ids") -> BlockIds:
     """Per-group block ids; at most ``max_groups`` groups and ``max_block_ids`` ids in all."""
     check_count(groups, LIMITS.max_groups, field)
-    total = sum(len(g.ids) for g in groups)
+    lists = [g.ids for g in groups]
+    total = sum(map(len, lists))
     if total > LIMITS.max_block_ids:
         raise LimitExceededError(field, f"{total} block ids, at most {LIMITS.max_block_ids}")
-    return tuple(group_ids(g.ids) for g in groups)
+    return tuple([group_ids(ids) for ids in lists])
 
 
 def block_ids_to_proto(ids: Sequence[Sequence[int]]) -> list[pb.BlockIds]:
@@ -238,7 +239,7 @@ def block_ids_to_proto(ids: Sequence[Sequence[int]]) -> list[pb.BlockIds]:
 
 def count_block_ids(groups: Sequence[pb.BlockIds]) -> int:
     """Block ids of a request, all groups together (cheap: no id is read)."""
-    return sum(len(g.ids) for g in groups)
+    return sum([len(g.ids) for g in groups])
 
 
 # --------------------------------------------------------------------------- layouts

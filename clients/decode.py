@@ -1,7 +1,7 @@
 """Decode side: ask for a transfer's plan, read it through the transport (NIXL), report.
 
 For each hosted rank :meth:`AsyncDecodeClient.fetch` runs ``GetTransferPlan``, checks the
-whole plan (:func:`check_plan`: every write inside the rank's registered regions, none twice,
+whole plan (:func:`~clients.plan_check.check_plan`: every write inside the rank's registered regions, none twice,
 descriptors adding up to the plan's byte counts) before any NIXL call, loads the metadata of
 prefill agents it meets for the first time, posts one READ per source prefill rank (all
 sources at once), polls them to completion within the timeout and reports DONE or FAILED
@@ -20,21 +20,28 @@ import asyncio
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import grpc
-import numpy as np
 from opentelemetry.trace import Span
 
 from broker import tracing
 from broker.client_security import PLAINTEXT, ChannelSecurity
-from broker.errors import InvalidFieldError
 from broker.layout import EngineLayout
 from broker.limits import LIMITS
 from broker.logs import transfer_fields
 from broker.v1 import broker_pb2 as pb
-from broker.wire import MEMORY_KIND, Role, block_ids_to_proto
+from broker.wire import Role, block_ids_to_proto
+from clients.fetches import (
+    Fetch,
+    FetchAsk,
+    FetchError,
+    PlanAsk,
+    PlanReport,
+    RankFetch,
+    TransferEnded,
+)
+from clients.plan_check import check_plan
 from clients.protocol import (
     BrokerCallError,
     call,
@@ -44,165 +51,9 @@ from clients.protocol import (
     report_transfers,
 )
 from clients.session import AsyncEngineClient, BlockingEngineClient, RankSession
-from clients.transport import Read, Region, TransferError, Transport, descriptor_array, inside
+from clients.transport import Read, TransferError, Transport
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class RankFetch:
-    """One decode rank's part of a fetch. Durations in seconds; ``reported_at`` is
-    ``time.monotonic()`` just before the report was sent."""
-
-    tp_rank: int
-    plan_id: str
-    prefill_ranks: tuple[int, ...]
-    nbytes: int
-    num_descriptors: int
-    naive_bytes: int
-    vllm_descriptors: int
-    plan_s: float
-    read_s: float
-    report_s: float
-    reported_at: float
-
-
-@dataclass(frozen=True)
-class Fetch:
-    """A completed fetch: every hosted rank read its plan and the broker confirmed it intact."""
-
-    transfer_id: str
-    ranks: tuple[RankFetch, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(r.nbytes for r in self.ranks)
-
-    @property
-    def num_descriptors(self) -> int:
-        return sum(r.num_descriptors for r in self.ranks)
-
-
-@dataclass(frozen=True)
-class FetchAsk:
-    """One transfer of :meth:`AsyncDecodeClient.fetch_many`: its id, this engine's block ids
-    (per group) to read it into and, optionally, the prefill engine that published it."""
-
-    transfer_id: str
-    block_ids: Sequence[Sequence[int]]
-    prefill_engine_id: str = ""
-
-
-@dataclass(frozen=True)
-class PlanAsk:
-    """One hosted rank's plan of a transfer, for :meth:`AsyncDecodeClient.plans`."""
-
-    tp_rank: int
-    transfer_id: str
-    block_ids: Sequence[Sequence[int]]
-    prefill_engine_id: str = ""
-
-
-@dataclass(frozen=True)
-class PlanReport:
-    """One hosted rank's report of a plan, for :meth:`AsyncDecodeClient.report_many`: DONE
-    with ``nbytes`` moved in ``duration_s``, or FAILED with ``error`` when one is given."""
-
-    tp_rank: int
-    plan_id: str
-    nbytes: int = 0
-    duration_s: float = 0.0
-    error: str = ""
-
-
-class TransferEnded(TransferError):
-    """The broker ended the transfer (expired, aborted, failed) before this rank's report:
-    what it read may have been overwritten. Recompute."""
-
-
-class PlanRejected(TransferError):
-    """A plan this rank refuses to execute; nothing of it was posted to NIXL."""
-
-
-@dataclass(frozen=True)
-class SourceRead:
-    """One checked source of a plan: ``(n, 3)`` descriptor rows of both sides, memory kinds."""
-
-    source: pb.SourcePlan
-    local: np.ndarray
-    remote: np.ndarray
-    local_kind: str
-    remote_kind: str
-
-
-def check_plan(
-    plan: pb.GetTransferPlanResponse, regions: Sequence[Region], tp_rank: int
-) -> list[SourceRead]:
-    """Parse and check every source of ``plan`` before anything is posted: descriptors whole
-    and paired one to one with equal lengths, every local one inside ``regions`` (decode rank
-    ``tp_rank``'s registered memory), no local byte written twice, and the lengths adding up
-    to each source's and the plan's ``total_bytes``; a source's local memory kind is the kind
-    of the regions it writes. Raises :class:`PlanRejected`."""
-    reads: list[SourceRead] = []
-    for i, source in enumerate(plan.sources):
-        where = f"plan {plan.plan_id} source {i} (prefill rank {source.prefill_rank})"
-        try:
-            local = descriptor_array(source.local_descriptors)
-            remote = descriptor_array(source.remote_descriptors)
-            kinds = (
-                MEMORY_KIND.from_proto(source.local_memory_kind, "local_memory_kind").name,
-                MEMORY_KIND.from_proto(source.remote_memory_kind, "remote_memory_kind").name,
-            )
-        except InvalidFieldError as exc:
-            raise PlanRejected(f"{where}: unknown memory kind: {exc}") from None
-        except ValueError as exc:
-            raise PlanRejected(f"{where}: {exc}") from None
-        if not len(local):
-            raise PlanRejected(f"{where}: no descriptors")
-        if local.shape != remote.shape:
-            raise PlanRejected(f"{where}: {len(local)} local descriptors for {len(remote)} remote")
-        if len(local) != source.num_descriptors:
-            raise PlanRejected(
-                f"{where}: {len(local)} descriptors, not its num_descriptors "
-                f"{source.num_descriptors}"
-            )
-        if not np.array_equal(local[:, 1], remote[:, 1]):
-            raise PlanRejected(f"{where}: local and remote descriptor lengths differ")
-        if not inside(local, [r for r in regions if r.kind == kinds[0]]):
-            raise PlanRejected(f"{where} writes outside rank {tp_rank}'s registered regions")
-        reads.append(SourceRead(source, local, remote, *kinds))
-    if reads:
-        writes = np.concatenate([r.local for r in reads])
-        writes = writes[np.lexsort((writes[:, 0], writes[:, 2]))]  # by device, then address
-        same_device = writes[1:, 2] == writes[:-1, 2]
-        if (same_device & (writes[1:, 0] < writes[:-1, 0] + writes[:-1, 1])).any():
-            raise PlanRejected(f"plan {plan.plan_id} writes some bytes of rank {tp_rank} twice")
-    # Inside the regions and disjoint: every sum below is bounded by the registered bytes.
-    for i, read in enumerate(reads):
-        nbytes = int(read.local[:, 1].sum())
-        if nbytes != read.source.total_bytes:
-            raise PlanRejected(
-                f"plan {plan.plan_id} source {i}'s descriptors add up to {nbytes} "
-                f"bytes, not its total_bytes {read.source.total_bytes}"
-            )
-    nbytes = sum(r.source.total_bytes for r in reads)
-    if nbytes != plan.total_bytes:
-        raise PlanRejected(
-            f"plan {plan.plan_id}'s descriptors add up to {nbytes} bytes, not its "
-            f"total_bytes {plan.total_bytes}"
-        )
-    return reads
-
-
-class FetchError(RuntimeError):
-    """Some hosted ranks failed a fetch; ``errors`` maps each to its exception. Ranks that
-    read their plan reported DONE, the others FAILED (unless the plan itself was refused)."""
-
-    def __init__(self, transfer_id: str, errors: Mapping[int, BaseException]) -> None:
-        detail = "; ".join(f"rank {r}: {e}" for r, e in sorted(errors.items()))
-        super().__init__(f"fetch of {transfer_id} failed: {detail}")
-        self.transfer_id = transfer_id
-        self.errors = dict(errors)
 
 
 class AsyncDecodeClient(AsyncEngineClient):
@@ -290,10 +141,7 @@ class AsyncDecodeClient(AsyncEngineClient):
         jobs = [(ask, session) for ask in asks for session in sessions]
         started = time.perf_counter()
         plans = await self._plans(
-            [
-                (s, a.transfer_id, block_ids_to_proto(a.block_ids), a.prefill_engine_id)
-                for a, s in jobs
-            ]
+            [(s, a.transfer_id, a.block_ids, a.prefill_engine_id) for a, s in jobs]
         )
         planned = time.perf_counter()
         read_jobs = [
@@ -308,12 +156,6 @@ class AsyncDecodeClient(AsyncEngineClient):
         results: dict[int, RankFetch | BaseException] = {
             i: plan for i, plan in enumerate(plans) if isinstance(plan, BrokerCallError)
         }
-        reports = [
-            PlanReport(
-                jobs[i][1].tp_rank, plan.plan_id, plan.total_bytes, read_end - planned, error
-            )
-            for (i, plan), (error, _, read_end) in zip(read_jobs, reads)
-        ]
         spans = [
             tracing.start_span(
                 "decode.report",
@@ -322,6 +164,17 @@ class AsyncDecodeClient(AsyncEngineClient):
                 rpc="ReportTransfers",
             )
             for (i, plan), (error, _, _) in zip(read_jobs, reads)
+        ]
+        reports = [
+            PlanReport(
+                jobs[i][1].tp_rank,
+                plan.plan_id,
+                plan.total_bytes,
+                read_end - planned,
+                error,
+                tracing.span_traceparent(span),
+            )
+            for (i, plan), (error, _, read_end), span in zip(read_jobs, reads, spans)
         ]
         reported_at = time.monotonic()
         try:
@@ -344,7 +197,7 @@ class AsyncDecodeClient(AsyncEngineClient):
                     span.set_attribute("pdbroker.intact", outcome.intact)
                 tracing.end_span(span)
                 _check_usable(plan, outcome, failure)
-                results[i] = _rank_fetch(
+                results[i] = RankFetch.of(
                     jobs[i][1].tp_rank,
                     plan,
                     planned - started,
@@ -374,12 +227,7 @@ class AsyncDecodeClient(AsyncEngineClient):
         :meth:`report_many`)."""
         plans = await self._plans(
             [
-                (
-                    self._session(a.tp_rank),
-                    a.transfer_id,
-                    block_ids_to_proto(a.block_ids),
-                    a.prefill_engine_id,
-                )
+                (self._session(a.tp_rank), a.transfer_id, a.block_ids, a.prefill_engine_id)
                 for a in asks
             ]
         )
@@ -399,7 +247,9 @@ class AsyncDecodeClient(AsyncEngineClient):
             self.stub,
             self.engine_id,
             [
-                self._report_request(r.tp_rank, r.plan_id, r.nbytes, r.duration_s, r.error)
+                self._report_request(
+                    r.tp_rank, r.plan_id, r.nbytes, r.duration_s, r.error, r.traceparent
+                )
                 for r in reports
             ],
             self.call_timeout_s,
@@ -433,7 +283,13 @@ class AsyncDecodeClient(AsyncEngineClient):
         )
 
     def _report_request(
-        self, tp_rank: int, plan_id: str, nbytes: int, duration_s: float, error: str
+        self,
+        tp_rank: int,
+        plan_id: str,
+        nbytes: int,
+        duration_s: float,
+        error: str,
+        traceparent: str = "",
     ) -> pb.ReportTransferRequest:
         return pb.ReportTransferRequest(
             plan_id=plan_id,
@@ -443,6 +299,7 @@ class AsyncDecodeClient(AsyncEngineClient):
             bytes_moved=0 if error else nbytes,
             duration_us=int(duration_s * 1e6),
             error=error[: LIMITS.max_text_chars],
+            traceparent=traceparent,
         )
 
     def _session(self, tp_rank: int) -> RankSession:
@@ -474,17 +331,21 @@ class AsyncDecodeClient(AsyncEngineClient):
         return plan
 
     async def _plans(
-        self, asks: Sequence[tuple[RankSession, str, list[pb.BlockIds], str]]
+        self, asks: Sequence[tuple[RankSession, str, Sequence[Sequence[int]], str]]
     ) -> list[pb.GetTransferPlanResponse | BrokerCallError]:
         """``GetTransferPlans`` of ``(session, transfer_id, block_ids, prefill_engine_id)``
-        entries; entries whose plan names an agent this process lost are asked again, in
-        one more call, with every agent's metadata."""
+        entries (each list of block ids converted once however many entries share it; the
+        call names the engine, the entries do not); entries whose plan names an agent this
+        process lost are asked again, in one more call, with every agent's metadata."""
+        converted: dict[int, list[pb.BlockIds]] = {}
+        for _, _, block_ids, _ in asks:
+            if id(block_ids) not in converted:
+                converted[id(block_ids)] = block_ids_to_proto(block_ids)
         requests = [
             pb.GetTransferPlanRequest(
                 transfer_id=transfer_id,
-                engine_id=self.engine_id,
                 tp_rank=session.tp_rank,
-                block_ids=block_ids,
+                block_ids=converted[id(block_ids)],
                 prefill_engine_id=prefill_engine_id,
             )
             for session, transfer_id, block_ids, prefill_engine_id in asks
@@ -558,7 +419,7 @@ class AsyncDecodeClient(AsyncEngineClient):
             if span is not None:
                 span.set_attribute("pdbroker.intact", outcome.intact)
         _check_usable(plan, outcome, failure)
-        return _rank_fetch(
+        return RankFetch.of(
             session.tp_rank,
             plan,
             planned - started,
@@ -577,7 +438,7 @@ class AsyncDecodeClient(AsyncEngineClient):
         """Check the plan, post every source's READ, then wait for all; raises
         :class:`TransferError`. Each read is a ``decode.nixl_read`` span, from posting to the
         end of its wait."""
-        reads = check_plan(plan, session.regions, session.tp_rank)
+        reads = check_plan(plan, session.region_index, session.tp_rank)
         transfers: list[Read] = []
         spans: dict[int, Span] = {}  # open read spans by source index
         try:
@@ -667,29 +528,6 @@ def _check_usable(
         )
 
 
-def _rank_fetch(
-    tp_rank: int,
-    plan: pb.GetTransferPlanResponse,
-    plan_s: float,
-    read_s: float,
-    report_s: float,
-    reported_at: float,
-) -> RankFetch:
-    return RankFetch(
-        tp_rank,
-        plan.plan_id,
-        tuple(s.prefill_rank for s in plan.sources),
-        plan.total_bytes,
-        plan.num_descriptors,
-        plan.naive_bytes,
-        plan.vllm_descriptors,
-        plan_s,
-        read_s,
-        report_s,
-        reported_at,
-    )
-
-
 def _load_agent(session: RankSession, source: pb.SourcePlan) -> None:
     """Load the metadata of ``source``'s prefill agent when the plan carries it."""
     if source.remote_agent_metadata:
@@ -739,6 +577,11 @@ class DecodeClient(BlockingEngineClient):
                 transfer_id, block_ids, timeout_s, prefill_engine_id=prefill_engine_id
             )
         )
+
+    def fetch_many(
+        self, asks: Sequence[FetchAsk], timeout_s: float | None = None
+    ) -> list[Fetch | FetchError]:
+        return self._run(self._async.fetch_many(asks, timeout_s))
 
     def extend(
         self, transfers: Sequence[tuple[str, str]]

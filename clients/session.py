@@ -34,7 +34,7 @@ from clients.protocol import (
     FailoverStub,
     call,
 )
-from clients.transport import Agent, Region, Transport, describe_region
+from clients.transport import Agent, Region, RegionIndex, Transport, describe_region
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -66,6 +66,8 @@ class RankSession:
         self.fingerprint = fingerprint
         self.agent = agent
         self.regions = regions
+        #: The regions indexed for checking plans (:func:`~clients.plan_check.check_plan`).
+        self.region_index = RegionIndex(regions)
         self.lease_id = ""
         self.ttl_ms = 0
         self.generation = 0

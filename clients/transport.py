@@ -106,23 +106,62 @@ def descriptor_array(packed: bytes | np.ndarray) -> np.ndarray:
     return np.frombuffer(packed, dtype=_DESCRIPTOR_DTYPE).reshape(-1, 3)
 
 
-def inside(descriptors: np.ndarray, regions: Sequence[Region]) -> bool:
-    """Whether every descriptor lies inside one of ``regions`` on the descriptor's device."""
-    if not len(descriptors):
-        return True
-    addr, length, device = descriptors[:, 0], descriptors[:, 1], descriptors[:, 2]
-    if (length <= 0).any():
-        return False
-    placed = np.zeros(len(descriptors), dtype=bool)
-    for device_id in {r.device_id for r in regions}:
+class RegionIndex:
+    """Regions by memory kind and device, sorted by address: :meth:`covers` checks any number
+    of descriptors against them with a few numpy calls (built once per rank)."""
+
+    def __init__(self, regions: Iterable[Region]) -> None:
+        self.regions = tuple(regions)
+        kinds = (None, *sorted({r.kind for r in self.regions}))
+        self._spans = {
+            kind: _device_spans([r for r in self.regions if kind in (None, r.kind)])
+            for kind in kinds
+        }
+
+    def covers(self, descriptors: np.ndarray, kind: str | None = None) -> bool:
+        """Whether every ``(addr, len, dev_id)`` row lies inside one region (of ``kind``;
+        None: of any kind) on the row's device."""
+        if not len(descriptors):
+            return True
+        spans = self._spans.get(kind, ())
+        addr, length, device = descriptors[:, 0], descriptors[:, 1], descriptors[:, 2]
+        if not spans or int(length.min()) <= 0:
+            return False
+        if len(spans) == 1:
+            device_id, starts, ends = spans[0]
+            return not (device != device_id).any() and bool(
+                _within(addr, length, starts, ends).all()
+            )
+        placed = np.zeros(len(descriptors), dtype=bool)
+        for device_id, starts, ends in spans:
+            on = (device == device_id).nonzero()[0]
+            placed[on] = _within(addr[on], length[on], starts, ends)
+        return bool(placed.all())
+
+
+def _device_spans(regions: Sequence[Region]) -> tuple[tuple[int, np.ndarray, np.ndarray], ...]:
+    """Per device of ``regions``: its regions' starts and ends, sorted by start."""
+    spans = []
+    for device_id in sorted({r.device_id for r in regions}):
         mine = sorted((r for r in regions if r.device_id == device_id), key=lambda r: r.base_addr)
         starts = np.array([r.base_addr for r in mine], dtype=np.int64)
         ends = starts + np.array([r.length_bytes for r in mine], dtype=np.int64)
-        on = (device == device_id).nonzero()[0]
-        index = np.searchsorted(starts, addr[on], side="right") - 1
-        # ends - addr cannot wrap (addr >= its region's start > 0); addr + length could.
-        placed[on] = (index >= 0) & (length[on] <= ends[np.maximum(index, 0)] - addr[on])
-    return bool(placed.all())
+        spans.append((device_id, starts, ends))
+    return tuple(spans)
+
+
+def _within(
+    addr: np.ndarray, length: np.ndarray, starts: np.ndarray, ends: np.ndarray
+) -> np.ndarray:
+    """Per run of positive ``length``, whether it lies inside one of the sorted spans."""
+    index = np.searchsorted(starts, addr, side="right") - 1
+    # ends - addr cannot wrap (addr >= its region's start > 0); addr + length could.
+    return (index >= 0) & (length <= ends[np.maximum(index, 0)] - addr)
+
+
+def inside(descriptors: np.ndarray, regions: Sequence[Region]) -> bool:
+    """Whether every descriptor lies inside one of ``regions`` on the descriptor's device."""
+    return RegionIndex(regions).covers(descriptors)
 
 
 def read_rows(

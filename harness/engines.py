@@ -4,7 +4,8 @@ registration and lease, and owns the engine's block allocator, as a serving engi
 does. It answers the coordinator's commands: prefill fills blocks with :mod:`harness.pattern`
 contents and publishes, decode fetches and compares every byte of its memory with what its own
 layout says the request must have left there, prefill frees the blocks when each rank's
-release arrives.
+release arrives. Decode fetches batched (every rank of every transfer it is given in one
+``GetTransferPlans`` and one ``ReportTransfers`` call), or rank by rank (``per_rank``).
 """
 
 from __future__ import annotations
@@ -68,11 +69,13 @@ def engine_main(
     seed: int,
     security: ChannelSecurity = PLAINTEXT,
     mamba_blocks: int = 1,
+    per_rank: bool = False,
 ) -> None:
     """One engine process (``role`` ``prefill`` or ``decode``); ``peer`` is the other side's
     layout; ``security``: how its client reaches the broker; ``mamba_blocks``: state blocks a
-    request takes per Mamba group. Answers the coordinator's commands on ``conn`` until
-    ``close``; its spans (if tracing is on) are exported before it says ``closed``."""
+    request takes per Mamba group; ``per_rank``: decode fetches rank by rank, not batched.
+    Answers the coordinator's commands on ``conn`` until ``close``; its spans (if tracing is
+    on) are exported before it says ``closed``."""
     lock = threading.Lock()
 
     def send(message: tuple) -> None:
@@ -84,6 +87,7 @@ def engine_main(
         engine = (_PrefillEngine if role == "prefill" else _DecodeEngine)(
             engine_id, layout, peer, seed, send, mamba_blocks
         )
+        engine.per_rank = per_rank
         with engine.connect(target, security) as engine.client:
             send(("ready", engine_id))
             while (message := conn.recv())[0] != "close":
@@ -123,6 +127,7 @@ class _Engine:
         self.contents = Contents(layout)
         self.pool = BlockPool(layout.ranks[0].num_blocks, seed)
         self.notifications = 0
+        self.per_rank = False
         self.client: Any = None
 
     def allocate(self, num_tokens: int) -> list[list[int]]:
@@ -238,35 +243,70 @@ class _DecodeEngine(_Engine):
     def fetch(
         self, transfer_id: str, num_tokens: int, salt: int, prefill_pages: Sequence[int]
     ) -> None:
-        """Fetch, then compare every byte of every hosted rank's memory with the layout."""
-        from harness.pattern import POISON, check_decode, decode_limits
+        """Fetch one transfer (batched, or rank by rank), then check decode's memory."""
+        self.fetch_many([(transfer_id, num_tokens, salt, prefill_pages)])
 
-        blocks = self.allocate(num_tokens)
-        try:
-            fetch = self.client.fetch(transfer_id, blocks)
-        except Exception as exc:  # noqa: BLE001 - a failed fetch is a result
-            self.send(("fetch_failed", transfer_id, str(exc)))
-            for regions in self.arrays.values():  # whatever arrived: POISON for the next request
+    def fetch_many(self, requests: Sequence[tuple[str, int, int, Sequence[int]]]) -> None:
+        """Fetch ``(transfer_id, num_tokens, salt, prefill_pages)`` transfers: all in one
+        batched ``fetch_many`` (or each with ``fetch`` rank by rank when ``per_rank``), then
+        compare every byte of every hosted rank's memory with the layout: each transfer's
+        pages hold its state, every other byte POISON. A failed fetch is reported as such."""
+        from clients.decode import FetchAsk, FetchError
+
+        blocks = [self.allocate(num_tokens) for _, num_tokens, _, _ in requests]
+        if self.per_rank:
+            fetches: list[Any] = []
+            for (transfer_id, *_), ids in zip(requests, blocks):
+                try:
+                    fetches.append(self.client.fetch(transfer_id, ids))
+                except FetchError as exc:
+                    fetches.append(exc)
+        else:
+            asks = [FetchAsk(transfer_id, ids) for (transfer_id, *_), ids in zip(requests, blocks)]
+            fetches = self.client.fetch_many(asks)
+        self._check(requests, blocks, fetches)
+        for ids in blocks:
+            self.pool.free(ids)
+
+    def _check(
+        self,
+        requests: Sequence[tuple[str, int, int, Sequence[int]]],
+        blocks: Sequence[list[list[int]]],
+        fetches: Sequence[Any],
+    ) -> None:
+        """Tell the coordinator each fetch's outcome: the bytes each moved transfer left in
+        its pages (then POISON restored there), and POISON everywhere else once a failed
+        fetch's pages are scrubbed, counted against every transfer of the batch (nobody knows
+        which one wrote a stray byte). After a failed fetch whatever arrived is overwritten
+        with POISON for the next request."""
+        from clients.decode import FetchError
+        from harness.pattern import POISON, check_decode, decode_limits, scrub_pages, strays
+
+        checked = sum(region.size for regions in self.arrays.values() for region in regions)
+        outcomes = []
+        for (transfer_id, num_tokens, salt, pages), ids, fetch in zip(requests, blocks, fetches):
+            if isinstance(fetch, FetchError):
+                self.send(("fetch_failed", transfer_id, str(fetch)))
+                for r, regions in self.arrays.items():
+                    scrub_pages(self.layout.ranks[r], regions, ids)
+                continue
+            started = time.perf_counter()
+            limits = decode_limits(self.peer, self.layout, num_tokens, pages)
+            mismatches = expected = 0
+            for r, regions in self.arrays.items():
+                rank = self.layout.ranks[r]
+                m, e = check_decode(self.contents, rank, regions, ids, salt, limits, rest=False)
+                mismatches, expected = mismatches + m, expected + e
+            outcomes.append(
+                (transfer_id, fetch, mismatches, expected, time.perf_counter() - started)
+            )
+        stray = sum(strays(regions) for regions in self.arrays.values())
+        for transfer_id, fetch, mismatches, expected, verify_s in outcomes:
+            ranks = [asdict(rank) for rank in fetch.ranks]
+            self.send(
+                ("fetched", transfer_id, ranks, mismatches + stray, expected, checked, verify_s)
+            )
+        if len(outcomes) < len(requests):  # whatever arrived: POISON for the next request
+            for regions in self.arrays.values():
                 for region in regions:
                     region.fill(POISON)
-            self.pool.free(blocks)
-            return
-        started = time.perf_counter()
-        limits = decode_limits(self.peer, self.layout, num_tokens, prefill_pages)
-        mismatches = expected = 0
-        for r, regions in self.arrays.items():
-            m, e = check_decode(self.contents, self.layout.ranks[r], regions, blocks, salt, limits)
-            mismatches, expected = mismatches + m, expected + e
-        self.pool.free(blocks)
-        checked = sum(region.size for regions in self.arrays.values() for region in regions)
-        self.send(
-            (
-                "fetched",
-                transfer_id,
-                [asdict(rank) for rank in fetch.ranks],
-                mismatches,
-                expected,
-                checked,
-                time.perf_counter() - started,
-            )
-        )

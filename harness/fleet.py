@@ -9,7 +9,11 @@ calling process) only sends commands and collects measurements:
 
 1. prefill allocates blocks, fills them with :mod:`harness.pattern` contents and publishes;
 2. decode allocates blocks and fetches (plan → NIXL reads → report), then compares every byte
-   of its memory with what its own layout says the request must have left there;
+   of its memory with what its own layout says the request must have left there; it fetches
+   ``inflight`` published requests at a time (fewer at the end) batched, every rank of each in
+   one ``GetTransferPlans`` and one ``ReportTransfers`` call, as a decode engine's step does,
+   or, ``per_rank``, one request at a time rank by rank (``GetTransferPlan`` and
+   ``ReportTransfer`` per rank);
 3. prefill frees the blocks when each rank's release arrives and tells the coordinator.
 
 Requests go round-robin over the pairs; each pair keeps up to ``inflight`` requests between
@@ -177,7 +181,7 @@ class _PairState:
     published: deque[int] = field(default_factory=deque)
     inflight: int = 0
     prefill_busy: bool = False
-    decode_busy: bool = False
+    decoding: int = 0  # fetches sent to decode and not answered yet
 
 
 def run_fleet(
@@ -190,6 +194,7 @@ def run_fleet(
     broker: BrokerProcess | RunningBrokers | None = None,
     credentials: Mapping[str, ChannelSecurity] | None = None,
     run_id: str = "",
+    per_rank: bool = False,
 ) -> FleetReport:
     """Run ``requests`` requests (round-robin over ``pairs``) through real processes and
     return what happened; never raises for a failed transfer (see :meth:`FleetReport.problems`).
@@ -198,7 +203,8 @@ def run_fleet(
     engine's (by engine id: ``prefill-0``, ``decode-0``, ... for pair 0, 1, ...); plaintext
     for engines not named. Transfer ids are ``req-<index>-<run_id>`` (a fresh random run id
     by default), so runs against the same broker never collide; ``seed`` sets the requests'
-    token counts and byte patterns."""
+    token counts and byte patterns. ``per_rank``: decode fetches one request at a time rank by
+    rank instead of ``inflight`` published requests at a time, batched."""
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # inherited by the engine processes
     rng = random.Random(seed)
     run_id = run_id or secrets.token_hex(4)
@@ -243,12 +249,13 @@ def run_fleet(
                         seed + i,
                         (credentials or {}).get(engine_id, PLAINTEXT),
                         mamba_blocks,
+                        per_rank,
                     ),
                 )
                 process.start()
                 child.close()
                 engines.append(_EngineProcess(engine_id, i, process, parent))
-        _drive(engines, report, inflight, on_progress)
+        _drive(engines, report, inflight, on_progress, per_rank)
         report.leftover_engines = broker.list_engines()
     except _Abort as exc:
         report.errors.append(str(exc))
@@ -297,8 +304,10 @@ def _drive(
     report: FleetReport,
     inflight: int,
     on_progress: Callable[[FleetReport], None] | None,
+    per_rank: bool,
 ) -> None:
-    """Start, run every request, close the engines."""
+    """Start, run every request (decode given ``inflight`` published requests at once, or
+    one at a time ``per_rank``), close the engines."""
     ready: set[str] = set()
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while len(ready) < len(engines):
@@ -320,10 +329,13 @@ def _drive(
             r = report.requests[state.pending.popleft()]
             prefill[i].conn.send(("publish", r.transfer_id, r.num_tokens, r.salt))
             state.prefill_busy, state.inflight = True, state.inflight + 1
-        if not state.decode_busy and state.published:
-            r = report.requests[state.published.popleft()]
-            decode[i].conn.send(("fetch", r.transfer_id, r.num_tokens, r.salt, r.prefill_pages))
-            state.decode_busy = True
+        # Batched, a decode step takes ``inflight`` published requests (fewer at the end).
+        step = 1 if per_rank else min(inflight, len(state.published) + len(state.pending))
+        if not state.decoding and state.published and len(state.published) >= step:
+            batch = [report.requests[state.published.popleft()] for _ in range(step)]
+            asks = [(r.transfer_id, r.num_tokens, r.salt, r.prefill_pages) for r in batch]
+            decode[i].conn.send(("fetch_many", asks))
+            state.decoding = len(batch)
 
     def settle(r: RequestOutcome) -> None:
         """Count ``r`` done once fetched (or failed) and released by every prefill rank."""
@@ -349,10 +361,10 @@ def _drive(
                 state.published.append(r.index)
             elif kind == "fetched":
                 r.ranks, r.mismatches, r.expected_bytes, r.checked_bytes, r.verify_s = rest
-                r.fetched, state.decode_busy = True, False
+                r.fetched, state.decoding = True, state.decoding - 1
                 settle(r)
             elif kind == "fetch_failed":
-                r.error, state.decode_busy = rest[0], False
+                r.error, state.decoding = rest[0], state.decoding - 1
                 settle(r)
             elif kind == "released":
                 p_rank, reason, at = rest

@@ -199,9 +199,11 @@ def check_decode(
     block_ids: BlockIds,
     salt: int,
     limits: Sequence[int],
+    rest: bool = True,
 ) -> tuple[int, int]:
     """Compare every byte of one decode rank's ``regions`` with what the request must have
-    left there: each group's state in its pages, POISON everywhere else. ``limits`` per group
+    left there: each group's state in its pages, POISON everywhere else (``rest`` False: its
+    pages only, when other requests' pages still hold theirs). ``limits`` per group
     (:func:`decode_limits`): attention pages hold tokens below the limit; a Mamba group's *n*
     blocks hold the newest *n* of the limit's prefill snapshots, oldest first, and blocks past
     the limit nothing. Restores POISON in the request's pages. Returns ``(mismatched bytes,
@@ -225,5 +227,11 @@ def check_decode(
                     )
                 mismatches += int(np.count_nonzero(page != expected))
                 page[:] = POISON
-    mismatches += sum(int(np.count_nonzero(region != POISON)) for region in regions)
+    if rest:
+        mismatches += strays(regions)
     return mismatches, expected_state
+
+
+def strays(regions: Sequence[np.ndarray]) -> int:
+    """Bytes of ``regions`` that are not :data:`POISON`."""
+    return sum(int(np.count_nonzero(region != POISON)) for region in regions)

@@ -43,14 +43,14 @@ MUTATIONS = (
     ),
     Mutation(
         "no region check in the decode client",
-        "clients/decode.py",
-        "if not inside(local, [r for r in regions if r.kind == kinds[0]]):",
-        "if False:",
+        "clients/plan_check.py",
+        "            if not index.covers(rows, kind):",
+        "            if False:",
         ("tests/test_decode_checks.py",),
     ),
     Mutation(
         "no byte-total check in the decode client",
-        "clients/decode.py",
+        "clients/plan_check.py",
         "if nbytes != plan.total_bytes:",
         "if False:",
         ("tests/test_decode_checks.py",),

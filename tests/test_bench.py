@@ -60,19 +60,64 @@ def test_bench_planner_times_vllm_side_by_side(capsys: pytest.CaptureFixture[str
     assert result["vllm_measured_descriptors"] == uncoalesced.num_descriptors + padding_reads
 
 
-def test_bench_control_plane_reports_each_client_count(
+def test_bench_control_plane_times_unary_and_batched_calls_side_by_side(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
+    """Batch 1 (unary calls) and the realistic batch (8 transfers x TP2) always run beside
+    the batches asked for; every phase plans and reports, its figures per rank-plan; the
+    calls a TP8 -> TP8 transfer takes are counted each way."""
     result = run_json(
-        capsys, "control-plane", "--clients", "1,4", "--seconds", "1", "--pairs", "3"
-    )["control_plane"]
-    assert [p["clients"] for p in result["phases"]] == [1, 4]
+        capsys,
+        "control-plane",
+        "--clients", "2",
+        "--batch", "4",
+        "--seconds", "0.3",
+        "--pairs", "2",
+        "--no-vllm",
+    )["control_plane"]  # fmt: skip
+    assert result["realistic_batch"] == 16
+    assert [(p["clients"], p["batch"]) for p in result["phases"]] == [(2, 1), (2, 4), (2, 16)]
     for phase in result["phases"]:
-        assert phase["plan_calls"] > 0 and not phase["ran_out"]
-        assert 0 < phase["plan_p50_ms"] <= phase["plan_p99_ms"]
-        assert phase["plan_per_s"] > 0 and phase["plan_broker_cpu_us"] > 0
-    contact = result["first_contact"]
-    assert len(contact["samples_ms"]) == 3 and 0 < contact["median_ms"] <= contact["max_ms"]
+        assert not phase["ran_out"]
+        for stage in ("plan", "report"):
+            calls, entries = phase[f"{stage}_calls"], phase[f"{stage}_entries"]
+            assert 0 < calls <= entries <= calls * phase["batch"]
+            assert 0 < phase[f"{stage}_p50_ms"] <= phase[f"{stage}_p99_ms"]
+            assert phase[f"{stage}_per_s"] == pytest.approx(
+                entries / phase[f"{stage}_seconds"], rel=0.01
+            )
+            assert phase[f"{stage}_broker_cpu_us"] > 0 and phase[f"{stage}_client_cpu_us"] > 0
+        assert phase["report_entries"] <= phase["plan_entries"]  # reports of the plans got
+        assert phase["engine_cpu_us_per_request"] == pytest.approx(
+            2 * (phase["plan_client_cpu_us"] + phase["report_client_cpu_us"]), abs=0.2
+        )
+        unary = result["phases"][0]
+        assert phase["plan_speedup"] == pytest.approx(
+            phase["plan_per_s"] / unary["plan_per_s"], abs=0.01
+        )
+    for way in ("per_rank", "batched"):
+        contact = result["first_contact"][way]
+        assert len(contact["samples_ms"]) == 2 and 0 < contact["median_ms"] <= contact["max_ms"]
+    counted = result["calls_per_transfer"]
+    assert counted["per_rank"] == {
+        "transfers": 1,
+        "calls": {"GetTransferPlan": 8, "PublishBlocks": 1, "ReportTransfer": 8},
+        "per_transfer": 17,
+    }
+    assert counted["batched"]["calls"] == {
+        "GetTransferPlans": 1,
+        "PublishBlocks": 1,
+        "ReportTransfers": 1,
+    }
+    assert counted["batched_8"]["per_transfer"] == (8 + 2) / 8
+    assert result["vllm_decode_us_per_request"] is None
+    verdicts = {t["target"]: t["met"] for t in result["targets"]}
+    assert len(verdicts) == 6
+    assert verdicts["calls per transfer at TP8 -> TP8, batched, one transfer a call"] is True
+    engine = (
+        "decode engine CPU per request against vLLM's own decode-side work, batch 16, 2 clients"
+    )
+    assert verdicts[engine] is None  # not measured without vLLM
     assert result["descriptors_per_plan"] > 0
 
 

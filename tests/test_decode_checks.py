@@ -1,6 +1,6 @@
 """The decode client refuses a plan it must not execute before any NIXL call: one writing
 outside its registered regions, writing a byte twice, or whose descriptors do not add up to
-its byte counts. Unit checks of :func:`clients.decode.check_plan`, then a real broker behind a
+its byte counts. Unit checks of :func:`clients.plan_check.check_plan`, then a real broker behind a
 proxy that tampers with its plans, real prefill and decode clients with NIXL agents."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from prerequisites import require_module
 from broker.limits import LIMITS
 from broker.v1 import broker_pb2 as pb
 from broker.wire import pack
-from clients.decode import PlanRejected, check_plan
+from clients.plan_check import PlanRejected, check_plan
 from clients.transport import DRAM, VRAM, Region
 
 REGIONS = (Region(1 << 20, 4096), Region(2 << 20, 4096), Region(1 << 20, 4096, 1, VRAM))
@@ -133,6 +133,32 @@ REFUSED = [
 def test_a_bad_plan_is_refused_naming_the_check(change, message: str) -> None:
     with pytest.raises(PlanRejected, match=message):
         check_plan(_tampered(change), REGIONS, 3)
+
+
+def test_plans_on_one_device_are_checked_alike() -> None:
+    """A rank whose regions all lie on one device (the common case, checked by address
+    alone): a byte written twice, one outside the regions and a wrong total are refused as
+    on several devices, whether the plan has one source or several."""
+    one = plan(source([(1 << 20, 100, 0), ((1 << 20) + 200, 3896, 0)]))
+    two = plan(one.sources[0], source([(2 << 20, 4096, 0)], prefill_rank=1))
+    for good in (one, two):
+        assert [r.source.prefill_rank for r in check_plan(good, REGIONS[:2], 0)] == list(
+            range(len(good.sources))
+        )
+    twice = plan(one.sources[0], source([((1 << 20) + 4000, 96, 0)], prefill_rank=1))
+    with pytest.raises(PlanRejected, match="writes some bytes of rank 0 twice"):
+        check_plan(twice, REGIONS[:2], 0)
+    within = plan(source([(1 << 20, 50, 0), ((1 << 20) + 49, 10, 0)]))
+    with pytest.raises(PlanRejected, match="writes some bytes of rank 0 twice"):
+        check_plan(within, REGIONS[:2], 0)
+    outside = plan(one.sources[0], source([((2 << 20) + 1, 4096, 0)], prefill_rank=1))
+    with pytest.raises(PlanRejected, match="source 1 .* writes outside rank 0's"):
+        check_plan(outside, REGIONS[:2], 0)
+    short = pb.GetTransferPlanResponse()
+    short.CopyFrom(one)
+    short.sources[0].total_bytes -= 1
+    with pytest.raises(PlanRejected, match="source 0's descriptors add up to 3996 bytes"):
+        check_plan(short, REGIONS[:2], 0)
 
 
 def test_descriptors_that_do_not_pair_are_refused() -> None:

@@ -170,11 +170,15 @@ def test_nothing_left_registered(fleet: FleetReport) -> None:
     assert fleet.leftover_engines == ()
 
 
-def test_demo_command_verifies_real_models_and_prints_a_trace(tmp_path: Path) -> None:
+@pytest.mark.parametrize("flags", [(), ("--per-rank",)], ids=["batched", "per-rank"])
+def test_demo_command_verifies_real_models_and_prints_a_trace(
+    tmp_path: Path, flags: tuple[str, ...]
+) -> None:
     """``pdbroker demo --trace``: Nemotron-3-Nano P2→D2 and Qwen3.5-0.8B P1→D2, real preset
-    layouts; the span tree of the first transfer (P2→D2) gathered from all three processes.
-    torch and vLLM do not import in any of its processes, as where ``scripts/demo.sh``
-    installed only what the demo needs."""
+    layouts; the span tree of the first transfer (P2→D2) gathered from all three processes,
+    the same whether decode fetches batched (the default: each report of a batched call
+    names its rank's span) or rank by rank. torch and vLLM do not import in any of its
+    processes, as where ``scripts/demo.sh`` installed only what the demo needs."""
     for package in ("torch", "vllm"):
         (tmp_path / package).mkdir()
         (tmp_path / package / "__init__.py").write_text(
@@ -182,7 +186,7 @@ def test_demo_command_verifies_real_models_and_prints_a_trace(tmp_path: Path) ->
         )
     path = os.pathsep.join([str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH", "")])
     done = subprocess.run(
-        [sys.executable, "-m", "broker.cli", "demo", "--requests", "2", "--trace"],
+        [sys.executable, "-m", "broker.cli", "demo", "--requests", "2", "--trace", *flags],
         check=False,
         capture_output=True,
         text=True,

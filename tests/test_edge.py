@@ -157,7 +157,8 @@ def test_method_limits_fit_the_largest_valid_requests() -> None:
     )
     # Texts are cut to max_text_chars, not refused: even four-byte characters fit.
     assert MAX_SMALL_REQUEST_BYTES > 16 * LIMITS.max_text_chars
-    # The largest batches: every entry with the longest ids (and error text), all the block ids.
+    # The largest batches: every entry with the longest ids (and error text, traceparent), all
+    # the block ids.
     longest = "\U0001f600" * LIMITS.max_id_chars
     plans = pb.GetTransferPlansRequest(
         engine_id=longest,
@@ -180,6 +181,7 @@ def test_method_limits_fit_the_largest_valid_requests() -> None:
                 bytes_moved=2**63,
                 duration_us=2**63,
                 error="\U0001f600" * LIMITS.max_text_chars,
+                traceparent=f"00-{'f' * 32}-{'f' * 16}-01",
             )
         ]
         * LIMITS.max_batch_entries,

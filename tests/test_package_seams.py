@@ -46,7 +46,9 @@ SHARED = {
 #: What the broker never imports eagerly (top-level packages).
 NOT_IN_BROKER = {"torch", "nixl", "vllm", "clients", "harness"}
 #: Broker commands that run the harness: they may import :data:`NOT_IN_BROKER` lazily.
-HARNESS_COMMANDS = {f"broker.commands.{name}" for name in ("demo", "soak", "bench", "plan")}
+HARNESS_COMMANDS = {
+    f"broker.commands.{name}" for name in ("demo", "soak", "bench", "bench_control_plane", "plan")
+}
 #: The planner, and the only modules of ``broker`` it may import besides its own.
 PLANNER = {"broker.planner", "broker.plan_templates", "broker.compatibility"}
 LAYOUT_LAYER = {"broker.layout", "broker.errors", "broker.limits"}

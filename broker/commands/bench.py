@@ -14,7 +14,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict
 
-from broker.commands.options import non_negative_int, positive_float, positive_int, positive_ints
+from broker.commands.bench_control_plane import add_control_plane, run_control_plane
+from broker.commands.options import non_negative_int, positive_int
 from broker.console import Progress, quiet_libraries
 from broker.planner import PairPlanner
 
@@ -143,41 +144,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--repeats", type=positive_int, default=5, help="times each plan's reads are timed"
     )
     transfer.set_defaults(run=_on_console(run_transfer))
-    control = kinds.add_parser(
-        "control-plane",
-        help="GetTransferPlan throughput and p50/p99 over gRPC vs concurrent clients; "
-        "first contact of a new prefill/decode pair",
-    )
-    control.add_argument(
-        "--clients",
-        type=positive_ints,
-        default="1,2,4,8,16,32,64",
-        help="comma-separated counts of concurrent decode clients",
-    )
-    control.add_argument(
-        "--seconds", type=positive_float, default=3.0, help="timed per client count"
-    )
-    control.add_argument(
-        "--client-procs",
-        type=positive_int,
-        default=2,
-        help="processes the clients are spread over",
-    )
-    control.add_argument(
-        "--pairs",
-        type=positive_int,
-        default=20,
-        help="new decode engines timed to their first plan",
-    )
-    control.add_argument(
-        "--baseline",
-        action="store_true",
-        help="also time ListEngines per client count: what gRPC alone allows",
-    )
-    _pair_options(control, prefill_tp=2, decode_tp=2)
-    control.add_argument(
-        "--profile", type=Path, default=None, help="run the broker under cProfile, stats here"
-    )
+    control = add_control_plane(kinds)
     control.set_defaults(run=_on_console(run_control_plane))
     for kind in (planner, volume, descs, transfer, control):
         kind.add_argument("--json", action="store_true", help="print one JSON object")
@@ -494,101 +461,3 @@ def run_transfer(args: argparse.Namespace, progress: Progress) -> int:
     )
     _emit(args, progress, "transfer", {"transfer": f.as_dict()}, table)
     return 0
-
-
-def run_control_plane(args: argparse.Namespace, progress: Progress) -> int:
-    """``GetTransferPlan`` over gRPC per client count, then first contact of new pairs."""
-    from broker.presets import resolve_model
-    from harness.control_plane_bench import TARGET_P99_MS, TARGET_PLANS_PER_S, control_plane
-    from harness.scenarios import build_scenario
-
-    sc = build_scenario(resolve_model(args.model), args.prefill_tp, args.decode_tp, args.tokens)
-    r = control_plane(
-        sc,
-        progress,
-        args.clients,
-        args.seconds,
-        args.client_procs,
-        args.pairs,
-        args.baseline,
-        args.profile,
-    )
-    fc = r["first_contact"]
-    head = (
-        f"{'clients':>7} {'procs':>5} {'plans/s':>8} {'p50 ms':>7} {'p99 ms':>7} {'broker us':>9}"
-    )
-    if args.baseline:
-        head += f" {'floor/s':>8} {'p99 ms':>7} {'broker us':>9}"
-    lines = [
-        (
-            f"{r['model']} {r['tokens']} tokens TP{r['prefill_tp']}->TP{r['decode_tp']}: "
-            f"{r['descriptors_per_plan']} descriptors, {r['bytes_per_plan']:,} bytes per plan; "
-            f"{r['cpus']} CPUs, 1-min load average {r['load_average_1m'][0]} -> "
-            f"{r['load_average_1m'][1]}"
-        ),
-        head,
-    ]
-    for p in r["phases"]:
-        line = (
-            f"{p['clients']:>7} {p['client_procs']:>5} {p['plan_per_s']:>8,.0f} "
-            f"{p['plan_p50_ms']:>7.2f} {p['plan_p99_ms']:>7.2f} {p['plan_broker_cpu_us']:>9.0f}"
-        )
-        if args.baseline:
-            line += (
-                f" {p['list_engines_per_s']:>8,.0f} {p['list_engines_p99_ms']:>7.2f} "
-                f"{p['list_engines_broker_cpu_us']:>9.0f}"
-            )
-        lines.append(line + (" (ran out of transfers)" if p["ran_out"] else ""))
-    lines.append(
-        f"target: >= {TARGET_PLANS_PER_S:,} plans/s with p99 < {TARGET_P99_MS} ms; broker us: "
-        "broker CPU per call; floor: ListEngines from the same clients"
-    )
-    lines.append(
-        f"first contact (new decode engine, {r['decode_tp']} ranks registered -> first plan): "
-        f"median {fc['median_ms']} ms (registered after {fc['registered_median_ms']} ms), "
-        f"p90 {fc['p90_ms']} ms, max {fc['max_ms']} ms over {fc['pairs']} pairs"
-    )
-    _emit(args, progress, "control_plane", {"control_plane": r}, "\n".join(lines))
-    if args.out:
-        _plot_control_plane(r, args.out / "control_plane.png", TARGET_PLANS_PER_S, TARGET_P99_MS)
-    return 0
-
-
-def _plot_control_plane(r: dict, path: Path, target_per_s: float, target_p99_ms: float) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import matplotlib.ticker
-
-    clients = [p["clients"] for p in r["phases"]]
-    fig, (rate, latency) = plt.subplots(1, 2, figsize=(11, 4.5))
-    rate.plot(clients, [p["plan_per_s"] for p in r["phases"]], "-o", ms=3, label="GetTransferPlan")
-    latency.plot(clients, [p["plan_p99_ms"] for p in r["phases"]], "-o", ms=3, label="plan p99")
-    latency.plot(clients, [p["plan_p50_ms"] for p in r["phases"]], "--o", ms=3, label="plan p50")
-    if "list_engines_per_s" in r["phases"][0]:
-        floor = [p["list_engines_per_s"] for p in r["phases"]]
-        rate.plot(clients, floor, "--", color="gray", label="ListEngines (gRPC floor)")
-        floor_p99 = [p["list_engines_p99_ms"] for p in r["phases"]]
-        latency.plot(clients, floor_p99, "--", color="gray", label="ListEngines p99")
-    rate.axhline(target_per_s, color="red", lw=0.8, ls=":", label="target")
-    latency.axhline(target_p99_ms, color="red", lw=0.8, ls=":", label="target p99")
-    for axis in (rate, latency):
-        axis.set_xscale("log", base=2)
-        axis.set_xticks(clients, [str(n) for n in clients])
-        axis.set_xlabel("concurrent decode clients")
-        axis.grid(alpha=0.3)
-        axis.legend(fontsize=7)
-    rate.set_ylabel("calls per second")
-    rate.set_ylim(bottom=0)
-    latency.set_ylabel("latency at the client (ms)")
-    latency.set_yscale("log")
-    latency.yaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1, 2, 5)))
-    latency.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
-    latency.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-    title = f"{r['model']} {r['tokens'] // 1024}k TP{r['prefill_tp']}->TP{r['decode_tp']}"
-    rate.set_title(f"Throughput, {title}, {r['cpus']} CPUs")
-    latency.set_title("Latency")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

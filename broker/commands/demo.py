@@ -3,7 +3,9 @@ with real NIXL agents (UCX over loopback, DRAM) and real model layouts move N re
 publish → plan → NIXL read → report → release; decode checks every byte of its memory against
 what its own layout says it must hold. Exits 0 only if every byte matched and every release
 arrived; the last line is ``demo: <N> transfers, <B> bytes verified, <M> mismatches``, or with
-``--json`` the run's figures are one JSON object on stdout.
+``--json`` the run's figures are one JSON object on stdout. Decode asks for the plans of every
+rank of the requests waiting for it in one call and reports them in one call; ``--per-rank``
+makes one call per rank instead.
 
 Each run has its own run id, part of every transfer id, so runs against the same brokers
 (``--broker``) never collide; ``--seed`` makes the token counts and byte patterns repeatable.
@@ -74,6 +76,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "starting one; engines fail over between them",
     )
     p.add_argument(
+        "--per-rank",
+        action="store_true",
+        help="decode fetches one request at a time, one GetTransferPlan and one "
+        "ReportTransfer per rank (default: every waiting request's ranks in one "
+        "GetTransferPlans and one ReportTransfers call)",
+    )
+    p.add_argument(
         "--trace",
         action="store_true",
         help="trace every process into a receiver in the demo and print the span tree "
@@ -114,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
             on_progress=_progress_bar,
             broker=brokers,
             run_id=run_id,
+            per_rank=args.per_rank,
         )
         if receiver is not None:
             spans = receiver.spans()  # complete: every process flushed its spans on exit

@@ -284,7 +284,7 @@ class GetTransferPlanResponse(_message.Message):
     def __init__(self, plan_id: _Optional[str] = ..., sources: _Optional[_Iterable[_Union[SourcePlan, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., num_descriptors: _Optional[int] = ..., naive_bytes: _Optional[int] = ..., vllm_descriptors: _Optional[int] = ..., expires_at_ms: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class ReportTransferRequest(_message.Message):
-    __slots__ = ("plan_id", "engine_id", "tp_rank", "status", "bytes_moved", "duration_us", "error")
+    __slots__ = ("plan_id", "engine_id", "tp_rank", "status", "bytes_moved", "duration_us", "error", "traceparent")
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -292,6 +292,7 @@ class ReportTransferRequest(_message.Message):
     BYTES_MOVED_FIELD_NUMBER: _ClassVar[int]
     DURATION_US_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     plan_id: str
     engine_id: str
     tp_rank: int
@@ -299,7 +300,8 @@ class ReportTransferRequest(_message.Message):
     bytes_moved: int
     duration_us: int
     error: str
-    def __init__(self, plan_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., status: _Optional[_Union[ReportStatus, str]] = ..., bytes_moved: _Optional[int] = ..., duration_us: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+    traceparent: str
+    def __init__(self, plan_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., status: _Optional[_Union[ReportStatus, str]] = ..., bytes_moved: _Optional[int] = ..., duration_us: _Optional[int] = ..., error: _Optional[str] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class ReportTransferResponse(_message.Message):
     __slots__ = ("duplicate", "state", "intact")
