@@ -206,13 +206,15 @@ def test_span_tree_lines(traced: TracedRun) -> None:
 
 
 #: Kind of each span, and the broker method of an RPC span (OpenTelemetry's RPC conventions).
+#: Span name → kind and RPC method, as the fleet runs (decode batched: one plan call and one
+#: report call per step, each entry's spans carrying the batched method).
 RPC_SPANS = {
     "prefill.publish": ("CLIENT", "PublishBlocks"),
     "broker.publish": ("SERVER", "PublishBlocks"),
-    "broker.plan": ("SERVER", "GetTransferPlan"),
+    "broker.plan": ("SERVER", "GetTransferPlans"),
     "decode.nixl_read": ("INTERNAL", None),
-    "decode.report": ("CLIENT", "ReportTransfer"),
-    "broker.report": ("SERVER", "ReportTransfer"),
+    "decode.report": ("CLIENT", "ReportTransfers"),
+    "broker.report": ("SERVER", "ReportTransfers"),
     "broker.release": ("INTERNAL", None),
     "prefill.free": ("INTERNAL", None),
 }
@@ -300,11 +302,18 @@ def test_metrics_scraped_over_http_count_the_transfers(traced: TracedRun) -> Non
     assert sample(m, "pdbroker_blocks_held_seconds_count") == releases
     assert sample(m, "pdbroker_release_delivery_seconds_count") == releases
     rpc = {"grpc_type": "unary", "grpc_service": "pdbroker.v1.Broker"}
-    for method, calls in [("PublishBlocks", TRANSFERS), ("GetTransferPlan", plans),
-                          ("ReportTransfer", plans)]:  # fmt: skip
+
+    def calls(method: str) -> float:
         handled = sample(m, "grpc_server_handled_total", **rpc, grpc_method=method, grpc_code="OK")
         timed = sample(m, "grpc_server_handling_seconds_count", **rpc, grpc_method=method)
-        assert handled == timed == calls, method
+        assert handled == timed, method
+        return handled
+
+    # Decode fetches batched: a plan call and a report call per step of one or more transfers.
+    steps = calls("GetTransferPlans")
+    assert calls("PublishBlocks") == TRANSFERS and 1 <= steps <= TRANSFERS
+    assert calls("ReportTransfers") == steps
+    assert calls("GetTransferPlan") == calls("ReportTransfer") == 0
     assert sample(m, "pdbroker_serving") == 1
     assert sample(m, "pdbroker_lease_expiries_total") == 0
     during = traced.during  # after the first transfer, engines still registered

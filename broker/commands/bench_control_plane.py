@@ -26,13 +26,13 @@ def add_control_plane(kinds: argparse._SubParsersAction) -> argparse.ArgumentPar
     control.add_argument(
         "--clients",
         type=positive_ints,
-        default=[2],
+        default="2",
         help="comma-separated counts of concurrent decode clients",
     )
     control.add_argument(
         "--batch",
         type=positive_ints,
-        default=[1, 4, 16, 64],
+        default="1,4,16,64",
         help="comma-separated entries per plan and per report call, each timed at every "
         "client count; 1 is the unary path (GetTransferPlan, "
         "ReportTransfer), which always runs, and with any larger batch so does the realistic "
