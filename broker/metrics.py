@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 from broker.observer import ServiceObserver
 from broker.planner import RankPlan
+from broker.v1 import broker_pb2 as pb
 from broker.wire import ReleaseReason, Role, TransferState
 
 _LATENCY_BUCKETS = (
@@ -87,6 +88,16 @@ class BrokerMetrics(ServiceObserver):
             buckets=_RELEASE_BUCKETS,
             registry=r,
         )
+        self.calls = Counter(
+            "pdbroker_calls_total",
+            "Calls received, by Broker method (refused ones included).",
+            ["method"],
+            registry=r,
+        )
+        self._calls = {
+            m.name: self.calls.labels(method=m.name)
+            for m in pb.DESCRIPTOR.services_by_name["Broker"].methods
+        }
         for cache in ("hit", "miss"):
             self.plans.labels(cache=cache)
         for state in TransferState:
@@ -99,6 +110,9 @@ class BrokerMetrics(ServiceObserver):
         self._http: WSGIServer | None = None
 
     # ------------------------------------------------------------------ observer hooks
+
+    def call_received(self, method: str) -> None:
+        self._calls[method].inc()
 
     def rank_registered(self, role: Role) -> None:
         self.live_ranks.labels(role=role.value).inc()

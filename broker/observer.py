@@ -1,8 +1,9 @@
 """What :class:`broker.service.BrokerService` tells an observer (metrics) as it works.
 
 The base class ignores everything; :class:`broker.metrics.BrokerMetrics` counts it. Calls come
-from the service's thread, after the change they describe; they must be cheap and must not
-call the service back.
+from the service's thread, after the change they describe (:meth:`~ServiceObserver.call_received`
+from the server's event loop, as a call arrives); they must be cheap and must not call the
+service back.
 """
 
 from __future__ import annotations
@@ -13,6 +14,10 @@ from broker.wire import ReleaseReason, Role, TransferState
 
 class ServiceObserver:
     """Hooks with no effect; override the ones you need."""
+
+    def call_received(self, method: str) -> None:
+        """A call of the Broker service's ``method`` arrived (before it is parsed or
+        authorized)."""
 
     def rank_registered(self, role: Role) -> None:
         """A rank of ``role`` registered (re-registration: after :meth:`rank_removed`)."""

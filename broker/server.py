@@ -94,11 +94,15 @@ def _lenient(message_type: type[Message], max_bytes: int) -> Callable[[bytes], A
     return parse
 
 
-def _refuse_unparsable(behavior: Callable, streaming: bool) -> Callable:
-    """``behavior``, answering a request its deserializer refused with its status."""
+def _refuse_unparsable(
+    behavior: Callable, streaming: bool, received: Callable[[], None]
+) -> Callable:
+    """``behavior``, answering a request its deserializer refused with its status; each
+    call first tells ``received``."""
     if streaming:
 
         async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            received()
             if isinstance(request, Refused):
                 await abort(context, request)
             async for item in behavior(request, context):
@@ -107,6 +111,7 @@ def _refuse_unparsable(behavior: Callable, streaming: bool) -> Callable:
         return stream
 
     async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        received()
         if isinstance(request, Refused):
             await abort(context, request)
         return await behavior(request, context)
@@ -117,8 +122,10 @@ def _refuse_unparsable(behavior: Callable, streaming: bool) -> Callable:
 def _add_broker(servicer: BrokerServicer, server: grpc.aio.Server) -> None:
     """``pb_grpc.add_BrokerServicer_to_server``, except that a request that does not parse
     fails with INVALID_ARGUMENT ``request: not a valid ...`` instead of UNKNOWN, and one
-    larger than its method needs with RESOURCE_EXHAUSTED, unparsed."""
+    larger than its method needs with RESOURCE_EXHAUSTED, unparsed. Every call is counted
+    by the service's observer (:meth:`~broker.observer.ServiceObserver.call_received`)."""
     handlers = {}
+    observer = servicer.service.observer
     for method in pb.DESCRIPTOR.services_by_name["Broker"].methods:
         request_type = getattr(pb, method.input_type.name)
         response_type = getattr(pb, method.output_type.name)
@@ -128,7 +135,11 @@ def _add_broker(servicer: BrokerServicer, server: grpc.aio.Server) -> None:
             else grpc.unary_unary_rpc_method_handler
         )
         handlers[method.name] = make(
-            _refuse_unparsable(getattr(servicer, method.name), method.server_streaming),
+            _refuse_unparsable(
+                getattr(servicer, method.name),
+                method.server_streaming,
+                partial(observer.call_received, method.name),
+            ),
             request_deserializer=_lenient(request_type, max_request_bytes_of(method.name)),
             response_serializer=_serializer(response_type),
         )

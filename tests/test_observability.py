@@ -269,6 +269,8 @@ def test_metrics_scraped_over_http_count_the_transfers(traced: TracedRun) -> Non
     assert sample(m, "pdbroker_releases_total", reason="completed") == releases
     assert sample(m, "pdbroker_release_latency_seconds_count") == releases
     assert sample(m, "pdbroker_lease_expiries_total") == 0
+    assert sample(m, "pdbroker_calls_total", method="PublishBlocks") == TRANSFERS
+    assert sample(m, "pdbroker_calls_total", method="StreamTransferPlan") == 0  # small plans
     during = traced.during  # after the first transfer, engines still registered
     assert sample(during, "pdbroker_live_ranks", role="prefill") == PAIR.prefill_tp
     assert sample(during, "pdbroker_live_ranks", role="decode") == PAIR.decode_tp
