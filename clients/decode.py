@@ -7,7 +7,9 @@ prefill agents it meets for the first time, posts one READ per source prefill ra
 sources at once), polls them to completion within the timeout and reports DONE or FAILED
 with the bytes moved and the read time. Hosted ranks fetch concurrently. :meth:`plan` and
 :meth:`report` are those steps alone, for callers that execute plans their own way (load
-generators over :class:`~clients.transport.NoMemoryTransport`).
+generators over :class:`~clients.transport.NoMemoryTransport`); :meth:`execute` is the read
+alone, of a plan asked for elsewhere (the vLLM connector's scheduler asks for every rank's
+plans in one call and sends their reports in one, :func:`~clients.plans.report_traced`).
 
 Tracing: the plan carries a ``traceparent`` of the transfer's trace; each source's read is a
 span ``decode.nixl_read`` (bytes, descriptors; its status says whether it failed) and the
@@ -21,20 +23,25 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn
 
-import grpc
-import numpy as np
 from opentelemetry.trace import Span
 
 from broker import tracing
 from broker.client_security import PLAINTEXT, ChannelSecurity
-from broker.errors import InvalidFieldError
 from broker.layout import EngineLayout
-from broker.limits import LIMITS
 from broker.logs import transfer_fields
 from broker.v1 import broker_pb2 as pb
-from broker.wire import MEMORY_KIND, Role, block_ids_to_proto
+from broker.wire import Role, block_ids_to_proto
+from clients.plans import (
+    PlanReport,
+    RankFetch,
+    check_plan,
+    check_usable,
+    refused_report,
+    report_attributes,
+    report_request,
+    report_traced,
+)
 from clients.protocol import (
     BrokerCallError,
     call,
@@ -44,27 +51,9 @@ from clients.protocol import (
     report_transfers,
 )
 from clients.session import AsyncEngineClient, BlockingEngineClient, RankSession
-from clients.transport import Read, Region, TransferError, Transport, descriptor_array, inside
+from clients.transport import Read, TransferError, Transport
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class RankFetch:
-    """One decode rank's part of a fetch. Durations in seconds; ``reported_at`` is
-    ``time.monotonic()`` just before the report was sent."""
-
-    tp_rank: int
-    plan_id: str
-    prefill_ranks: tuple[int, ...]
-    nbytes: int
-    num_descriptors: int
-    naive_bytes: int
-    vllm_descriptors: int
-    plan_s: float
-    read_s: float
-    report_s: float
-    reported_at: float
 
 
 @dataclass(frozen=True)
@@ -101,97 +90,6 @@ class PlanAsk:
     transfer_id: str
     block_ids: Sequence[Sequence[int]]
     prefill_engine_id: str = ""
-
-
-@dataclass(frozen=True)
-class PlanReport:
-    """One hosted rank's report of a plan, for :meth:`AsyncDecodeClient.report_many`: DONE
-    with ``nbytes`` moved in ``duration_s``, or FAILED with ``error`` when one is given."""
-
-    tp_rank: int
-    plan_id: str
-    nbytes: int = 0
-    duration_s: float = 0.0
-    error: str = ""
-
-
-class TransferEnded(TransferError):
-    """The broker ended the transfer (expired, aborted, failed) before this rank's report:
-    what it read may have been overwritten. Recompute."""
-
-
-class PlanRejected(TransferError):
-    """A plan this rank refuses to execute; nothing of it was posted to NIXL."""
-
-
-@dataclass(frozen=True)
-class SourceRead:
-    """One checked source of a plan: ``(n, 3)`` descriptor rows of both sides, memory kinds."""
-
-    source: pb.SourcePlan
-    local: np.ndarray
-    remote: np.ndarray
-    local_kind: str
-    remote_kind: str
-
-
-def check_plan(
-    plan: pb.GetTransferPlanResponse, regions: Sequence[Region], tp_rank: int
-) -> list[SourceRead]:
-    """Parse and check every source of ``plan`` before anything is posted: descriptors whole
-    and paired one to one with equal lengths, every local one inside ``regions`` (decode rank
-    ``tp_rank``'s registered memory), no local byte written twice, and the lengths adding up
-    to each source's and the plan's ``total_bytes``; a source's local memory kind is the kind
-    of the regions it writes. Raises :class:`PlanRejected`."""
-    reads: list[SourceRead] = []
-    for i, source in enumerate(plan.sources):
-        where = f"plan {plan.plan_id} source {i} (prefill rank {source.prefill_rank})"
-        try:
-            local = descriptor_array(source.local_descriptors)
-            remote = descriptor_array(source.remote_descriptors)
-            kinds = (
-                MEMORY_KIND.from_proto(source.local_memory_kind, "local_memory_kind").name,
-                MEMORY_KIND.from_proto(source.remote_memory_kind, "remote_memory_kind").name,
-            )
-        except InvalidFieldError as exc:
-            raise PlanRejected(f"{where}: unknown memory kind: {exc}") from None
-        except ValueError as exc:
-            raise PlanRejected(f"{where}: {exc}") from None
-        if not len(local):
-            raise PlanRejected(f"{where}: no descriptors")
-        if local.shape != remote.shape:
-            raise PlanRejected(f"{where}: {len(local)} local descriptors for {len(remote)} remote")
-        if len(local) != source.num_descriptors:
-            raise PlanRejected(
-                f"{where}: {len(local)} descriptors, not its num_descriptors "
-                f"{source.num_descriptors}"
-            )
-        if not np.array_equal(local[:, 1], remote[:, 1]):
-            raise PlanRejected(f"{where}: local and remote descriptor lengths differ")
-        if not inside(local, [r for r in regions if r.kind == kinds[0]]):
-            raise PlanRejected(f"{where} writes outside rank {tp_rank}'s registered regions")
-        reads.append(SourceRead(source, local, remote, *kinds))
-    if reads:
-        writes = np.concatenate([r.local for r in reads])
-        writes = writes[np.lexsort((writes[:, 0], writes[:, 2]))]  # by device, then address
-        same_device = writes[1:, 2] == writes[:-1, 2]
-        if (same_device & (writes[1:, 0] < writes[:-1, 0] + writes[:-1, 1])).any():
-            raise PlanRejected(f"plan {plan.plan_id} writes some bytes of rank {tp_rank} twice")
-    # Inside the regions and disjoint: every sum below is bounded by the registered bytes.
-    for i, read in enumerate(reads):
-        nbytes = int(read.local[:, 1].sum())
-        if nbytes != read.source.total_bytes:
-            raise PlanRejected(
-                f"plan {plan.plan_id} source {i}'s descriptors add up to {nbytes} "
-                f"bytes, not its total_bytes {read.source.total_bytes}"
-            )
-    nbytes = sum(r.source.total_bytes for r in reads)
-    if nbytes != plan.total_bytes:
-        raise PlanRejected(
-            f"plan {plan.plan_id}'s descriptors add up to {nbytes} bytes, not its "
-            f"total_bytes {plan.total_bytes}"
-        )
-    return reads
 
 
 class FetchError(RuntimeError):
@@ -314,34 +212,21 @@ class AsyncDecodeClient(AsyncEngineClient):
             )
             for (i, plan), (error, _, read_end) in zip(read_jobs, reads)
         ]
-        spans = [
-            tracing.start_span(
-                "decode.report",
-                plan.traceparent,
-                _report_attributes(jobs[i][0].transfer_id, jobs[i][1].tp_rank, error),
-            )
-            for (i, plan), (error, _, _) in zip(read_jobs, reads)
-        ]
         reported_at = time.monotonic()
-        try:
-            outcomes = await self.report_many(reports)
-        except BaseException as exc:
-            for span in spans:
-                tracing.end_span(span, str(exc) or type(exc).__name__)
-            raise
+        outcomes = await report_traced(
+            self.stub,
+            self.engine_id,
+            reports,
+            [(jobs[i][0].transfer_id, plan.traceparent) for i, plan in read_jobs],
+            self.call_timeout_s,
+        )
         reported = time.perf_counter()
-        for (i, plan), (_, failure, read_end), outcome, span in zip(
-            read_jobs, reads, outcomes, spans
-        ):
+        for (i, plan), (_, failure, read_end), outcome in zip(read_jobs, reads, outcomes):
             try:
                 if isinstance(outcome, BrokerCallError):
-                    tracing.end_span(span, str(outcome))
-                    _refused_report(outcome)
-                if span is not None:
-                    span.set_attribute("pdbroker.intact", outcome.intact)
-                tracing.end_span(span)
-                _check_usable(plan, outcome, failure)
-                results[i] = _rank_fetch(
+                    refused_report(outcome)
+                check_usable(plan.plan_id, outcome, failure)
+                results[i] = RankFetch.of(
                     jobs[i][1].tp_rank,
                     plan,
                     planned - started,
@@ -395,12 +280,33 @@ class AsyncDecodeClient(AsyncEngineClient):
         return await report_transfers(
             self.stub,
             self.engine_id,
-            [
-                self._report_request(r.tp_rank, r.plan_id, r.nbytes, r.duration_s, r.error)
-                for r in reports
-            ],
+            [self._report_request(r) for r in reports],
             self.call_timeout_s,
         )
+
+    def lost_agent(self, tp_rank: int, plan: pb.GetTransferPlanResponse) -> bool:
+        """Whether ``plan`` reads from a prefill agent whose metadata hosted rank ``tp_rank``
+        lacks while the plan does not carry it (the broker gave it to an earlier process):
+        ask for the plan again with ``want_agent_metadata`` (:meth:`fetch` does)."""
+        return _lost_agent(self._session(tp_rank), plan)
+
+    async def execute(
+        self,
+        tp_rank: int,
+        transfer_id: str,
+        plan: pb.GetTransferPlanResponse,
+        timeout_s: float | None = None,
+    ) -> PlanReport:
+        """Read ``plan`` of ``transfer_id`` into hosted rank ``tp_rank``, a plan asked for
+        elsewhere (its engine's scheduler, :func:`~clients.protocol.get_plans`): check it,
+        load the prefill agents' metadata it carries, post every source's READ and wait for
+        them (spans as :meth:`fetch`'s). Never raises for a failed read: returns the report
+        to send, DONE, or FAILED with the error. Check :meth:`lost_agent` first."""
+        session = self._session(tp_rank)
+        started = time.perf_counter()
+        deadline = time.monotonic() + (timeout_s or self.read_timeout_s)
+        error, _, read_end = await self._timed_read(session, plan, transfer_id, deadline)
+        return PlanReport(tp_rank, plan.plan_id, plan.total_bytes, read_end - started, error)
 
     async def extend(
         self, transfers: Sequence[tuple[str, str]]
@@ -425,22 +331,13 @@ class AsyncDecodeClient(AsyncEngineClient):
         return await call(
             self.stub,
             "ReportTransfer",
-            self._report_request(tp_rank, plan_id, nbytes, duration_s, error),
+            self._report_request(PlanReport(tp_rank, plan_id, nbytes, duration_s, error)),
             self.call_timeout_s,
         )
 
-    def _report_request(
-        self, tp_rank: int, plan_id: str, nbytes: int, duration_s: float, error: str
-    ) -> pb.ReportTransferRequest:
-        return pb.ReportTransferRequest(
-            plan_id=plan_id,
-            engine_id=self.engine_id,
-            tp_rank=self._session(tp_rank).tp_rank,
-            status=pb.REPORT_STATUS_FAILED if error else pb.REPORT_STATUS_DONE,
-            bytes_moved=0 if error else nbytes,
-            duration_us=int(duration_s * 1e6),
-            error=error[: LIMITS.max_text_chars],
-        )
+    def _report_request(self, report: PlanReport) -> pb.ReportTransferRequest:
+        self._session(report.tp_rank)  # a rank this client hosts
+        return report_request(self.engine_id, report)
 
     def _session(self, tp_rank: int) -> RankSession:
         try:
@@ -538,7 +435,7 @@ class AsyncDecodeClient(AsyncEngineClient):
         planned = time.perf_counter()
         error, failure, read = await self._timed_read(session, plan, transfer_id, deadline)
         reported_at = time.monotonic()
-        attributes = _report_attributes(transfer_id, session.tp_rank, error)
+        attributes = report_attributes(transfer_id, session.tp_rank, error)
         with tracing.span("decode.report", plan.traceparent, attributes) as span:
             try:
                 outcome = await self.report(
@@ -549,11 +446,11 @@ class AsyncDecodeClient(AsyncEngineClient):
                     error=error,
                 )
             except BrokerCallError as exc:
-                _refused_report(exc)
+                refused_report(exc)
             if span is not None:
                 span.set_attribute("pdbroker.intact", outcome.intact)
-        _check_usable(plan, outcome, failure)
-        return _rank_fetch(
+        check_usable(plan.plan_id, outcome, failure)
+        return RankFetch.of(
             session.tp_rank,
             plan,
             planned - started,
@@ -626,62 +523,6 @@ def _lost_agent(session: RankSession, plan: pb.GetTransferPlanResponse) -> bool:
     return any(
         not s.remote_agent_metadata and not session.agent.knows(s.remote_agent_name)
         for s in plan.sources
-    )
-
-
-def _report_attributes(transfer_id: str, tp_rank: int, error: str) -> dict[str, Any]:
-    """The attributes of a rank's ``decode.report`` span (a child of its plan's trace)."""
-    return {
-        "pdbroker.transfer_id": transfer_id,
-        "pdbroker.decode_rank": tp_rank,
-        "pdbroker.status": "failed" if error else "done",
-    }
-
-
-def _refused_report(refusal: BrokerCallError) -> NoReturn:
-    """Raise for a report the broker refused: :class:`TransferEnded` when the transfer ended
-    while the rank read (ABORTED: prefill may reuse the blocks now), else the refusal."""
-    if refusal.code is not grpc.StatusCode.ABORTED:
-        raise refusal
-    raise TransferEnded(f"data invalid, recompute: {refusal.details}") from None
-
-
-def _check_usable(
-    plan: pb.GetTransferPlanResponse,
-    outcome: pb.ReportTransferResponse,
-    failure: TransferError | None,
-) -> None:
-    """Raise unless the rank's reported read is usable: the read's ``failure``, or
-    :class:`TransferEnded` when the broker did not record it intact."""
-    if failure is not None:
-        raise failure
-    if not outcome.intact:
-        raise TransferEnded(
-            f"data invalid, recompute: plan {plan.plan_id}'s transfer ended "
-            f"({pb.TransferState.Name(outcome.state)}) before the report"
-        )
-
-
-def _rank_fetch(
-    tp_rank: int,
-    plan: pb.GetTransferPlanResponse,
-    plan_s: float,
-    read_s: float,
-    report_s: float,
-    reported_at: float,
-) -> RankFetch:
-    return RankFetch(
-        tp_rank,
-        plan.plan_id,
-        tuple(s.prefill_rank for s in plan.sources),
-        plan.total_bytes,
-        plan.num_descriptors,
-        plan.naive_bytes,
-        plan.vllm_descriptors,
-        plan_s,
-        read_s,
-        report_s,
-        reported_at,
     )
 
 

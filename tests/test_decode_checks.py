@@ -1,6 +1,6 @@
 """The decode client refuses a plan it must not execute before any NIXL call: one writing
 outside its registered regions, writing a byte twice, or whose descriptors do not add up to
-its byte counts. Unit checks of :func:`clients.decode.check_plan`, then a real broker behind a
+its byte counts. Unit checks of :func:`clients.plans.check_plan`, then a real broker behind a
 proxy that tampers with its plans, real prefill and decode clients with NIXL agents."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from prerequisites import require_module
 from broker.limits import LIMITS
 from broker.v1 import broker_pb2 as pb
 from broker.wire import pack
-from clients.decode import PlanRejected, check_plan
+from clients.plans import PlanRejected, check_plan
 from clients.transport import DRAM, VRAM, Region
 
 REGIONS = (Region(1 << 20, 4096), Region(2 << 20, 4096), Region(1 << 20, 4096, 1, VRAM))
