@@ -1,5 +1,5 @@
 """The decode engine's broker calls: one ``GetTransferPlans`` per step for every rank of every
-load it starts, one ``ReportTransfers`` per step for the reads its workers finished, on CPU.
+load it starts, one ``ReportTransfers`` per step for the loads every rank finished, on CPU.
 
 Engines as in :mod:`test_vllm_connector` (vLLM's ``Scheduler``, vLLM-allocated KV caches, NIXL
 over UCX loopback, every byte compared); the broker counts the calls it receives by method
@@ -135,7 +135,7 @@ def test_a_step_plans_and_reports_every_load_in_one_call(
 ) -> None:
     """Two requests start loading in one step: with ``batch_calls`` (the default) the decode
     scheduler asks for all their ranks' plans in one ``GetTransferPlans`` call and sends one
-    ``ReportTransfers`` per step that carried reports back from the workers; without, each
+    ``ReportTransfers`` per step in which loads finished on every rank; without, each
     rank of each request makes its own ``GetTransfer``, ``GetTransferPlan`` and
     ``ReportTransfer``. Either way every byte arrives and decode computes only the last
     prompt token."""
@@ -183,18 +183,23 @@ def test_a_step_plans_and_reports_every_load_in_one_call(
         (handed,) = [m.loads for m in metadata if m.loads]
         assert sorted(handed) == ["r1", "r2"]
         assert all(all(spec.plans) and len(spec.plans) == decode_tp for spec in handed.values())
-        reported = [
-            o.kv_connector_worker_meta.reports
+        reports = [
+            report
             for o in consumer.connector_outputs
             if isinstance(o.kv_connector_worker_meta, PdBrokerWorkerMetadata)
+            for report in o.kv_connector_worker_meta.reports
         ]
-        assert sum(len(reports) for reports in reported) == rank_loads
+        assert sorted(r for r, _ in reports) == sorted(list(legs) * decode_tp)
+        # A load's reports go out when its last rank finished: one call per step that
+        # finished loads, one call per transfer at most.
+        finishing = [o for o in consumer.connector_outputs if o.finished_recving]
+        assert len(finishing) <= len(legs)
         assert calls == {
             "GetTransfer": 0,
             "GetTransferPlan": 0,
             "GetTransferPlans": 1,
             "ReportTransfer": 0,
-            "ReportTransfers": len(reported),  # one per step that carried reports
+            "ReportTransfers": len(finishing),
         }
     finally:
         consumer.close()

@@ -9,7 +9,10 @@ call fails, gets no plan and asks for its own. Each worker reads its plan and de
 finished in ``get_transfer_results`` (failed too when its read failed); its report rides back
 in the same step's ``build_connector_worker_meta``, which vLLM's ``KVOutputAggregator`` merges
 over the TP ranks. The scheduler's ``update_connector_output`` (:meth:`BatchedCalls.update`)
-then sends the step's reports in one ``ReportTransfers`` call.
+keeps each report until every rank finished that load (the aggregator then lists it in the
+step's ``finished_recving``) and sends the reports of the loads that finished in the step in
+one ``ReportTransfers`` call: each transfer is reported in one call, whichever steps its ranks'
+reads ended in.
 
 vLLM handles a step's failed loads (``failed_recving``) before that hook and its finished ones
 (``finished_recving``) after it, and lets the hook rewrite them (its own MoRIIO connector
@@ -80,6 +83,8 @@ class BatchedCalls:
         self._broker = broker
         #: Plans handed to the workers, by request id and plan id, until reported.
         self._handed: dict[str, dict[str, _Handed]] = {}
+        #: The workers' reports of loads some rank has not finished yet, by request id.
+        self._reports: dict[str, list[PlanReport]] = {}
         #: Requests with a read the broker did not record intact, until every worker
         #: finished their load.
         self._unusable: set[str] = set()
@@ -149,14 +154,18 @@ class BatchedCalls:
         return failed
 
     def update(self, output: KVConnectorOutput) -> None:
-        """Send the reports of the plans the workers read this step (:meth:`_report`); take
-        each load every worker finished but one of whose reads is unusable out of
-        ``output.finished_recving`` (vLLM reads it after this hook) for the workers to report
-        failed next step."""
+        """Keep the reports the workers sent this step; send those of the loads every worker
+        has finished now (:meth:`_report`); take each such load one of whose reads is
+        unusable out of ``output.finished_recving`` (vLLM reads it after this hook) for the
+        workers to report failed next step."""
         meta = output.kv_connector_worker_meta
-        if isinstance(meta, PdBrokerWorkerMetadata) and meta.reports:
-            self._report(meta.reports)
+        if isinstance(meta, PdBrokerWorkerMetadata):
+            for request_id, report in meta.reports:
+                self._reports.setdefault(request_id, []).append(report)
         finished = output.finished_recving or set()
+        due = [(r, report) for r in finished for report in self._reports.pop(r, ())]
+        if due:
+            self._report(due)
         for request_id in list(finished):
             self._handed.pop(request_id, None)
             if request_id not in self._unusable:
