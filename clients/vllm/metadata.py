@@ -14,7 +14,7 @@ to start, with every decode rank's plan when the scheduler asked the broker for 
 transfers, and the loads to report failed. Workers to scheduler
 (:class:`PdBrokerWorkerMetadata`, merged over the TP ranks by vLLM's ``KVOutputAggregator``):
 the reports of the plans the workers read, which the scheduler sends in one
-``ReportTransfers`` call.
+``ReportTransfers`` call per step once every rank finished their load.
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ class ConnectorSettings:
     backends of each rank's agent (e.g. ``["LIBFABRIC"]`` on AWS EFA), and the UCX backend's
     worker threads, applied when ``backends`` is ``["UCX"]`` (0: NIXL's default).
     ``batch_calls``: a decode engine's scheduler asks for every rank's plan of every load it
-    starts in a step in one ``GetTransferPlans`` call and reports the reads its workers
+    starts in a step in one ``GetTransferPlans`` call and reports the loads every rank
     finished in a step in one ``ReportTransfers`` call; false: each worker asks for its own
     rank's plan and reports it (a ``GetTransfer``, ``GetTransferPlan`` and ``ReportTransfer``
     call per rank per request).
