@@ -20,15 +20,12 @@ import asyncio
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any, NoReturn
 
-import grpc
 from opentelemetry.trace import Span
 
 from broker import tracing
 from broker.client_security import PLAINTEXT, ChannelSecurity
 from broker.layout import EngineLayout
-from broker.limits import LIMITS
 from broker.logs import transfer_fields
 from broker.v1 import broker_pb2 as pb
 from broker.wire import Role, block_ids_to_proto
@@ -39,7 +36,6 @@ from clients.fetches import (
     PlanAsk,
     PlanReport,
     RankFetch,
-    TransferEnded,
 )
 from clients.plan_check import check_plan
 from clients.protocol import (
@@ -49,6 +45,13 @@ from clients.protocol import (
     get_plan,
     get_plans,
     report_transfers,
+)
+from clients.reports import (
+    check_usable,
+    refused_report,
+    report_attributes,
+    report_request,
+    report_traced,
 )
 from clients.session import AsyncEngineClient, BlockingEngineClient, RankSession
 from clients.transport import Read, TransferError, Transport
@@ -156,47 +159,26 @@ class AsyncDecodeClient(AsyncEngineClient):
         results: dict[int, RankFetch | BaseException] = {
             i: plan for i, plan in enumerate(plans) if isinstance(plan, BrokerCallError)
         }
-        spans = [
-            tracing.start_span(
-                "decode.report",
-                plan.traceparent,
-                _report_attributes(jobs[i][0].transfer_id, jobs[i][1].tp_rank, error),
-                rpc="ReportTransfers",
-            )
-            for (i, plan), (error, _, _) in zip(read_jobs, reads)
-        ]
         reports = [
             PlanReport(
-                jobs[i][1].tp_rank,
-                plan.plan_id,
-                plan.total_bytes,
-                read_end - planned,
-                error,
-                tracing.span_traceparent(span),
+                jobs[i][1].tp_rank, plan.plan_id, plan.total_bytes, read_end - planned, error
             )
-            for (i, plan), (error, _, read_end), span in zip(read_jobs, reads, spans)
+            for (i, plan), (error, _, read_end) in zip(read_jobs, reads)
         ]
         reported_at = time.monotonic()
-        try:
-            outcomes = await self.report_many(reports)
-        except BaseException as exc:
-            for span in spans:
-                tracing.end_span(span, str(exc) or type(exc).__name__)
-            raise
+        outcomes = await report_traced(
+            self.stub,
+            self.engine_id,
+            reports,
+            [(jobs[i][0].transfer_id, plan.traceparent) for i, plan in read_jobs],
+            self.call_timeout_s,
+        )
         reported = time.perf_counter()
-        for (i, plan), (_, failure, read_end), outcome, span in zip(
-            read_jobs, reads, outcomes, spans
-        ):
+        for (i, plan), (_, failure, read_end), outcome in zip(read_jobs, reads, outcomes):
             try:
                 if isinstance(outcome, BrokerCallError):
-                    tracing.set_rpc_status(span, outcome.code.value[0])
-                    tracing.end_span(span, str(outcome))
-                    _refused_report(outcome)
-                tracing.set_rpc_status(span, grpc.StatusCode.OK.value[0])
-                if span is not None:
-                    span.set_attribute("pdbroker.intact", outcome.intact)
-                tracing.end_span(span)
-                _check_usable(plan, outcome, failure)
+                    refused_report(outcome)
+                check_usable(plan.plan_id, outcome, failure)
                 results[i] = RankFetch.of(
                     jobs[i][1].tp_rank,
                     plan,
@@ -243,17 +225,38 @@ class AsyncDecodeClient(AsyncEngineClient):
         """Hosted ranks' reports in one ``ReportTransfers`` call (:meth:`report` for many),
         each outcome or the broker's refusal (ABORTED: DONE about a transfer that ended while
         the rank read), in order."""
+        for r in reports:
+            self._session(r.tp_rank)
         return await report_transfers(
             self.stub,
             self.engine_id,
-            [
-                self._report_request(
-                    r.tp_rank, r.plan_id, r.nbytes, r.duration_s, r.error, r.traceparent
-                )
-                for r in reports
-            ],
+            [report_request(self.engine_id, r) for r in reports],
             self.call_timeout_s,
         )
+
+    def lost_agent(self, tp_rank: int, plan: pb.GetTransferPlanResponse) -> bool:
+        """Whether ``plan`` reads from a prefill agent whose metadata hosted rank ``tp_rank``
+        lacks while the plan does not carry it (the broker gave it to an earlier process):
+        ask for the plan again with ``want_agent_metadata`` (:meth:`fetch` does)."""
+        return _lost_agent(self._session(tp_rank), plan)
+
+    async def execute(
+        self,
+        tp_rank: int,
+        transfer_id: str,
+        plan: pb.GetTransferPlanResponse,
+        timeout_s: float | None = None,
+    ) -> PlanReport:
+        """Read ``plan`` of ``transfer_id`` into hosted rank ``tp_rank``, a plan asked for
+        elsewhere (its engine's scheduler, :func:`~clients.protocol.get_plans`): check it,
+        load the prefill agents' metadata it carries, post every source's READ and wait for
+        them (spans as :meth:`fetch`'s). Never raises for a failed read: returns the report
+        to send, DONE, or FAILED with the error. Check :meth:`lost_agent` first."""
+        session = self._session(tp_rank)
+        started = time.perf_counter()
+        deadline = time.monotonic() + (timeout_s or self.read_timeout_s)
+        error, _, read_end = await self._timed_read(session, plan, transfer_id, deadline)
+        return PlanReport(tp_rank, plan.plan_id, plan.total_bytes, read_end - started, error)
 
     async def extend(
         self, transfers: Sequence[tuple[str, str]]
@@ -275,31 +278,13 @@ class AsyncDecodeClient(AsyncEngineClient):
         ``duration_s``, or FAILED with ``error`` when one is given. Idempotent at the broker
         (a repeat is answered ``duplicate``); ABORTED for DONE about a transfer that ended
         while the rank read (:class:`~clients.protocol.BrokerCallError`)."""
+        self._session(tp_rank)
+        report = PlanReport(tp_rank, plan_id, nbytes, duration_s, error)
         return await call(
             self.stub,
             "ReportTransfer",
-            self._report_request(tp_rank, plan_id, nbytes, duration_s, error),
+            report_request(self.engine_id, report),
             self.call_timeout_s,
-        )
-
-    def _report_request(
-        self,
-        tp_rank: int,
-        plan_id: str,
-        nbytes: int,
-        duration_s: float,
-        error: str,
-        traceparent: str = "",
-    ) -> pb.ReportTransferRequest:
-        return pb.ReportTransferRequest(
-            plan_id=plan_id,
-            engine_id=self.engine_id,
-            tp_rank=self._session(tp_rank).tp_rank,
-            status=pb.REPORT_STATUS_FAILED if error else pb.REPORT_STATUS_DONE,
-            bytes_moved=0 if error else nbytes,
-            duration_us=int(duration_s * 1e6),
-            error=error[: LIMITS.max_text_chars],
-            traceparent=traceparent,
         )
 
     def _session(self, tp_rank: int) -> RankSession:
@@ -402,7 +387,7 @@ class AsyncDecodeClient(AsyncEngineClient):
         planned = time.perf_counter()
         error, failure, read = await self._timed_read(session, plan, transfer_id, deadline)
         reported_at = time.monotonic()
-        attributes = _report_attributes(transfer_id, session.tp_rank, error)
+        attributes = report_attributes(transfer_id, session.tp_rank, error)
         with tracing.span(
             "decode.report", plan.traceparent, attributes, rpc="ReportTransfer"
         ) as span:
@@ -415,10 +400,10 @@ class AsyncDecodeClient(AsyncEngineClient):
                     error=error,
                 )
             except BrokerCallError as exc:
-                _refused_report(exc)
+                refused_report(exc)
             if span is not None:
                 span.set_attribute("pdbroker.intact", outcome.intact)
-        _check_usable(plan, outcome, failure)
+        check_usable(plan.plan_id, outcome, failure)
         return RankFetch.of(
             session.tp_rank,
             plan,
@@ -493,39 +478,6 @@ def _lost_agent(session: RankSession, plan: pb.GetTransferPlanResponse) -> bool:
         not s.remote_agent_metadata and not session.agent.knows(s.remote_agent_name)
         for s in plan.sources
     )
-
-
-def _report_attributes(transfer_id: str, tp_rank: int, error: str) -> dict[str, Any]:
-    """The attributes of a rank's ``decode.report`` span (a child of its plan's trace)."""
-    return {
-        "pdbroker.transfer_id": transfer_id,
-        "pdbroker.decode_rank": tp_rank,
-        "pdbroker.status": "failed" if error else "done",
-    }
-
-
-def _refused_report(refusal: BrokerCallError) -> NoReturn:
-    """Raise for a report the broker refused: :class:`TransferEnded` when the transfer ended
-    while the rank read (ABORTED: prefill may reuse the blocks now), else the refusal."""
-    if refusal.code is not grpc.StatusCode.ABORTED:
-        raise refusal
-    raise TransferEnded(f"data invalid, recompute: {refusal.details}") from None
-
-
-def _check_usable(
-    plan: pb.GetTransferPlanResponse,
-    outcome: pb.ReportTransferResponse,
-    failure: TransferError | None,
-) -> None:
-    """Raise unless the rank's reported read is usable: the read's ``failure``, or
-    :class:`TransferEnded` when the broker did not record it intact."""
-    if failure is not None:
-        raise failure
-    if not outcome.intact:
-        raise TransferEnded(
-            f"data invalid, recompute: plan {plan.plan_id}'s transfer ended "
-            f"({pb.TransferState.Name(outcome.state)}) before the report"
-        )
 
 
 def _load_agent(session: RankSession, source: pb.SourcePlan) -> None:

@@ -48,7 +48,13 @@ from vllm.v1.request import Request, RequestStatus
 
 from broker.v1 import broker_pb2 as pb
 from broker.v1 import broker_pb2_grpc as pb_grpc
-from clients.vllm.metadata import BROKER, DO_REMOTE_PREFILL, PREFILL_ENGINE, TRANSFER_ID
+from clients.vllm.metadata import (
+    BROKER,
+    DO_REMOTE_PREFILL,
+    NUM_TOKENS,
+    PREFILL_ENGINE,
+    TRANSFER_ID,
+)
 from harness.brokers import BrokerProcess
 
 NUM_BLOCKS = 12
@@ -354,12 +360,17 @@ def test_prompt_state_moves_between_vllm_engines(
         prompt = list(range(1, prompt_len + 1))
         params = prefill(producer, "r1", prompt)
         assert params is not None and params[DO_REMOTE_PREFILL] is True
-        assert (params[BROKER], params[PREFILL_ENGINE]) == (broker.address, "prefill-0")
+        assert (params[BROKER], params[PREFILL_ENGINE], params[NUM_TOKENS]) == (
+            broker.address,
+            "prefill-0",
+            prompt_len - 1,
+        )
         assert set(params) <= {
             DO_REMOTE_PREFILL,
             TRANSFER_ID,
             BROKER,
             PREFILL_ENGINE,
+            NUM_TOKENS,
             "remote_prefill_cached_tokens",
         }
         prefill_blocks = transfer_blocks(producer, "r1")

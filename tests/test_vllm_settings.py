@@ -1,5 +1,6 @@
 """``kv_connector_extra_config`` parsing: NixlConnector's ``backends`` and ``num_threads`` keep
-their meaning, and bad values fail start-up naming the key."""
+their meaning, batched broker calls are on unless turned off, and bad values fail start-up
+naming the key."""
 
 from __future__ import annotations
 
@@ -34,6 +35,13 @@ def test_nixl_connector_keys_keep_their_meaning() -> None:
     assert settings(num_threads="4").num_threads == 4  # JSON written as a string
 
 
+def test_batched_calls_are_the_default_and_can_be_turned_off() -> None:
+    assert settings().batch_calls is True
+    assert settings(batch_calls=False).batch_calls is False
+    assert settings(batch_calls="False").batch_calls is False  # JSON written as a string
+    assert settings(batch_calls="true").batch_calls is True
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
@@ -45,6 +53,8 @@ def test_nixl_connector_keys_keep_their_meaning() -> None:
         ({"num_threads": -1}, r"^kv_connector_extra_config\.num_threads: must be 0 or more"),
         ({"num_threads": "many"}, r"^kv_connector_extra_config\.num_threads: 'many' is not"),
         ({"read_timeout_s": [1]}, r"^kv_connector_extra_config\.read_timeout_s: \[1\] is not"),
+        ({"batch_calls": "no"}, r"^kv_connector_extra_config\.batch_calls: 'no' is not a bool"),
+        ({"batch_calls": 0}, r"^kv_connector_extra_config\.batch_calls: 0 is not a bool"),
         ({"nixl_backends": ["UCX"]}, r"unknown keys \['nixl_backends'\]"),
     ],
 )

@@ -1,8 +1,9 @@
 """vLLM 0.33 engines on CPU for the connector tests, built from vLLM's own pieces
 (:mod:`harness.vllm.cpu_engine`: config, KV-cache groups, cache tensors). An :class:`Engine`
 runs vLLM's ``Scheduler`` (which builds the scheduler-side connector itself) with one
-worker-side connector per TP rank. Like vLLM's model runner, each step hands the scheduler
-the workers' transfer results and connector stats.
+worker-side connector per TP rank. Like vLLM's executor and model runner, each step pickles
+the connector metadata to every worker and hands the scheduler the workers' transfer results,
+connector stats and connector worker metadata (pickled back).
 
 Importing this module configures vLLM for CPU (see :mod:`harness.vllm.cpu_engine`); where vLLM
 cannot be imported it skips the importing test module, saying why, or fails it under CI and
@@ -11,8 +12,9 @@ when vLLM is installed but broken (:mod:`prerequisites`).
 
 from __future__ import annotations
 
+import pickle
 import socket
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -128,8 +130,10 @@ class Engine:
     creates, and per TP rank a KV cache and a worker-side connector: the
     :class:`PdBrokerConnector` vLLM's factory makes when ``tp`` is 1 (vLLM's distributed
     state must be up, :func:`init_vllm_distributed`), else one :class:`WorkerHalf` per rank
-    (a process holds one vLLM TP rank). Worker outputs merge in vLLM's ``KVOutputAggregator``.
-    With ``log_stats`` the scheduler's per-step stats collect in :attr:`scheduler_stats`."""
+    (a process holds one vLLM TP rank). Worker outputs merge in vLLM's ``KVOutputAggregator``;
+    each step's merged connector output, as the scheduler received it, collects in
+    :attr:`connector_outputs`. With ``log_stats`` the scheduler's per-step stats collect in
+    :attr:`scheduler_stats`."""
 
     def __init__(
         self,
@@ -158,6 +162,7 @@ class Engine:
             hash_block_size, hash_fn, config.num_hash_lookahead_tokens
         )
         self.scheduler_stats: list[SchedulerStats] = []
+        self.connector_outputs: list[KVConnectorOutput] = []
         tp = config.parallel_config.tensor_parallel_size
         self.caches = [allocate(config, self.kv_config, backend) for _ in range(tp)]
         if poison:
@@ -207,10 +212,15 @@ class Engine:
     def block_ids(self, request_id: str) -> tuple[list[int], ...]:
         return self.scheduler.kv_cache_manager.get_block_ids(request_id)
 
-    def step(self, token: int = 7) -> tuple[SchedulerOutput, list[Any]]:
-        """One scheduler step; each request whose prompt completes samples ``token``.
-        Returns the scheduler output and the request outputs it produced."""
+    def step(
+        self, token: int = 7, scheduled: Callable[[SchedulerOutput], None] | None = None
+    ) -> tuple[SchedulerOutput, list[Any]]:
+        """One scheduler step; each request whose prompt completes samples ``token``;
+        ``scheduled`` sees the scheduler's output before the workers do. Returns the
+        scheduler output and the request outputs it produced."""
         out = self.scheduler.schedule()
+        if scheduled is not None:
+            scheduled(out)
         results = [self._worker_step(w, out) for w in self.workers]
         # The scheduler already counted this step's tokens as computed; a request whose
         # tokens are all computed now samples (a prefill chunk short of the prompt does not).
@@ -232,11 +242,16 @@ class Engine:
                     finished_recving=r.finished_recving,
                     failed_recving=r.failed_recving,
                     kv_connector_stats=w.get_kv_connector_stats(),
+                    kv_connector_worker_meta=pickle.loads(
+                        pickle.dumps(w.build_connector_worker_meta())
+                    ),
                 ),
             )
             for w, r in zip(self.workers, results)
         ]
         merged = self.aggregator.aggregate(runner_outputs)
+        assert merged is not None and merged.kv_connector_output is not None
+        self.connector_outputs.append(merged.kv_connector_output)
         engine_outputs = self.scheduler.update_from_output(out, merged)
         self.scheduler_stats += [
             o.scheduler_stats for o in engine_outputs.values() if o.scheduler_stats is not None
@@ -245,7 +260,7 @@ class Engine:
 
     @staticmethod
     def _worker_step(worker: Any, out: SchedulerOutput) -> Any:
-        metadata = out.kv_connector_metadata
+        metadata = pickle.loads(pickle.dumps(out.kv_connector_metadata))
         assert isinstance(metadata, PdBrokerMetadata)
         if isinstance(worker, WorkerHalf):
             worker.start_load_kv(metadata)

@@ -6,12 +6,17 @@ Load it with ``--kv-transfer-config '{"kv_connector": "PdBrokerConnector",
 (see ``docs/VLLM.md``; settings in :class:`~clients.vllm.metadata.ConnectorSettings`).
 
 vLLM builds one instance in the scheduler process (:class:`~clients.vllm.scheduler.SchedulerHalf`)
-and one per worker (:class:`~clients.vllm.worker.WorkerHalf`); this class only forwards. It
+and one per worker (:class:`~clients.vllm.worker.WorkerHalf`); this class only forwards. The
+scheduler hands the workers their plans in the step's connector metadata
+(``build_connector_meta``); the workers hand back their reports as connector worker metadata
+(``build_connector_worker_meta``), which vLLM merges over the TP ranks and gives the scheduler
+(``update_connector_output``) before it reads the step's finished loads. It
 supports the hybrid memory allocator (HMA), which hybrid Mamba models require. Failed loads
 are reported as ``failed_recving``: with several KV-cache groups vLLM cannot map block-level
 errors (``get_block_ids_with_load_errors``) to requests, so this connector reports none.
-Decode workers' transfer statistics reach vLLM's log and ``/metrics`` as
-:class:`~clients.vllm.stats.PdBrokerKVConnectorStats` and ``vllm:pdbroker_*`` metrics.
+Decode transfer statistics (the workers', and the scheduler's for the plans it asked for)
+reach vLLM's log and ``/metrics`` as :class:`~clients.vllm.stats.PdBrokerKVConnectorStats` and
+``vllm:pdbroker_*`` metrics.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
     SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
@@ -50,6 +56,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 
@@ -127,6 +134,9 @@ class PdBrokerConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self._scheduler().build_connector_meta()
 
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._scheduler().update_connector_output(connector_output)
+
     def on_new_request(self, request: Request) -> None:
         self._scheduler().on_new_request(request)
 
@@ -175,8 +185,14 @@ class PdBrokerConnector(KVConnectorBase_V1, SupportsHMA):
         return self._worker().get_transfer_results()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        """A decode worker's loads since the last call; the scheduler half records none."""
-        return None if self.worker is None else self.worker.get_kv_connector_stats()
+        """A decode worker's loads since the last call, or the scheduler's: those whose
+        plans it asked for."""
+        if self.worker is not None:
+            return self.worker.get_kv_connector_stats()
+        return self._scheduler().get_kv_connector_stats()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self._worker().build_connector_worker_meta()
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:

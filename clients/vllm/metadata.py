@@ -4,8 +4,17 @@ scheduler half hands the worker half.
 
 ``kv_transfer_params`` keep vLLM's own P/D flags (``do_remote_decode`` on the prefill leg, set
 by the proxy; ``do_remote_prefill`` on the decode leg, which vLLM's serving layer and metrics
-read) and add only the transfer id, the broker address and the publishing prefill engine
-(which decode holds the broker to): block ids, ranks and layouts stay with the broker.
+read) and add only the transfer id, the broker address, the publishing prefill engine (which
+decode holds the broker to) and the published token count (which decode's scheduler checks
+before it asks for plans): block ids, ranks and layouts stay with the broker.
+
+Scheduler to workers, each step (:class:`PdBrokerMetadata`, pickled to every worker): the loads
+to start, with every decode rank's plan when the scheduler asked the broker for them in one
+``GetTransferPlans`` call (serialized ``GetTransferPlanResponse`` messages), the published
+transfers, and the loads to report failed. Workers to scheduler
+(:class:`PdBrokerWorkerMetadata`, merged over the TP ranks by vLLM's ``KVOutputAggregator``):
+the reports of the plans the workers read, which the scheduler sends in one
+``ReportTransfers`` call per step once every rank finished their load.
 """
 
 from __future__ import annotations
@@ -14,9 +23,13 @@ from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
 
 from broker.client_security import ChannelSecurity
+from clients.fetches import PlanReport
 from clients.protocol import broker_addresses
 
 #: Set by the proxy on the prefill leg: run the prompt here, keep the state for a decode engine.
@@ -26,26 +39,32 @@ DO_REMOTE_PREFILL = "do_remote_prefill"
 TRANSFER_ID = "pdbroker_transfer_id"
 BROKER = "pdbroker_broker"
 PREFILL_ENGINE = "pdbroker_prefill_engine"
+NUM_TOKENS = "pdbroker_num_tokens"
 
 
-def decode_params(transfer_id: str, broker: str, prefill_engine: str) -> dict[str, Any]:
+def decode_params(
+    transfer_id: str, broker: str, prefill_engine: str, num_tokens: int
+) -> dict[str, Any]:
     """The ``kv_transfer_params`` a finished prefill request hands the decode leg."""
     return {
         DO_REMOTE_PREFILL: True,
         TRANSFER_ID: transfer_id,
         BROKER: broker,
         PREFILL_ENGINE: prefill_engine,
+        NUM_TOKENS: num_tokens,
     }
 
 
 @dataclass(frozen=True)
 class PendingTransfer:
     """A decode-leg request's state waiting at ``broker`` under ``transfer_id``, published by
-    ``prefill_engine`` ('' when the parameters do not say)."""
+    ``prefill_engine`` ('' when the parameters do not say) with ``num_tokens`` tokens (0 when
+    they do not say)."""
 
     transfer_id: str
     broker: str
     prefill_engine: str = ""
+    num_tokens: int = 0
 
 
 def pending_transfer(params: Mapping[str, Any] | None) -> PendingTransfer | None:
@@ -56,8 +75,12 @@ def pending_transfer(params: Mapping[str, Any] | None) -> PendingTransfer | None
     if not isinstance(transfer_id, str) or not isinstance(broker, str) or not transfer_id:
         return None
     prefill_engine = params.get(PREFILL_ENGINE)
+    num_tokens = params.get(NUM_TOKENS)
     return PendingTransfer(
-        transfer_id, broker, prefill_engine if isinstance(prefill_engine, str) else ""
+        transfer_id,
+        broker,
+        prefill_engine if isinstance(prefill_engine, str) else "",
+        num_tokens if type(num_tokens) is int and num_tokens > 0 else 0,
     )
 
 
@@ -82,6 +105,11 @@ class ConnectorSettings:
     ``backends`` and ``num_threads`` mean what they mean to vLLM's ``NixlConnector``: the NIXL
     backends of each rank's agent (e.g. ``["LIBFABRIC"]`` on AWS EFA), and the UCX backend's
     worker threads, applied when ``backends`` is ``["UCX"]`` (0: NIXL's default).
+    ``batch_calls``: a decode engine's scheduler asks for every rank's plan of every load it
+    starts in a step in one ``GetTransferPlans`` call and reports the loads every rank
+    finished in a step in one ``ReportTransfers`` call; false: each worker asks for its own
+    rank's plan and reports it (a ``GetTransfer``, ``GetTransferPlan`` and ``ReportTransfer``
+    call per rank per request).
     """
 
     broker: str
@@ -97,6 +125,7 @@ class ConnectorSettings:
     token_file: str = ""
     backends: tuple[str, ...] = ("UCX",)
     num_threads: int = 0
+    batch_calls: bool = True
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> ConnectorSettings:
@@ -133,7 +162,13 @@ class ConnectorSettings:
         for name, value in extra.items():
             default = known[name].default
             try:
-                values[name] = value if default is MISSING else type(default)(value)
+                values[name] = (
+                    value
+                    if default is MISSING
+                    else _flag(value)
+                    if isinstance(default, bool)
+                    else type(default)(value)
+                )
             except (TypeError, ValueError):
                 raise ValueError(
                     f"kv_connector_extra_config.{name}: {value!r} is not a {type(default).__name__}"
@@ -160,23 +195,59 @@ class ConnectorSettings:
             raise ValueError(f"kv_connector_extra_config: {exc}") from None
 
 
+def _flag(value: Any) -> bool:
+    """A boolean setting: JSON ``true``/``false``, or those words as a string."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    raise ValueError(value)
+
+
 @dataclass(frozen=True)
 class LoadSpec:
     """Decode: move ``transfer_id``'s state (``num_tokens`` tokens, published by
-    ``prefill_engine``, '' for any) into ``block_ids`` (per transfer group) of this engine."""
+    ``prefill_engine``, '' for any) into ``block_ids`` (per transfer group) of this engine.
+    ``plans``: per decode rank, the serialized ``GetTransferPlanResponse`` the scheduler
+    received for it (b'' where the broker refused that rank's entry); empty when the
+    scheduler asked for none. A rank without a plan asks for its own."""
 
     transfer_id: str
     broker: str
     block_ids: tuple[tuple[int, ...], ...]
     num_tokens: int
     prefill_engine: str = ""
+    plans: tuple[bytes, ...] = ()
+
+    def waits_at(self, broker: str) -> bool:
+        """Whether the transfer waits at ``broker`` (the same addresses, in any order)."""
+        return set(broker_addresses(self.broker)) == set(broker_addresses(broker))
+
+    def plan_of(self, tp_rank: int) -> bytes:
+        """Decode rank ``tp_rank``'s serialized plan, b'' when it has none."""
+        return self.plans[tp_rank] if tp_rank < len(self.plans) else b""
 
 
 @dataclass
 class PdBrokerMetadata(KVConnectorMetadata):
-    """One scheduler step's orders to every worker: ``loads`` to start (by request id), and
+    """One scheduler step's orders to every worker: ``loads`` to start (by request id);
     ``sends``: transfers published for finished prefill requests (transfer id -> request id),
-    whose releases the workers report as finished sends."""
+    whose releases the workers report as finished sends; ``failed_loads``: requests whose
+    loads every worker finished but whose reads the broker did not record intact, which the
+    workers now report as failed receives (vLLM recomputes them)."""
 
     loads: dict[str, LoadSpec] = field(default_factory=dict)
     sends: dict[str, str] = field(default_factory=dict)
+    failed_loads: set[str] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class PdBrokerWorkerMetadata(KVConnectorWorkerMetadata):
+    """One step's reports of the plans workers read, each with its request id, for the
+    scheduler half to send; vLLM merges every TP rank's (:meth:`aggregate`)."""
+
+    reports: tuple[tuple[str, PlanReport], ...] = ()
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> PdBrokerWorkerMetadata:
+        assert isinstance(other, PdBrokerWorkerMetadata)
+        return PdBrokerWorkerMetadata(self.reports + other.reports)

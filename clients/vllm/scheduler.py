@@ -19,12 +19,17 @@ the engine's waiting transfers are due and renews them all in one ``ExtendTransf
 (:meth:`SchedulerHalf._keep_waiting_alive`), so a busy engine does not let them expire and
 recompute whole prompts.
 
+With ``batch_calls`` (the default) the decode scheduler also plans and reports for its
+workers, one broker call each per step (:mod:`clients.vllm.batch`): a load whose reads the
+broker did not record intact reaches vLLM as failed one step later and is recomputed.
+
 Broker calls from the scheduler process go through the same client code as the workers'
 (:mod:`clients.protocol` on a :class:`~clients.session.LoopThread`): a
 :class:`~clients.protocol.FailoverStub` over the ``broker`` addresses, a publish whose reply
-was lost with its replica reconciled. A publish blocks the scheduler thread (its answer
-decides the request's output) for at most ``call_timeout_s``; aborts and renewals are fire
-and forget (a renewal's answer is read on a later step, on the scheduler thread).
+was lost with its replica reconciled. A publish, a step's plans and a step's reports block the
+scheduler thread (their answers decide the step) for at most ``call_timeout_s``; aborts and
+renewals are fire and forget (a renewal's answer is read on a later step, on the scheduler
+thread).
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ from broker.v1 import broker_pb2 as pb
 from clients import protocol
 from clients.protocol import BrokerCallError, FailoverStub
 from clients.session import LoopThread
+from clients.vllm.batch import BatchedCalls
 from clients.vllm.metadata import (
     DO_REMOTE_DECODE,
     DO_REMOTE_PREFILL,
@@ -63,10 +69,12 @@ from clients.vllm.metadata import (
     decode_params,
     pending_transfer,
 )
+from clients.vllm.stats import PdBrokerKVConnectorStats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
@@ -104,6 +112,8 @@ class SchedulerHalf:
         self._windows = [_window(g.kv_cache_spec) for g in kv_cache_config.transfer_groups]
         self._loads: dict[str, LoadSpec] = {}
         self._sends: dict[str, str] = {}
+        #: Requests of :attr:`_loads` whose plans this scheduler asks for (``batch_calls``).
+        self._to_plan: set[str] = set()
         self._loop: LoopThread | None = None
         self._stub: FailoverStub | None = None
         self._aborts: set[concurrent.futures.Future[None]] = set()  # not finished yet
@@ -113,6 +123,12 @@ class SchedulerHalf:
         self._renewed_at = -float("inf")  # time.monotonic() when the last one started
         #: The shortest TTL (ms) the broker reported for the waiting transfers.
         self._ttl_ms = settings.publish_ttl_ms or _BROKER_DEFAULT_TTL_MS
+        self.calls = BatchedCalls(
+            self.engine_id,
+            vllm_config.parallel_config.tensor_parallel_size,
+            settings.call_timeout_s,
+            self._broker,
+        )
 
     # ---------------------------------------------------------------- prefill leg
 
@@ -179,7 +195,9 @@ class SchedulerHalf:
             )
             return False, None
         self._sends[transfer_id] = request.request_id
-        return True, decode_params(transfer_id, self.settings.broker, self.engine_id)
+        return True, decode_params(
+            transfer_id, self.settings.broker, self.engine_id, request.num_computed_tokens
+        )
 
     def transfer_blocks(self, block_ids: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
         """The transfer groups' block ids as the broker takes them: full-attention groups
@@ -239,13 +257,22 @@ class SchedulerHalf:
                 held_by_decode=held >= published,
             )
             return
-        self._loads[request.request_id] = LoadSpec(
+        spec = LoadSpec(
             pending.transfer_id,
             pending.broker,
             self.transfer_blocks(blocks.get_unhashed_block_ids_all_groups()),
             self._published_tokens(request),
             pending.prefill_engine,
         )
+        self._loads[request.request_id] = spec
+        # Plans here only for what the broker will serve as this engine expects it; a
+        # worker asking on its own checks the rest and fails the load, saying why.
+        if (
+            self.settings.batch_calls
+            and pending.num_tokens == spec.num_tokens
+            and spec.waits_at(self.settings.broker)
+        ):
+            self._to_plan.add(request.request_id)
 
     def _published_tokens(self, request: Request) -> int:
         """Tokens the prefill engine computed for this prompt (it held back :attr:`backoff`)."""
@@ -255,12 +282,30 @@ class SchedulerHalf:
     # ---------------------------------------------------------------- both
 
     def build_connector_meta(self) -> PdBrokerMetadata:
-        """This step's loads and newly published transfers, handed over once; waiting
-        transfers renewed when due."""
+        """This step's loads (with their plans, :meth:`BatchedCalls.with_plans`), newly
+        published transfers and loads to fail, handed over once; waiting transfers renewed
+        when due."""
         self._keep_waiting_alive()
-        meta = PdBrokerMetadata(loads=self._loads, sends=self._sends)
-        self._loads, self._sends = {}, {}
+        meta = PdBrokerMetadata(
+            loads=self.calls.with_plans(self._loads, self._to_plan)
+            if self._to_plan
+            else self._loads,
+            sends=self._sends,
+            failed_loads=self.calls.take_failed_loads(),
+        )
+        self._loads, self._sends, self._to_plan = {}, {}, set()
         return meta
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        """The workers' output of a step: their reports and finished loads
+        (:meth:`BatchedCalls.update`)."""
+        self.calls.update(output)
+
+    def get_kv_connector_stats(self) -> PdBrokerKVConnectorStats | None:
+        """The loads this scheduler planned whose reports were answered since the last call
+        (None if none), which start anew."""
+        stats = self.calls.stats
+        return None if stats.is_empty() else stats.clone_and_reset()
 
     def shutdown(self) -> None:
         """Let pending aborts and renewals finish, close the broker channels, stop the loop

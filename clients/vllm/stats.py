@@ -1,13 +1,15 @@
 """Decode-side transfer statistics in vLLM's ``KVConnectorStats`` form, and their Prometheus
 metrics.
 
-Each decode worker records, per load of its rank, the NIXL read time (every source's READ,
-from posting to completion), the broker's plan time (``GetTransferPlan``), and the bytes and
-descriptors the plan moved; per unusable load, whether the broker had ended its transfer
-(expired, aborted, or failed by another decode rank: the prefill blocks were released) or the
-load failed otherwise. vLLM
-collects every worker's stats each step (``get_kv_connector_stats``), merges the workers' and
-the steps' (:meth:`PdBrokerKVConnectorStats.aggregate`), logs :meth:`~PdBrokerKVConnectorStats.reduce`
+Per load of a decode rank: the NIXL read time (every source's READ, from posting to
+completion), the broker's plan time (the rank's ``GetTransferPlan``, or the scheduler's
+``GetTransferPlans`` call that asked for it), and the bytes and descriptors the plan moved;
+per unusable load, whether the broker had ended its transfer (expired, aborted, or failed by
+another decode rank: the prefill blocks were released) or the load failed otherwise. A worker
+records the loads it planned itself; the scheduler half records those whose plans it asked
+for, once the broker answered their reports. vLLM collects the workers' and the scheduler's
+stats each step (``get_kv_connector_stats``), merges the workers' and the steps'
+(:meth:`PdBrokerKVConnectorStats.aggregate`), logs :meth:`~PdBrokerKVConnectorStats.reduce`
 periodically and feeds each step's payload to :class:`PdBrokerPromMetrics` (``/metrics``).
 
 Metric names follow vLLM's NixlConnector (``vllm:nixl_*``) with ``pdbroker`` in place of
@@ -34,7 +36,7 @@ from vllm.v1.metrics.utils import create_metric_per_engine
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-    from clients.decode import RankFetch
+    from clients.fetches import RankFetch
 
 #: Per successful load: seconds, seconds, bytes, descriptors.
 SERIES = ("transfer_duration", "plan_duration", "bytes_transferred", "num_descriptors")
@@ -56,9 +58,12 @@ class PdBrokerKVConnectorStats(KVConnectorStats):
 
     def record_transfer(self, fetch: RankFetch) -> None:
         """A load this rank read and the broker confirmed intact."""
-        for key, value in zip(
-            SERIES, (fetch.read_s, fetch.plan_s, fetch.nbytes, fetch.num_descriptors)
-        ):
+        self.record_read(fetch.read_s, fetch.plan_s, fetch.nbytes, fetch.num_descriptors)
+
+    def record_read(self, read_s: float, plan_s: float, nbytes: int, num_descriptors: int) -> None:
+        """A rank's load the broker confirmed intact: its read and plan times, its plan's
+        bytes and descriptors."""
+        for key, value in zip(SERIES, (read_s, plan_s, nbytes, num_descriptors)):
             self.data[key].append(value)
 
     def record_failed_transfer(self) -> None:

@@ -5,16 +5,21 @@ tensors (:mod:`clients.vllm.layout`) and registers the rank with the broker thro
 :class:`~clients.prefill.AsyncPrefillClient` or :class:`~clients.decode.AsyncDecodeClient`,
 which run on a private event-loop thread (NIXL agent, lease keep-alive, release stream).
 
-Decode: :meth:`start_load_kv` starts each new load in the background (check the published
-token count, plan, NIXL reads, report); :meth:`get_transfer_results` reports finished loads,
-and failed ones, whose requests vLLM recomputes (``kv_load_failure_policy=recompute``), among
-them. A load fails when the broker is unreachable, refuses the plan (layouts that do not
-match), or says the data is not intact, when a read fails, or when the prefill engine
-published another token count than this engine expects. A plan the broker refused, or a
-token count that does not match, aborts the transfer so the prefill engine frees its blocks.
-Each load's read, or its failure, is recorded in the rank's
+Decode: :meth:`start_load_kv` starts each new load in the background. With the rank's plan in
+the metadata (the scheduler asked for every rank's plans in one call) it reads that plan
+(:meth:`~clients.decode.AsyncDecodeClient.execute`) and the report goes back to the scheduler
+in the step's :meth:`build_connector_worker_meta`; a plan naming a prefill agent this rank's
+agent lost, or no plan, makes the rank load on its own: check the published token count,
+plan, NIXL reads, report. :meth:`get_transfer_results` reports finished loads, and failed
+ones, whose requests vLLM recomputes (``kv_load_failure_policy=recompute``), among them, as
+well as the loads the scheduler says to fail (their reads were not intact on every rank). A
+load fails when the broker is unreachable, refuses the plan (layouts that do not match), or
+says the data is not intact, when a read fails, or when the prefill engine published another
+token count than this engine expects. A plan the broker refused, or a token count that does
+not match, aborts the transfer so the prefill engine frees its blocks. Each load the rank
+planned itself, read or failed, is recorded in the rank's
 :class:`~clients.vllm.stats.PdBrokerKVConnectorStats`, which vLLM collects every step
-(:meth:`get_kv_connector_stats`).
+(:meth:`get_kv_connector_stats`); the scheduler records the others.
 
 Prefill: each release the broker streams to this rank (every reader done, expired, failed or
 aborted) becomes a finished send of the request that published it, and vLLM frees its blocks.
@@ -33,14 +38,21 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
 
 from broker.layout import EngineLayout
+from broker.v1 import broker_pb2 as pb
 from broker.wire import TRANSFER_STATE
-from clients.decode import AsyncDecodeClient, Fetch, FetchError, TransferEnded
+from clients.decode import AsyncDecodeClient, Fetch, FetchError
+from clients.fetches import PlanReport, TransferEnded
 from clients.nixl_transport import NixlTransport, UnavailableBackendError
 from clients.prefill import AsyncPrefillClient, Release
-from clients.protocol import BrokerCallError, broker_addresses
+from clients.protocol import BrokerCallError
 from clients.session import AsyncEngineClient, LoopThread
 from clients.vllm.layout import ModelFacts, derive_rank_memory, model_fingerprint
-from clients.vllm.metadata import ConnectorSettings, LoadSpec, PdBrokerMetadata
+from clients.vllm.metadata import (
+    ConnectorSettings,
+    LoadSpec,
+    PdBrokerMetadata,
+    PdBrokerWorkerMetadata,
+)
 from clients.vllm.stats import PdBrokerKVConnectorStats
 
 if TYPE_CHECKING:
@@ -101,7 +113,10 @@ class WorkerHalf:
             raise ValueError(f"kv_connector_extra_config.{exc}") from None
         self.client: AsyncEngineClient | None = None
         self._loop: LoopThread | None = None
-        self._loads: dict[str, Future[Fetch]] = {}
+        #: Loads in flight: a fetch of this rank's own, or the report of a handed plan read.
+        self._loads: dict[str, Future[Fetch | PlanReport]] = {}
+        self._reports: list[tuple[str, PlanReport]] = []  # for the scheduler, this step
+        self._failing: set[str] = set()  # loads the scheduler says to fail
         self._released: set[str] = set()  # transfer ids released, filled on the loop thread
         self._released_lock = threading.Lock()
         self._sends: dict[str, str] = {}  # transfer id -> request id, from the scheduler
@@ -167,15 +182,25 @@ class WorkerHalf:
         )
 
     def start_load_kv(self, metadata: PdBrokerMetadata) -> None:
-        """Start this step's loads; note this step's published transfers."""
+        """Start this step's loads, reading the plans handed to this rank; note this step's
+        published transfers and the loads to fail."""
         self._sends.update(metadata.sends)
+        self._failing |= metadata.failed_loads
         for request_id, spec in metadata.loads.items():
-            self._loads[request_id] = self._submit(self._load(spec))
+            plan = spec.plan_of(self.tp_rank)
+            self._loads[request_id] = self._submit(
+                self._execute(spec, plan) if plan else self._load(spec)
+            )
 
     def get_transfer_results(self) -> KVConnectorTransferResults:
-        """Loads that ended (failed ones also in ``failed_recving``) and released sends;
-        records each ended load in :attr:`stats`."""
+        """Loads that ended (failed ones also in ``failed_recving``, with the loads the
+        scheduler says to fail) and released sends; records each ended load this rank
+        planned itself in :attr:`stats` and keeps the reports of handed plans for
+        :meth:`build_connector_worker_meta`."""
         results = KVConnectorTransferResults()
+        results.finished_recving |= self._failing
+        results.failed_recving |= self._failing
+        self._failing = set()
         for request_id, future in list(self._loads.items()):
             if not future.done():
                 continue
@@ -183,7 +208,16 @@ class WorkerHalf:
             results.finished_recving.add(request_id)
             error = "cancelled" if future.cancelled() else future.exception()
             if error is None:
-                for rank in future.result().ranks:
+                result = future.result()
+                if isinstance(result, PlanReport):
+                    self._reports.append((request_id, result))
+                    if result.error:  # the scheduler counts it when reporting
+                        log.warning(
+                            "load of %s failed, vLLM recomputes it: %s", request_id, result.error
+                        )
+                        results.failed_recving.add(request_id)
+                    continue
+                for rank in result.ranks:
                     self.stats.record_transfer(rank)
                 continue
             log.warning("load of %s failed, vLLM recomputes it: %s", request_id, error)
@@ -202,6 +236,15 @@ class WorkerHalf:
         """The loads recorded since the last call (None if none), which start anew."""
         return None if self.stats.is_empty() else self.stats.clone_and_reset()
 
+    def build_connector_worker_meta(self) -> PdBrokerWorkerMetadata | None:
+        """The reports of the handed plans whose loads ended this step (None if none), for
+        the scheduler half to send."""
+        if not self._reports:
+            return None
+        meta = PdBrokerWorkerMetadata(tuple(self._reports))
+        self._reports = []
+        return meta
+
     def shutdown(self) -> None:
         """Leave the broker and stop the loop thread. Idempotent."""
         loop, self._loop = self._loop, None
@@ -217,9 +260,24 @@ class WorkerHalf:
 
     # ---------------------------------------------------------------- internals
 
-    def _submit(self, coro: Coroutine[Any, Any, Fetch]) -> Future[Fetch]:
+    def _submit(self, coro: Coroutine[Any, Any, Fetch | PlanReport]) -> Future[Fetch | PlanReport]:
         assert self._loop is not None, "register_kv_caches() first"
         return self._loop.submit(coro)
+
+    async def _execute(self, spec: LoadSpec, serialized: bytes) -> Fetch | PlanReport:
+        """Read the plan the scheduler handed this rank; load on its own (:meth:`_load`)
+        when the plan names a prefill agent this rank's agent lost."""
+        client = self.client
+        assert isinstance(client, AsyncDecodeClient)
+        plan = pb.GetTransferPlanResponse.FromString(serialized)
+        if client.lost_agent(self.tp_rank, plan):
+            log.info(
+                "rank %d lacks a prefill agent plan %s reads from; it asks for the plan again",
+                self.tp_rank,
+                plan.plan_id,
+            )
+            return await self._load(spec)
+        return await client.execute(self.tp_rank, spec.transfer_id, plan)
 
     def _on_release(self, release: Release) -> None:
         with self._released_lock:
@@ -229,7 +287,7 @@ class WorkerHalf:
         """Check, plan, read and report one transfer; raises :class:`LoadError` if unusable."""
         client = self.client
         assert isinstance(client, AsyncDecodeClient)
-        if set(broker_addresses(spec.broker)) != set(broker_addresses(self.settings.broker)):
+        if not spec.waits_at(self.settings.broker):
             raise LoadError(
                 f"transfer {spec.transfer_id} waits at broker {spec.broker}, this "
                 f"engine is registered with {self.settings.broker}"
