@@ -257,7 +257,16 @@ def test_a_killed_workers_clients_move_on_without_loss(kill_broker: BrokerProces
 
 def serve(*flags: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "broker.cli", "serve", "--insecure", *flags],
+        [
+            sys.executable,
+            "-m",
+            "broker.cli",
+            "serve",
+            "--insecure",
+            "--listen",
+            "127.0.0.1:0",
+            *flags,
+        ],
         capture_output=True,
         text=True,
         timeout=60,
