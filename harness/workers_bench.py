@@ -12,7 +12,9 @@ at the same client count, measured in the same run (N = 1 must be among the coun
 over the same window, the two limits that stop the scaling: Redis, which runs commands on
 one thread (its commands/s from ``INFO stats``, its CPU from /proc), and the host's cores
 (/proc/stat). A phase names the limit it reached: Redis at :data:`REDIS_SATURATED` of a
-core, the host at :data:`HOST_SATURATED` of all its cores.
+core, the host at :data:`HOST_SATURATED` of all its cores. Where neither is reached (a host
+with fewer cores than Redis could serve), Redis's CPU per plan gives the plans/s at which it
+would be: ``redis_saturated_per_s``, whatever the number of workers and replicas.
 """
 
 from __future__ import annotations
@@ -161,6 +163,7 @@ def _phases(
                     meter,
                 )
                 wall, commands, redis_cpu, busy, total = run.metered
+                redis_us = redis_cpu / run.latencies_ms.size * 1e6
                 phase: dict[str, object] = {
                     "workers": workers,
                     "clients": n,
@@ -170,6 +173,8 @@ def _phases(
                     "redis_commands_per_s": round(commands / wall),
                     "redis_commands_per_plan": round(commands / run.entries, 2),
                     "redis_cpu_of_core": round(redis_cpu / wall, 3),
+                    "redis_cpu_us_per_plan": round(redis_us, 1),
+                    "redis_saturated_per_s": round(REDIS_SATURATED * 1e6 / redis_us),
                     "host_cpu_busy": round(busy / total, 3),
                 }
                 phase["limit"] = _limit(redis_cpu / wall, busy / total, os.cpu_count() or 1)
@@ -200,7 +205,7 @@ def table(r: dict) -> str:
         (
             f"{'workers':>7} {'clients':>7} {'plans/s':>8} {'p50 ms':>7} {'p99 ms':>7} "
             f"{'broker us':>9} {'scaling':>7} {'redis cmd/s':>11} {'cmd/plan':>8} "
-            f"{'redis cpu':>9} {'host cpu':>8}  limit"
+            f"{'redis cpu':>9} {'redis us':>8} {'redis full':>10} {'host cpu':>8}  limit"
         ),
     ]
     for p in r["phases"]:
@@ -209,13 +214,15 @@ def table(r: dict) -> str:
             f"{p['workers']:>7} {p['clients']:>7} {p['plan_per_s']:>8,.0f} "
             f"{p['plan_p50_ms']:>7.2f} {p['plan_p99_ms']:>7.2f} {p['plan_broker_cpu_us']:>9.0f} "
             f"{scaling:>7} {p['redis_commands_per_s']:>11,} {p['redis_commands_per_plan']:>8.1f} "
-            f"{p['redis_cpu_of_core']:>9.0%} {p['host_cpu_busy']:>8.0%}  {p['limit'] or '-'}"
+            f"{p['redis_cpu_of_core']:>9.0%} {p['redis_cpu_us_per_plan']:>8.0f} "
+            f"{p['redis_saturated_per_s']:>10,} {p['host_cpu_busy']:>8.0%}  {p['limit'] or '-'}"
             + (" (ran out of transfers)" if p["ran_out"] else "")
         )
     lines.append(
         f"goal: scaling >= {r['target_scaling']} until a limit is named; scaling: plans/s / "
         "(workers x the 1-worker plans/s, same clients); broker us: CPU per plan of every "
-        "worker; redis cpu: of one core; host cpu: of all cores"
+        f"worker; redis cpu: of one core; redis us: its CPU per plan; redis full: plans/s at "
+        f"which that is {REDIS_SATURATED:.0%} of a core; host cpu: of all cores"
     )
     return "\n".join(lines)
 

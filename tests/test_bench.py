@@ -134,6 +134,8 @@ def test_bench_control_plane_compares_worker_counts(capsys: pytest.CaptureFixtur
     for p in phases:
         assert p["plan_calls"] > 0 and p["plan_broker_cpu_us"] > 100  # the workers' CPU
         assert p["redis_commands_per_plan"] > 1 and 0 < p["redis_cpu_of_core"] < 1.5
+        full = 0.9e6 / p["redis_cpu_us_per_plan"]  # plans/s at 90% of a core
+        assert abs(p["redis_saturated_per_s"] - full) <= 0.01 * full
         assert 0 < p["host_cpu_busy"] <= 1
 
 
