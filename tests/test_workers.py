@@ -1,8 +1,8 @@
-"""``pdbroker serve --workers 2`` on a real Redis: both worker processes serve the one port, a
-release committed through one worker reaches the prefill rank watching on the other, and the
-clients of a worker killed mid-run move on without losing or repeating a transfer or a
-release while the supervisor starts the worker again. A start-up failure of any worker is
-one line, as for one process.
+"""``pdbroker serve --workers 2`` on a real Redis: both worker processes serve the one port
+(and the health port), a release committed through one worker reaches the prefill rank
+watching on the other, and the clients of a worker killed mid-run move on without losing or
+repeating a transfer or a release while the supervisor starts the worker again. A start-up
+failure of any worker is one line, as for one process.
 
 Real processes throughout; the engines are the client library over
 :class:`~clients.transport.NoMemoryTransport` (no bytes move), each client on a connection
@@ -25,8 +25,10 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 from broker_helpers import hybrid
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prerequisites import require_module
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -59,7 +61,8 @@ def start_workers(redis_server: RedisServer, db: int) -> BrokerProcess:
     url = redis_server.url.rsplit("/", 1)[0] + f"/{db}"  # a database of its own
     redis.Redis.from_url(url).flushdb()
     return BrokerProcess(
-        "--workers", "2", "--store", url, "--metrics-port", "0", "--lease-ttl-ms", "5000"
+        *("--workers", "2", "--store", url, "--lease-ttl-ms", "5000"),
+        *("--metrics-port", "0", "--health-port", "0"),
     )
 
 
@@ -150,6 +153,14 @@ def test_a_release_committed_on_one_worker_reaches_a_watcher_on_the_other(
     through worker B (a new connection until one reaches B): P is released at once."""
     workers = workers_of(release_broker)
     assert len(workers) == 2 and set(workers) == children(release_broker.process.pid)
+    health = next(
+        line.rsplit(" ", 1)[1] for line in release_broker.announced if "health on" in line
+    )
+    with grpc.insecure_channel(health) as channel:
+        answer = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(), timeout=5
+        )
+    assert answer.status == health_pb2.HealthCheckResponse.SERVING
     released: asyncio.Queue[Release] = asyncio.Queue()
 
     async def run() -> tuple[int, int, list[Release]]:

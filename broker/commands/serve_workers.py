@@ -195,7 +195,7 @@ class Supervisor:
             worker, fd = self._fork(index)
             report = self._report(worker, fd)
             if isinstance(report, Bound):
-                log.warning("worker %d serves again: %s", index, _worker_line(worker, report))
+                log.warning("serving again: %s", _worker_line(worker, report))
                 return True
             if self.workers.pop(worker.pid, None):
                 os.waitpid(worker.pid, 0)
