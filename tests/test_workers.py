@@ -13,6 +13,7 @@ whose ``ListEngines`` count rises when the connection calls it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -36,6 +37,7 @@ redis = require_module("redis", "dev")
 
 from conftest import RedisServer
 
+from broker.commands.serve_workers import MAX_RESTARTS
 from broker.v1 import broker_pb2 as pb
 from broker.wire import ReleaseReason
 from clients.decode import AsyncDecodeClient
@@ -264,6 +266,29 @@ def test_a_killed_workers_clients_move_on_without_loss(kill_broker: BrokerProces
     while any(running(pid) for pid in now):
         assert time.monotonic() < deadline, "workers outlived their supervisor"
         time.sleep(0.05)
+
+
+def test_a_worker_that_keeps_dying_stops_the_broker(redis_server: RedisServer) -> None:
+    """Every worker started in one slot is killed at once: after MAX_RESTARTS the supervisor
+    stops the other worker and exits 1, for its own supervisor to see."""
+    broker = start_workers(redis_server, 10)
+    try:
+        pid = broker.process.pid
+        survivor = min(children(pid))
+        killed: set[int] = set()
+        deadline = time.monotonic() + 20
+        while broker.process.poll() is None:
+            assert time.monotonic() < deadline, "the supervisor never gave up"
+            with contextlib.suppress(FileNotFoundError):  # it just exited
+                for child in children(pid) - {survivor} - killed:
+                    os.kill(child, signal.SIGKILL)
+                    killed.add(child)
+            time.sleep(0.02)
+    finally:
+        broker.stop()
+    assert broker.process.returncode == 1
+    assert len(killed) == MAX_RESTARTS + 1
+    assert not running(survivor)
 
 
 def serve(*flags: str) -> subprocess.CompletedProcess:
