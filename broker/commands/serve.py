@@ -178,8 +178,8 @@ _INT_OPTIONS = (
         "PDBROKER_WORKERS",
         1,
         (
-            "broker processes serving the port (and --health-port) together, sharing the "
-            "--store, which must then be Redis; worker k serves metrics on --metrics-port + k - 1"
+            "broker processes serving the port (and --health-port) together on a Redis "
+            "--store; worker k of them serves metrics on port --metrics-port+k-1"
         ),
     ),
     (
