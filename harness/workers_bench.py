@@ -30,9 +30,9 @@ from pathlib import Path
 
 from broker.console import Progress
 from broker.errors import UsageError
-from harness.brokers import OWN_CONNECTIONS, BrokerProcess
 from harness.bench_clients import client_ranks, client_specs, run_clients, warm_transfers
 from harness.bench_engines import BenchEngines, cpu_seconds
+from harness.brokers import OWN_CONNECTIONS, BrokerProcess
 from harness.redis_server import RedisServer, start_redis
 from harness.scenarios import Scenario
 
@@ -163,7 +163,7 @@ def _phases(
                     meter,
                 )
                 wall, commands, redis_cpu, busy, total = run.metered
-                redis_us = redis_cpu / run.latencies_ms.size * 1e6
+                redis_us = redis_cpu / run.entries * 1e6
                 phase: dict[str, object] = {
                     "workers": workers,
                     "clients": n,
