@@ -334,6 +334,7 @@ def test_one_worker_failing_to_bind_fails_the_start_in_one_line(redis_server: Re
         taken.bind(("127.0.0.1", port + 1))
         taken.listen()
         first.close()  # free for worker 1
-        done = serve("--workers", "2", "--store", redis_server.url, "--metrics-port", str(port))
+        url = redis_server.url.rsplit("/", 1)[0] + "/11"  # a database of its own
+        done = serve("--workers", "2", "--store", url, "--metrics-port", str(port))
     line = one_line_error(done, "--metrics-port")
     assert line.endswith(f"cannot listen on 127.0.0.1:{port + 1}: Address already in use")
