@@ -300,6 +300,10 @@ class BrokerServer:
 
     ``metrics``: where every Broker call is counted (``grpc_server_*``), and whether it
     reports SERVING (``pdbroker_serving``); None counts nothing.
+
+    ``reuse_port``: bind both ports with ``SO_REUSEPORT``, so that other processes doing the
+    same serve them too (the kernel spreads connections over them); without it a port in
+    use fails :meth:`start`.
     """
 
     def __init__(
@@ -313,8 +317,10 @@ class BrokerServer:
         handshake_timeout_ms: int | None = None,
         idle_timeout_ms: int | None = None,
         metrics: BrokerMetrics | None = None,
+        reuse_port: bool = False,
     ) -> None:
         self.service = service
+        self.reuse_port = reuse_port
         self.metrics = metrics
         self.max_connections = max_connections
         self.handshake_timeout_ms = handshake_timeout_ms
@@ -339,6 +345,7 @@ class BrokerServer:
 
     def _connection_options(self) -> list[tuple[str, int]]:
         options = [
+            ("grpc.so_reuseport", int(self.reuse_port)),
             ("grpc.http2.min_ping_interval_without_data_ms", 30_000),
             ("grpc.http2.max_ping_strikes", 2),
             # Pings on a connection without calls are held to the same interval (not 2 h):
@@ -361,7 +368,6 @@ class BrokerServer:
             options=[
                 ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),
                 ("grpc.max_send_message_length", -1),
-                ("grpc.so_reuseport", 0),
                 # A fixed 64 KiB receive window per stream: a request the edge refuses unread
                 # costs no more than that (window growth would let each stream send MiBs).
                 ("grpc.http2.bdp_probe", 0),
@@ -382,9 +388,7 @@ class BrokerServer:
         if not self.port:
             raise OSError(f"cannot listen on {self.listen}")
         if self.health_port is not None:
-            self._health_server = grpc.aio.server(
-                options=[("grpc.so_reuseport", 0), *self._connection_options()]
-            )
+            self._health_server = grpc.aio.server(options=self._connection_options())
             health_pb2_grpc.add_HealthServicer_to_server(self._health, self._health_server)
             health_listen = f"{self.listen.rsplit(':', 1)[0]}:{self.health_port}"
             self.health_port = self._health_server.add_insecure_port(health_listen)

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from broker.client_security import PLAINTEXT, ChannelSecurity
 from broker.layout import EngineLayout
 from broker.v1 import broker_pb2 as pb
 from clients.decode import AsyncDecodeClient, PlanAsk, PlanReport
@@ -262,6 +263,7 @@ def _client_process(
     seconds: float,
     batch: int,
     baseline: bool,
+    security: ChannelSecurity,
     ready: mp.Queue,
     events: tuple[mp.synchronize.Event, ...],
     out: mp.Queue,
@@ -303,6 +305,7 @@ def _client_process(
                     layout,
                     {r: fake_memory(layout, s.first_addr)[r] for r in s.ranks},
                     call_timeout_s=CALL_TIMEOUT_S,
+                    security=security,
                     transport=transport,
                 ),
                 s,
@@ -338,7 +341,7 @@ def _client_process(
 class Run:
     """One timed stage: latencies per call (ms), entries (rank-plans or reports; calls for
     ``ListEngines``), wall time (s), CPU seconds of broker and clients, whether a client ran
-    out of work before the stage's end."""
+    out of work before the stage's end, how far each reading of the ``meter`` moved."""
 
     latencies_ms: np.ndarray
     entries: int
@@ -346,6 +349,7 @@ class Run:
     broker_cpu_s: float
     client_cpu_s: float
     ran_out: bool
+    metered: tuple[float, ...] = ()
 
     @property
     def per_s(self) -> float:
@@ -372,15 +376,20 @@ class Run:
 
 
 def _collect(
-    out: mp.Queue, procs: int, broker_pid: int, go: mp.synchronize.Event
+    out: mp.Queue,
+    procs: int,
+    broker_pid: int,
+    go: mp.synchronize.Event,
+    meter: Callable[[], Sequence[float]],
 ) -> tuple[Run | None, str]:
     """Start a stage at ``go`` and collect it from ``procs`` processes: what they measured
-    (None when one failed) and the first error. Broker CPU counts from the start to the
-    last result."""
-    broker_cpu, start = cpu_seconds(broker_pid), time.time()
+    (None when one failed) and the first error. Broker CPU and ``meter``'s readings count
+    from the start to the last result."""
+    readings, broker_cpu, start = meter(), cpu_seconds(broker_pid), time.time()
     go.set()
     stages: list[Stage] = [out.get() for _ in range(procs)]
     broker_cpu = cpu_seconds(broker_pid) - broker_cpu
+    metered = tuple(b - a for a, b in zip(readings, meter()))
     errors = [s.error for s in stages if s.error]
     if errors:
         return None, errors[0]
@@ -392,6 +401,7 @@ def _collect(
             broker_cpu,
             sum(s.cpu_s for s in stages),
             any(s.ran_out for s in stages),
+            metered,
         ),
         "",
     )
@@ -407,12 +417,15 @@ def run_clients(
     batch: int,
     baseline: bool,
     seconds: float = math.inf,
+    security: ChannelSecurity = PLAINTEXT,
+    meter: Callable[[], Sequence[float]] = tuple,
 ) -> tuple[Run, Run | None]:
-    """One decode client per entry of ``specs`` (engines of ``layout``) over
-    ``client_procs`` processes, started together once all are registered and warm; each
-    stage stops after ``seconds`` (default: when the clients' work is done). What they
-    measured asking for plans ``batch`` entries a call (``baseline``: ``ListEngines``
-    instead), and reporting those plans (None with ``baseline``)."""
+    """One decode client per entry of ``specs`` (engines of ``layout``; channels of
+    ``security``) over ``client_procs`` processes, started together once all are registered
+    and warm; each stage stops after ``seconds`` (default: when the clients' work is done).
+    What they measured asking for plans ``batch`` entries a call (``baseline``:
+    ``ListEngines`` instead), and reporting those plans (None with ``baseline``); each
+    stage's :attr:`Run.metered` holds how far ``meter``'s readings moved over it."""
     ctx = mp.get_context("spawn")
     ready: mp.Queue = ctx.Queue()
     out: mp.Queue = ctx.Queue()
@@ -428,6 +441,7 @@ def run_clients(
                 seconds,
                 batch,
                 baseline,
+                security,
                 ready,
                 events,
                 out,
@@ -445,7 +459,7 @@ def run_clients(
     runs: list[Run | None] = []
     error = ""
     for go in events[1 : 2 if baseline else 3]:
-        run, failed = _collect(out, len(procs), broker_pid, go)
+        run, failed = _collect(out, len(procs), broker_pid, go, meter)
         runs.append(run)
         error = error or failed
     for p in procs:

@@ -69,9 +69,12 @@ def register(
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of process ``pid`` (all its threads), from /proc (Linux)."""
+    """User + system CPU time of process ``pid`` (all its threads) and of its running
+    children (a broker's workers), from /proc (Linux)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    own = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return own + sum(cpu_seconds(int(child)) for child in children)
 
 
 def start_broker(max_transfers: int, profile: Path | None = None) -> tuple[subprocess.Popen, str]:

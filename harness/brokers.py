@@ -1,5 +1,6 @@
 """Brokers for the harness: a ``pdbroker serve`` process on a loopback port, or replicas
-already running, as :func:`harness.fleet.run_fleet` and the tests use them."""
+already running, as :func:`harness.fleet.run_fleet` and the tests use them; channels that
+do not share their connection (:data:`OWN_CONNECTIONS`)."""
 
 from __future__ import annotations
 
@@ -8,19 +9,35 @@ import subprocess
 import sys
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import grpc
 
-from broker.client_security import PLAINTEXT, ChannelSecurity
+from broker.client_security import PLAINTEXT, ChannelSecurity, Options
 from clients.protocol import broker_addresses
+
+
+@dataclass(frozen=True)
+class OwnConnections(ChannelSecurity):
+    """A :class:`ChannelSecurity` whose every channel opens a connection of its own, as
+    clients in separate processes have. gRPC otherwise shares one among a process's channels
+    to an address, which would put every client of the process on one worker of a
+    ``pdbroker serve --workers`` broker."""
+
+    def aio_channel(self, target: str, options: Options = ()) -> grpc.aio.Channel:
+        return super().aio_channel(target, [*options, ("grpc.use_local_subchannel_pool", 1)])
+
+
+#: Plaintext, a connection per channel.
+OWN_CONNECTIONS = OwnConnections()
 
 
 class BrokerProcess:
     """``pdbroker serve`` on an ephemeral loopback port; ``flags`` are more ``serve`` options
     (``--metrics-port 0`` sets :attr:`metrics_url`); without ``--tls-cert`` among them it
     serves plaintext (``--insecure``). ``security``: how :meth:`list_engines` connects (an
-    operator's credentials when the broker authorizes callers). What it prints after starting
-    goes to this process's stdout."""
+    operator's credentials when the broker authorizes callers). :attr:`announced` holds the
+    lines it printed while starting; what it prints after goes to this process's stdout."""
 
     def __init__(self, *flags: str, security: ChannelSecurity = PLAINTEXT) -> None:
         self.security = security
@@ -43,7 +60,9 @@ class BrokerProcess:
         )
         assert self.process.stdout is not None
         self.address = self.metrics_url = ""
+        self.announced: list[str] = []
         while not self.address and (line := self.process.stdout.readline()):
+            self.announced.append(line.rstrip("\n"))
             if "metrics on" in line:
                 self.metrics_url = line.rsplit(" ", 1)[1].strip()
             elif "listening on" in line:

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from prerequisites import require_module
+from prerequisites import require_binary, require_module
 
 from broker.cli import main
 from broker.planner import PairPlanner
@@ -119,6 +119,24 @@ def test_bench_control_plane_times_unary_and_batched_calls_side_by_side(
     )
     assert verdicts[engine] is None  # not measured without vLLM
     assert result["descriptors_per_plan"] > 0
+
+
+def test_bench_control_plane_compares_worker_counts(capsys: pytest.CaptureFixture[str]) -> None:
+    """Brokers of 1 and 2 workers on a private redis-server: the scaling is against the
+    1-worker figure, broker CPU counts every worker, Redis and the host are measured."""
+    require_binary("redis-server", "bash scripts/test.sh installs it with apt-get")
+    flags = ("--workers", "1,2", "--clients", "2", "--client-procs", "1", "--seconds", "0.5")
+    pair = ("--prefill-tp", "1", "--decode-tp", "1", "--tokens", "4096")
+    phases = run_json(capsys, "control-plane", *flags, *pair)["control_plane_workers"]["phases"]
+    assert [(p["workers"], p["clients"]) for p in phases] == [(1, 2), (2, 2)]
+    assert phases[0]["scaling"] == 1.0
+    assert phases[1]["scaling"] == round(phases[1]["plan_per_s"] / 2 / phases[0]["plan_per_s"], 3)
+    for p in phases:
+        assert p["plan_calls"] > 0 and p["plan_broker_cpu_us"] > 100  # the workers' CPU
+        assert p["redis_commands_per_plan"] > 1 and 0 < p["redis_cpu_of_core"] < 1.5
+        full = 0.9e6 / p["redis_cpu_us_per_plan"]  # plans/s at 90% of a core
+        assert abs(p["redis_saturated_per_s"] - full) <= 0.01 * full
+        assert 0 < p["host_cpu_busy"] <= 1
 
 
 def test_bench_bytes_plan_never_exceeds_naive(capsys: pytest.CaptureFixture[str], tmp_path) -> None:

@@ -65,6 +65,12 @@ def add_control_plane(kinds: argparse._SubParsersAction) -> argparse.ArgumentPar
     control.add_argument(
         "--no-vllm", action="store_true", help="skip vLLM's side even if vLLM is installed"
     )
+    control.add_argument(
+        "--workers",
+        type=positive_ints,
+        help="comma-separated worker counts: instead of the above, unary plans/s of a broker "
+        "of each count on a private redis-server, side by side, with the limit reached",
+    )
     return control
 
 
@@ -100,6 +106,10 @@ def run_control_plane(args: argparse.Namespace, progress: Progress) -> int:
 
     model = resolve_model(args.model)
     sc = build_scenario(model, args.prefill_tp, args.decode_tp, args.tokens)
+    if args.workers:
+        from harness.workers_bench import bench_workers
+
+        return bench_workers(args, progress, sc, _emit)
     count_sc = build_scenario(model, COUNTED_TP, COUNTED_TP, args.tokens)
     batched = {realistic_batch(args.decode_tp)} if max(args.batch) > 1 else set()
     batches = sorted({1, *batched, *args.batch})

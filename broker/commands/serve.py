@@ -8,8 +8,12 @@ callers; plaintext only with ``--insecure``, which logs a warning (:mod:`broker.
 A configuration that cannot work ends the command before it serves, with one line
 ``pdbroker serve: error: --flag: why`` on stderr and exit status 2: a malformed value, an
 unreadable or non-PEM certificate or key, a key that is not the certificate's, a malformed
-tokens file, an unreachable store, a port that cannot be bound. Nothing is announced before
-every port is bound. A store URL is only ever shown with its password replaced by ``***``.
+tokens file, an unreachable store, a port that cannot be bound, more than one worker on the
+in-memory store. Nothing is announced before every port is bound (by every worker). A store
+URL is only ever shown with its password replaced by ``***``.
+
+``--workers N`` runs N broker processes on the port (:mod:`broker.commands.serve_workers`);
+each is what one ``serve`` runs (:func:`serve_process`).
 
 Connections cost a file each: the soft open-file limit is raised to the hard one at start-up,
 and each port holds at most ``--max-connections`` at once, lowered to fit that limit.
@@ -31,9 +35,10 @@ from typing import TYPE_CHECKING, Any
 
 from broker.commands.native_log import native_log_held
 from broker.commands.options import from_environment, listen_address, port, positive_int
+from broker.commands.serve_announce import Bound, announce_serving, announcer
 from broker.config import ServiceConfig
 from broker.errors import UsageError
-from broker.logs import FORMATS, JsonFormatter, configure_logging
+from broker.logs import FORMATS, configure_logging
 from broker.service import BrokerService
 from broker.store.contract import StateStore
 
@@ -169,12 +174,21 @@ _INT_OPTIONS = (
         "deadline of one Redis connect or reply; past it calls answer UNAVAILABLE",
     ),
     (
+        "--workers",
+        "PDBROKER_WORKERS",
+        1,
+        (
+            "broker processes serving the port (and --health-port) together on a Redis "
+            "--store; worker k of them serves metrics on port --metrics-port+k-1"
+        ),
+    ),
+    (
         "--max-connections",
         "PDBROKER_MAX_CONNECTIONS",
         MAX_CONNECTIONS,
         (
-            "connections a port holds at once (lowered to fit the open-file limit); one more "
-            "is closed on accept and its client sees UNAVAILABLE"
+            "connections a port holds at once, per worker (lowered to fit the open-file limit); "
+            "one more is closed on accept and its client sees UNAVAILABLE"
         ),
     ),
     (
@@ -323,7 +337,27 @@ def _security(args: argparse.Namespace) -> ServerSecurity:
 def run(args: argparse.Namespace) -> int:
     _resolve(args)
     security = _security(args)
+    if args.workers > 1 and args.store == "memory":
+        raise UsageError(
+            "--workers",
+            f"{args.workers} workers need a shared store (--store redis://...); the in-memory "
+            "store serves one process",
+        )
     configure_logging(args.log_level, args.log_format)
+    announce = announcer(args.log_format)
+    if args.workers > 1:
+        from broker.commands.serve_workers import Supervisor
+
+        return Supervisor(args, security, announce).run()
+    return serve_process(args, security, lambda bound: announce_serving(bound, security, announce))
+
+
+def serve_process(
+    args: argparse.Namespace, security: ServerSecurity, on_bound: Callable[[Bound], None]
+) -> int:
+    """Serve in this process until SIGINT/SIGTERM, calling ``on_bound`` once every port is
+    bound (and the signals are handled); a configuration that cannot work raises
+    :class:`UsageError` before that."""
     from broker.span_tracer import install_broker_tracing  # imports the OpenTelemetry SDK
 
     # Off unless OTEL_TRACES_EXPORTER / OTEL_EXPORTER_OTLP_*ENDPOINT ask for traces.
@@ -345,14 +379,19 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         metrics, metrics_url = _metrics(args)
-        store = _open_store(args.store, config, args.store_timeout_ms)
+        store, shown = _open_store(args.store, config, args.store_timeout_ms)
         file_limit = _raise_file_limit()
         _fit_connections(args, file_limit)
         service = BrokerService(store, config=config, observer=metrics)
         server = _server(service, args, security, metrics)
-        announcements = [f"metrics on {metrics_url}"] if metrics_url else []
-        announce = _announcer(args.log_format)
-        asyncio.run(_serve(server, security, file_limit, announcements, announce))
+
+        def bound() -> None:
+            health = "" if server.health_port is None else _health_address(server)
+            on_bound(
+                Bound(server.address, health, metrics_url, shown, args.max_connections, file_limit)
+            )
+
+        asyncio.run(_serve(server, bound))
     finally:
         if tracer_provider is not None:
             tracer_provider.shutdown()  # flush the last spans
@@ -398,29 +437,10 @@ def _server(
             handshake_timeout_ms=args.handshake_timeout_ms,
             idle_timeout_ms=args.idle_timeout_ms,
             metrics=metrics,
+            reuse_port=args.workers > 1,
         )
     except ValueError as exc:  # a bad certificate, key or tokens file, named by its flag
         raise UsageError.of(exc) from None
-
-
-def _log_mode(server: BrokerServer, security: ServerSecurity, file_limit: int) -> None:
-    """Log how the bound port serves (a warning when callers are not authenticated) and the
-    connections it holds."""
-    if security.insecure:
-        log.warning(
-            "--insecure: serving plaintext without authentication; any process that reaches "
-            "%s may act as any engine (use --tls-cert/--tls-key outside development)",
-            server.address,
-        )
-    elif security.authenticates:
-        log.info("serving %s", security.describe())
-    else:
-        log.warning("serving %s (add --tls-client-ca or --auth-tokens)", security.describe())
-    log.info(
-        "open files: up to %s; up to %d connections a port",
-        "unlimited" if file_limit == resource.RLIM_INFINITY else file_limit,
-        server.max_connections,
-    )
 
 
 def _raise_file_limit() -> int:
@@ -471,12 +491,12 @@ def _listen_host(listen: str) -> str:
     return listen.rsplit(":", 1)[0].strip("[]")
 
 
-def _open_store(url: str, config: ServiceConfig, timeout_ms: int) -> StateStore | None:
+def _open_store(url: str, config: ServiceConfig, timeout_ms: int) -> tuple[StateStore | None, str]:
     """``None`` (the in-memory default) for ``memory``, else a reachable Redis store whose
     server-side TTLs outlast every lease and transfer the service keeps and whose connects
-    and replies time out after ``timeout_ms``."""
+    and replies time out after ``timeout_ms``; with the URL as shown ('' for memory)."""
     if url == "memory":
-        return None
+        return None, ""
     import redis
 
     from broker.store.redis import RedisStateStore
@@ -503,8 +523,7 @@ def _open_store(url: str, config: ServiceConfig, timeout_ms: int) -> StateStore 
     except redis.RedisError as exc:
         why = _without(str(exc), store.client.connection_pool.connection_kwargs.get("password"))
         raise UsageError("--store", f"cannot reach {shown}: {why}") from None
-    log.info("state in the Redis store at %s", shown)
-    return store
+    return store, shown
 
 
 def _without(text: str, secret: str | None) -> str:
@@ -514,27 +533,7 @@ def _without(text: str, secret: str | None) -> str:
     return " ".join(text.split())
 
 
-def _announcer(log_format: str) -> Callable[[str], None]:
-    """Prints a start-up line (where the broker listens) on stdout: ``pdbroker serve: ...``,
-    or with ``--log-format json`` a JSON object as the logs are, its ``message`` the same."""
-    if log_format != "json":
-        return lambda line: print(f"pdbroker serve: {line}", flush=True)
-    formatter = JsonFormatter()
-
-    def announce(line: str) -> None:
-        record = logging.LogRecord(log.name, logging.INFO, __file__, 0, line, None, None)
-        print(formatter.format(record), flush=True)
-
-    return announce
-
-
-async def _serve(
-    server: BrokerServer,
-    security: ServerSecurity,
-    file_limit: int,
-    announcements: list[str],
-    announce: Callable[[str], None],
-) -> None:
+async def _serve(server: BrokerServer, bound: Callable[[], None]) -> None:
     await _start(server)
     # GC tuning for tail latency: keep the import-time heap out of full collections (they
     # then walk only the broker's own records), and collect the young generation every
@@ -546,15 +545,7 @@ async def _serve(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    _log_mode(server, security, file_limit)
-    if server.health_port is not None:
-        announcements.append(
-            f"health on {_url_host(_listen_host(server.listen))}:{server.health_port}"
-        )
-    # Printed last: once a supervisor reads this line, SIGTERM stops the broker cleanly.
-    announcements.append(f"listening on {server.address}")
-    for line in announcements:
-        announce(line)
+    bound()
     await stop.wait()
     await server.stop()
 
@@ -562,7 +553,7 @@ async def _serve(
 async def _start(server: BrokerServer) -> None:
     """Bind the ports and start serving. gRPC logs a failed bind natively, on several
     lines: that log is held back and its reason becomes the one line naming the flag."""
-    health = f"{_url_host(_listen_host(server.listen))}:{server.health_port}"
+    health = _health_address(server)
     failure: Exception | None = None
     with native_log_held() as held:
         try:
@@ -574,6 +565,10 @@ async def _start(server: BrokerServer) -> None:
         return
     flag, address = ("--health-port", health) if server.port else ("--listen", server.listen)
     raise UsageError(flag, f"cannot listen on {address}: {_bind_failure(held[0], failure)}")
+
+
+def _health_address(server: BrokerServer) -> str:
+    return f"{_url_host(_listen_host(server.listen))}:{server.health_port}"
 
 
 #: gRPC's native log of a bind that failed: the system's reason, or what failed before it.

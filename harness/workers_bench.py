@@ -1,0 +1,237 @@
+"""``pdbroker bench control-plane --workers N,...``: ``GetTransferPlan`` throughput of a broker
+run as N worker processes (``pdbroker serve --workers N``) on a private ``redis-server``, for
+each N side by side, with what limits it.
+
+For each N in turn: a fresh broker on the emptied Redis, ``P`` and ``D`` of
+:class:`~harness.bench_engines.BenchEngines`, then per client count the decode clients of
+:func:`~harness.bench_clients.run_clients` asking for plans one a call (``GetTransferPlan``),
+each client on a connection of its own (the kernel spreads connections over the workers, not calls; engines
+in processes of their own have a connection each too). Per phase: plans/s, latency, broker
+CPU per plan (every worker's), and the scaling: plans/s over N times the one-worker plans/s
+at the same client count, measured in the same run (N = 1 must be among the counts). Read
+over the same window, the two limits that stop the scaling: Redis, which runs commands on
+one thread (its commands/s from ``INFO stats``, its CPU from /proc), and the host's cores
+(/proc/stat). A phase names the limit it reached: Redis at :data:`REDIS_SATURATED` of a
+core, the host at :data:`HOST_SATURATED` of all its cores. Where neither is reached (a host
+with fewer cores than Redis could serve), Redis's CPU per plan gives the plans/s at which it
+would be: ``redis_saturated_per_s``, whatever the number of workers and replicas.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from broker.console import Progress
+from broker.errors import UsageError
+from harness.bench_clients import client_ranks, client_specs, run_clients, warm_transfers
+from harness.bench_engines import BenchEngines, cpu_seconds
+from harness.brokers import OWN_CONNECTIONS, BrokerProcess
+from harness.redis_server import RedisServer, start_redis
+from harness.scenarios import Scenario
+
+#: Plans a second no worker exceeds on the Redis store: sizes the transfers of a phase.
+PLANS_PER_S_PER_WORKER = 1_500
+#: Plans/s of N workers at least this share of N times one worker's, until a limit is named.
+TARGET_SCALING = 0.8
+#: Share of one core at which redis-server (one thread runs the commands) is saturated.
+REDIS_SATURATED = 0.9
+#: Share of all the host's cores at which the host is.
+HOST_SATURATED = 0.9
+#: (name, what the bench prints of ``emit(args, progress, name, result, table)``).
+Emit = Callable[[argparse.Namespace, Progress, str, dict, str], None]
+
+
+def host_cpu_seconds() -> tuple[float, float]:
+    """Busy and total CPU seconds of the host since it booted, all cores (/proc/stat)."""
+    ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    idle = ticks[3] + ticks[4]  # idle, iowait
+    per_s = os.sysconf("SC_CLK_TCK")
+    return (sum(ticks) - idle) / per_s, sum(ticks) / per_s
+
+
+def _cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return ""
+
+
+def worker_scaling(
+    sc: Scenario,
+    progress: Progress,
+    workers: list[int],
+    clients: list[int],
+    seconds: float,
+    client_procs: int,
+) -> dict:
+    """Every (workers, clients) phase on one private redis-server, with the scaling."""
+    import redis
+
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise UsageError("--workers", "brokers of several workers need redis-server on PATH")
+    for n in clients:
+        client_ranks(n, sc.decode.tp_size)  # a count that maps onto no engine fails first
+    with tempfile.TemporaryDirectory(prefix="pdbroker-bench-redis-") as directory:
+        server = start_redis(Path(directory), binary=binary)
+        try:
+            store = redis.Redis.from_url(server.url)
+            version = store.info("server")["redis_version"]
+            phases = []
+            for n in workers:
+                store.flushall()
+                phases += _phases(sc, progress, server, n, clients, seconds, client_procs)
+        finally:
+            server.stop()
+    one = {p["clients"]: p["plan_per_s"] for p in phases if p["workers"] == 1}
+    for p in phases:
+        alone = one.get(p["clients"])
+        p["scaling"] = round(p["plan_per_s"] / (p["workers"] * alone), 3) if alone else None
+    return {
+        "model": sc.model.name,
+        "prefill_tp": sc.prefill.tp_size,
+        "decode_tp": sc.decode.tp_size,
+        "tokens": sc.request.num_tokens,
+        "seconds_per_phase": seconds,
+        "cpus": os.cpu_count(),
+        "cpu_model": _cpu_model(),
+        "redis_version": version,
+        "target_scaling": TARGET_SCALING,
+        "phases": phases,
+    }
+
+
+def _phases(
+    sc: Scenario,
+    progress: Progress,
+    server: RedisServer,
+    workers: int,
+    clients: list[int],
+    seconds: float,
+    client_procs: int,
+) -> list[dict]:
+    """The phases of one broker of ``workers`` workers, a client count each."""
+    import redis
+
+    d_tp = sc.decode.tp_size
+    per_phase = math.ceil(seconds * PLANS_PER_S_PER_WORKER * workers / d_tp)  # transfers
+    warmup = [f"warm-{i}" for i in range(20)]
+    capacity = str(per_phase * len(clients) + sum(clients) + len(warmup) + 100)
+    progress.phase(f"starting a broker of {workers} workers")
+    broker = BrokerProcess(
+        *("--workers", str(workers), "--store", server.url, "--log-level", "ERROR"),
+        *("--max-transfers", capacity, "--max-transfers-per-engine", capacity),
+        *("--default-ttl-ms", "600000", "--lease-ttl-ms", "600000"),  # outlast the run
+    )
+    store = redis.Redis.from_url(server.url)
+    decode_ids = [list(g) for g in sc.request.decode_block_ids]
+
+    def meter() -> tuple[float, ...]:
+        commands = store.info("stats")["total_commands_processed"]
+        return time.monotonic(), commands, cpu_seconds(server.process.pid), *host_cpu_seconds()
+
+    phases = []
+    try:
+        engines = BenchEngines(broker.address, sc)
+        try:
+            engines.publish(warmup)
+            engines.plan(warmup)
+            for k, n in enumerate(clients):
+                progress.phase(f"{workers} workers, {n} clients, {seconds:g} s")
+                transfer_ids = [f"c{k}-{i}" for i in range(per_phase)]
+                specs = client_specs(f"c{k}", transfer_ids, d_tp, n, warm=True)
+                engines.publish(transfer_ids + warm_transfers(specs))
+                procs = min(n, client_procs)
+                run, _ = run_clients(
+                    broker.process.pid,
+                    broker.address,
+                    specs,
+                    sc.decode,
+                    decode_ids,
+                    procs,
+                    1,
+                    False,
+                    seconds,
+                    OWN_CONNECTIONS,
+                    meter,
+                )
+                wall, commands, redis_cpu, busy, total = run.metered
+                redis_us = redis_cpu / run.entries * 1e6
+                phase: dict[str, object] = {
+                    "workers": workers,
+                    "clients": n,
+                    "client_procs": procs,
+                    "ran_out": run.ran_out,
+                    **run.summary("plan_"),
+                    "redis_commands_per_s": round(commands / wall),
+                    "redis_commands_per_plan": round(commands / run.entries, 2),
+                    "redis_cpu_of_core": round(redis_cpu / wall, 3),
+                    "redis_cpu_us_per_plan": round(redis_us, 1),
+                    "redis_saturated_per_s": round(REDIS_SATURATED * 1e6 / redis_us),
+                    "host_cpu_busy": round(busy / total, 3),
+                }
+                phase["limit"] = _limit(redis_cpu / wall, busy / total, os.cpu_count() or 1)
+                phases.append(phase)
+        finally:
+            engines.close()
+    finally:
+        broker.stop()
+    return phases
+
+
+def _limit(redis_of_core: float, host_busy: float, cpus: int) -> str:
+    """The limit a phase reached: Redis, the host's cores, or none ('')."""
+    if redis_of_core >= REDIS_SATURATED:
+        return "Redis (one core)"
+    if host_busy >= HOST_SATURATED:
+        return f"host CPU ({cpus} cores)"
+    return ""
+
+
+def table(r: dict) -> str:
+    """The phases side by side, with the machine and the goal."""
+    lines = [
+        (
+            f"{r['model']} {r['tokens']} tokens TP{r['prefill_tp']}->TP{r['decode_tp']}, "
+            f"redis-server {r['redis_version']}; {r['cpus']} CPUs ({r['cpu_model']})"
+        ),
+        (
+            f"{'workers':>7} {'clients':>7} {'plans/s':>8} {'p50 ms':>7} {'p99 ms':>7} "
+            f"{'broker us':>9} {'scaling':>7} {'redis cmd/s':>11} {'cmd/plan':>8} "
+            f"{'redis cpu':>9} {'redis us':>8} {'redis full':>10} {'host cpu':>8}  limit"
+        ),
+    ]
+    for p in r["phases"]:
+        scaling = "-" if p["scaling"] is None else f"{p['scaling']:.2f}"
+        lines.append(
+            f"{p['workers']:>7} {p['clients']:>7} {p['plan_per_s']:>8,.0f} "
+            f"{p['plan_p50_ms']:>7.2f} {p['plan_p99_ms']:>7.2f} {p['plan_broker_cpu_us']:>9.0f} "
+            f"{scaling:>7} {p['redis_commands_per_s']:>11,} {p['redis_commands_per_plan']:>8.1f} "
+            f"{p['redis_cpu_of_core']:>9.0%} {p['redis_cpu_us_per_plan']:>8.0f} "
+            f"{p['redis_saturated_per_s']:>10,} {p['host_cpu_busy']:>8.0%}  {p['limit'] or '-'}"
+            + (" (ran out of transfers)" if p["ran_out"] else "")
+        )
+    lines.append(
+        f"goal: scaling >= {r['target_scaling']} until a limit is named; scaling: plans/s / "
+        "(workers x the 1-worker plans/s, same clients); broker us: CPU per plan of every "
+        f"worker; redis cpu: of one core; redis us: its CPU per plan; redis full: plans/s at "
+        f"which that is {REDIS_SATURATED:.0%} of a core; host cpu: of all cores"
+    )
+    return "\n".join(lines)
+
+
+def bench_workers(args: argparse.Namespace, progress: Progress, sc: Scenario, emit: Emit) -> int:
+    """``bench control-plane --workers``: the phases, printed with ``emit``."""
+    for flag, given in (("--baseline", args.baseline), ("--profile", args.profile)):
+        if given:
+            raise UsageError(flag, "not with --workers")
+    r = worker_scaling(sc, progress, args.workers, args.clients, args.seconds, args.client_procs)
+    emit(args, progress, "control_plane_workers", {"control_plane_workers": r}, table(r))
+    return 0
