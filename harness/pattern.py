@@ -161,6 +161,15 @@ def decode_limits(
     ]
 
 
+def host_memory(layout: EngineLayout, fill: int = 0) -> dict[int, list[np.ndarray]]:
+    """Every rank's regions of ``layout`` as DRAM arrays of ``fill`` bytes, by tp rank
+    (prefill: 0; decode: :data:`POISON`, so bytes nobody wrote show)."""
+    return {
+        r.tp_rank: [np.full(r.region_bytes, fill, np.uint8) for _ in range(r.num_regions)]
+        for r in layout.ranks
+    }
+
+
 def _pages(rank: RankLayout, regions: Sequence[np.ndarray], block: int) -> list[np.ndarray]:
     return [region[block * rank.page_bytes : (block + 1) * rank.page_bytes] for region in regions]
 

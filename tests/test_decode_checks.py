@@ -286,18 +286,19 @@ def test_a_tampered_plan_is_refused_before_nixl_and_reported_failed(
 
     from clients.decode import AsyncDecodeClient, FetchError
     from clients.prefill import AsyncPrefillClient
-    from harness.pattern import POISON, Contents, check_decode, decode_limits, fill_prefill
+    from harness.pattern import (
+        POISON,
+        Contents,
+        check_decode,
+        decode_limits,
+        fill_prefill,
+        host_memory,
+    )
     from harness.scenarios import block_counts
 
     prefill, decode = PAIRS[1].layouts(inflight=1)  # FA+Mamba2 P1 -> D2
-    p_mem = {
-        r.tp_rank: [np.zeros(r.region_bytes, np.uint8) for _ in range(r.num_regions)]
-        for r in prefill.ranks
-    }
-    d_mem = {
-        r.tp_rank: [np.full(r.region_bytes, POISON, np.uint8) for _ in range(r.num_regions)]
-        for r in decode.ranks
-    }
+    p_mem = host_memory(prefill)
+    d_mem = host_memory(decode, POISON)
     tokens = 150
     counts = block_counts(prefill, tokens)
     blocks = [list(range(sum(counts[:g]), sum(counts[: g + 1]))) for g in range(len(counts))]

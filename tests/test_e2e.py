@@ -17,7 +17,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 from prerequisites import require_module
 
@@ -34,6 +33,7 @@ from harness.pattern import (
     check_decode,
     decode_limits,
     fill_prefill,
+    host_memory,
     scrub_pages,
 )
 from harness.scenarios import block_counts
@@ -293,14 +293,8 @@ def test_async_clients_and_expiry() -> None:
     spec = PAIRS[3]  # FA+GDN P2 -> D1
     prefill, decode = spec.layouts(inflight=2)
     contents_p, contents_d = Contents(prefill), Contents(decode)
-    p_mem = {
-        r.tp_rank: [np.zeros(r.region_bytes, np.uint8) for _ in range(r.num_regions)]
-        for r in prefill.ranks
-    }
-    d_mem = {
-        r.tp_rank: [np.full(r.region_bytes, POISON, np.uint8) for _ in range(r.num_regions)]
-        for r in decode.ranks
-    }
+    p_mem = host_memory(prefill)
+    d_mem = host_memory(decode, POISON)
     tokens = 200
     counts = block_counts(prefill, tokens)
     blocks = [list(range(sum(counts[:g]), sum(counts[: g + 1]))) for g in range(len(counts))]
@@ -360,14 +354,8 @@ def test_fetch_many_moves_several_transfers_with_batched_calls() -> None:
     spec = PAIRS[5]  # FA+Mamba2 P1 -> D4
     prefill, decode = spec.layouts(inflight=2)
     contents_p, contents_d = Contents(prefill), Contents(decode)
-    p_mem = {
-        r.tp_rank: [np.zeros(r.region_bytes, np.uint8) for _ in range(r.num_regions)]
-        for r in prefill.ranks
-    }
-    d_mem = {
-        r.tp_rank: [np.full(r.region_bytes, POISON, np.uint8) for _ in range(r.num_regions)]
-        for r in decode.ranks
-    }
+    p_mem = host_memory(prefill)
+    d_mem = host_memory(decode, POISON)
     tokens = 200
     counts = block_counts(prefill, tokens)
     first = [list(range(sum(counts[:g]), sum(counts[: g + 1]))) for g in range(len(counts))]

@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from broker.commands.options import non_negative_int, positive_int
+from broker.commands.options import add_cache_options, positive_int
 from broker.layout import EngineLayout, GroupLayout, RankLayout, Segment
 from broker.models import build_engine_layout, hma_block_size, with_kv_dtype
 from broker.presets import model_from_hf_file, preset_names, resolve_model
@@ -20,20 +20,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     src.add_argument("--hf-config", type=Path, help="a Hugging Face config.json or its directory")
     p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size")
-    p.add_argument(
-        "--block-size",
-        type=non_negative_int,
-        default=0,
-        help="tokens per logical block; 0: vLLM's HMA choice (alignment 16)",
-    )
-    p.add_argument(
-        "--kernel-block-size",
-        type=non_negative_int,
-        default=0,
-        help="tokens per attention kernel block; 0: the block size",
-    )
-    p.add_argument("--kv-dtype", help="KV-cache dtype, e.g. bfloat16 or fp8 (default: the model's)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_cache_options(p, "tokens per logical block; 0: vLLM's HMA choice (alignment 16)")
     p.set_defaults(run=run)
 
 

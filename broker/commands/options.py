@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 from argparse import ArgumentTypeError
 from collections.abc import Callable
 from typing import TypeVar
@@ -97,3 +98,19 @@ def from_environment(flag: str, name: str, raw: str, parse: Callable[[str], T]) 
         return parse(raw)
     except ArgumentTypeError as exc:
         raise UsageError(flag, f"{name}={exc}") from None
+
+
+def add_cache_options(parser: argparse.ArgumentParser, block_size_help: str) -> None:
+    """``--block-size``, ``--kernel-block-size``, ``--kv-dtype`` and ``--json``: how the
+    caches a command lays out are cut, and its output."""
+    parser.add_argument("--block-size", type=non_negative_int, default=0, help=block_size_help)
+    parser.add_argument(
+        "--kernel-block-size",
+        type=non_negative_int,
+        default=0,
+        help="tokens per attention kernel block; 0: the block size",
+    )
+    parser.add_argument(
+        "--kv-dtype", help="KV-cache dtype, e.g. bfloat16 or fp8 (default: the model's)"
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")

@@ -18,7 +18,7 @@ import argparse
 import json
 from pathlib import Path
 
-from broker.commands.options import non_negative_int, positive_int
+from broker.commands.options import add_cache_options, positive_int
 from broker.errors import LayoutError
 from broker.layout import EngineLayout
 from broker.models import with_kv_dtype
@@ -33,20 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill-tp", type=positive_int, default=1, help="prefill's TP size")
     p.add_argument("--decode-tp", type=positive_int, default=1, help="decode's TP size")
     p.add_argument("--tokens", type=positive_int, default=32768, help="tokens whose state moves")
-    p.add_argument(
-        "--block-size",
-        type=non_negative_int,
-        default=0,
-        help="tokens per block; 0: vLLM's HMA choice (the larger of both sides')",
-    )
-    p.add_argument(
-        "--kernel-block-size",
-        type=non_negative_int,
-        default=0,
-        help="tokens per attention kernel block; 0: the block size",
-    )
-    p.add_argument("--kv-dtype", help="KV-cache dtype, e.g. bfloat16 or fp8 (default: the model's)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_cache_options(p, "tokens per block; 0: vLLM's HMA choice (the larger of both sides')")
     p.set_defaults(run=run)
 
 
