@@ -138,14 +138,18 @@ class AsyncDecodeClient(AsyncEngineClient):
         transfer in one ``GetTransferPlans`` call, all reads posted together, every report
         in one ``ReportTransfers`` call (a call per ``max_batch_entries`` entries). Each
         transfer's :class:`Fetch`, or the :class:`FetchError` saying which ranks failed it,
-        in order; one transfer's failure leaves the others' alone."""
+        in order; one transfer's failure leaves the others' alone, and a call that fails as a
+        whole (the broker unreachable) fails every rank it carried."""
         deadline = time.monotonic() + (timeout_s or self.read_timeout_s)
         sessions = list(self.sessions.values())
         jobs = [(ask, session) for ask in asks for session in sessions]
         started = time.perf_counter()
-        plans = await self._plans(
-            [(s, a.transfer_id, a.block_ids, a.prefill_engine_id) for a, s in jobs]
-        )
+        try:
+            plans = await self._plans(
+                [(s, a.transfer_id, a.block_ids, a.prefill_engine_id) for a, s in jobs]
+            )
+        except BrokerCallError as unanswered:  # the call failed: every rank of every transfer
+            plans = [unanswered] * len(jobs)
         planned = time.perf_counter()
         read_jobs = [
             (i, plan) for i, plan in enumerate(plans) if not isinstance(plan, BrokerCallError)
@@ -166,13 +170,16 @@ class AsyncDecodeClient(AsyncEngineClient):
             for (i, plan), (error, _, read_end) in zip(read_jobs, reads)
         ]
         reported_at = time.monotonic()
-        outcomes = await report_traced(
-            self.stub,
-            self.engine_id,
-            reports,
-            [(jobs[i][0].transfer_id, plan.traceparent) for i, plan in read_jobs],
-            self.call_timeout_s,
-        )
+        try:
+            outcomes = await report_traced(
+                self.stub,
+                self.engine_id,
+                reports,
+                [(jobs[i][0].transfer_id, plan.traceparent) for i, plan in read_jobs],
+                self.call_timeout_s,
+            )
+        except BrokerCallError as unanswered:  # unreported: nothing read is usable
+            outcomes = [unanswered] * len(reports)
         reported = time.perf_counter()
         for (i, plan), (_, failure, read_end), outcome in zip(read_jobs, reads, outcomes):
             try:
