@@ -29,17 +29,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from grpc import StatusCode
 
-from broker import convert
-from broker.config import ServiceConfig
 from broker.limits import max_request_bytes_of
 from broker.metrics import BrokerMetrics
 from broker.presets import resolve_model
 from broker.server import SERVICE_NAME, _lenient, _serializer, _served
-from broker.service import BrokerService
 from broker.servicer import BrokerServicer
 from broker.v1 import broker_pb2 as pb
-from broker.wire import Role
-from harness.bench_engines import DECODE_ADDR, PREFILL_ADDR, registrations
+from harness.bench_engines import published_service
 from harness.scenarios import build_scenario
 
 MODES = ("plain", "counted")
@@ -70,21 +66,8 @@ def main() -> int:
 
     sc = build_scenario(resolve_model(args.model), 2, 2, args.tokens)
     total = args.transfers * (args.trials + 1)
-    service = BrokerService(config=ServiceConfig(max_transfers=total, default_ttl_ms=3_600_000))
+    service = published_service(sc, total)
     servicer = BrokerServicer(service)
-    for request in registrations(sc.prefill, "P", Role.PREFILL, PREFILL_ADDR) + registrations(
-        sc.decode, "D", Role.DECODE, DECODE_ADDR
-    ):
-        service.register_rank(convert.registration_from_proto(request))
-    published = [pb.BlockIds(ids=g) for g in sc.request.prefill_block_ids]
-    for i in range(total):
-        request = pb.PublishBlocksRequest(
-            transfer_id=f"t{i}",
-            engine_id="P",
-            block_ids=published,
-            num_tokens=sc.request.num_tokens,
-        )
-        service.publish(convert.publication_from_proto(request, ""))
     decode_ids = [pb.BlockIds(ids=g) for g in sc.request.decode_block_ids]
     asks = [
         [

@@ -14,7 +14,7 @@ import subprocess
 import sys
 from collections.abc import Coroutine, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from broker.layout import EngineLayout
 from broker.v1 import broker_pb2 as pb
@@ -26,6 +26,9 @@ from clients.prefill import AsyncPrefillClient
 from clients.session import LoopThread
 from clients.transport import NoMemoryTransport, fake_memory
 from harness.scenarios import Scenario
+
+if TYPE_CHECKING:
+    from broker.service import BrokerService
 
 PREFILL_ADDR, DECODE_ADDR = 0x7F00_0000_0000, 0x7E00_0000_0000
 #: Address space of each decode engine's fake regions (below DECODE_ADDR's).
@@ -66,6 +69,34 @@ def register(
     blocking stub, without lease renewals (the broker's leases must outlast the run)."""
     for request in registrations(layout, engine_id, role, first_addr):
         stub.RegisterRank(request)
+
+
+def published_service(sc: Scenario, transfers: int) -> BrokerService:
+    """An in-process broker service (no gRPC) with ``sc``'s prefill ``P`` and decode ``D``
+    registered (fake addresses) and ``transfers`` of its request published by ``P`` as
+    ``t0``, ``t1``, ...: what the in-process handler benchmarks ask plans of."""
+    from broker import convert
+    from broker.config import ServiceConfig
+    from broker.service import BrokerService
+
+    config = ServiceConfig(
+        max_transfers=transfers, max_transfers_per_engine=transfers, default_ttl_ms=3_600_000
+    )
+    service = BrokerService(config=config)
+    for registration in registrations(sc.prefill, "P", Role.PREFILL, PREFILL_ADDR) + registrations(
+        sc.decode, "D", Role.DECODE, DECODE_ADDR
+    ):
+        service.register_rank(convert.registration_from_proto(registration))
+    published = [pb.BlockIds(ids=g) for g in sc.request.prefill_block_ids]
+    for i in range(transfers):
+        publication = pb.PublishBlocksRequest(
+            transfer_id=f"t{i}",
+            engine_id="P",
+            block_ids=published,
+            num_tokens=sc.request.num_tokens,
+        )
+        service.publish(convert.publication_from_proto(publication, ""))
+    return service
 
 
 def cpu_seconds(pid: int) -> float:
