@@ -96,12 +96,12 @@ class BatchedCalls:
         requests = [
             pb.GetTransferPlanRequest(
                 transfer_id=spec.transfer_id,
-                engine_id=self.engine_id,
                 tp_rank=rank,
-                block_ids=block_ids_to_proto(spec.block_ids),
+                block_ids=block_ids,
                 prefill_engine_id=spec.prefill_engine,
             )
             for _, spec in plannable
+            for block_ids in [block_ids_to_proto(spec.block_ids)]  # once per load
             for rank in range(self.tp_size)
         ]
         started = time.perf_counter()
