@@ -103,6 +103,12 @@ def _check_segment_pair(where: str, ps: Segment, ds: Segment) -> None:
         raise IncompatibleLayoutsError(
             f"{where}.shard_axis", "prefill and decode shard different axes"
         )
+    if ps.tokens_per_entry != ds.tokens_per_entry:
+        raise IncompatibleLayoutsError(
+            f"{where}.tokens_per_entry",
+            f"prefill keeps one entry per {ps.tokens_per_entry} tokens, "
+            f"decode per {ds.tokens_per_entry}",
+        )
     p_shape, d_shape = list(ps.global_shape), list(ds.global_shape)
     if ds.token_axis is not None:
         p_shape[ds.token_axis] = d_shape[ds.token_axis] = 0

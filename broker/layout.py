@@ -59,7 +59,10 @@ class Segment:
     rank holds global indices ``shard_start .. shard_start + shape[shard_axis]`` of
     ``global_extent``; other axes are whole. Without a ``shard_axis`` the segment is
     replicated: every rank holds the whole tensor (MLA's latent), so one rank is enough to
-    read it from. ``token_axis`` indexes tokens within the kernel block (attention only).
+    read it from. ``token_axis`` indexes tokens within the kernel block (attention only);
+    each index along it holds ``tokens_per_entry`` consecutive tokens (a compressed cache
+    keeps one state per that many tokens), so it has ``kernel_block_size / tokens_per_entry``
+    entries.
     """
 
     tensor: str
@@ -71,9 +74,15 @@ class Segment:
     shard_start: int = 0
     global_extent: int = 0
     token_axis: int | None = None
+    tokens_per_entry: int = 1
 
     def __post_init__(self) -> None:
         where = f"segment {self.tensor!r}"
+        if self.tokens_per_entry < 1 or (self.tokens_per_entry > 1 and self.token_axis is None):
+            raise LayoutError(
+                f"{where}.tokens_per_entry",
+                f"{self.tokens_per_entry}: must be 1, or more on a segment with a token axis",
+            )
         if len(self.shape) != len(self.strides) or not self.shape:
             raise LayoutError(f"{where}.strides", "shape and strides must have the same rank")
         if any(n <= 0 for n in self.shape):
@@ -318,10 +327,14 @@ class RankLayout:
                 f"bytes exceed page_bytes {self.page_bytes}",
             )
         for seg in group.segments:
-            if seg.token_axis is None or seg.shape[seg.token_axis] != group.kernel_block_size:
+            if (
+                seg.token_axis is None
+                or seg.shape[seg.token_axis] * seg.tokens_per_entry != group.kernel_block_size
+            ):
                 raise LayoutError(
                     f"{gwhere}.segments[{seg.tensor!r}].token_axis",
-                    f"needs a token axis of kernel_block_size={group.kernel_block_size} tokens",
+                    f"needs a token axis of kernel_block_size={group.kernel_block_size} tokens "
+                    f"(entries of tokens_per_entry={seg.tokens_per_entry} tokens)",
                 )
             if seg.end > group.kernel_block_bytes:
                 raise LayoutError(
@@ -365,7 +378,8 @@ def _signature(group: GroupLayout) -> tuple[object, ...]:
     """What every rank of an engine declares alike about a group: the planner reads them
     from rank 0."""
     tensors = sorted(
-        (s.tensor, s.dtype, s.shard_axis, s.token_axis, s.global_shape) for s in group.segments
+        (s.tensor, s.dtype, s.shard_axis, s.token_axis, s.tokens_per_entry, s.global_shape)
+        for s in group.segments
     )
     return (
         group.kind,

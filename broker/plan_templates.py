@@ -349,8 +349,10 @@ def _segment_box(
         extent[axis] = hi - lo
         d_start[axis], p_start[axis] = lo - d_seg.shard_start, lo - p_seg.shard_start
     if d_seg.token_axis is not None:
-        axis = d_seg.token_axis
-        extent[axis], d_start[axis], p_start[axis] = tokens, d_tok, p_tok
+        axis, per = d_seg.token_axis, d_seg.tokens_per_entry
+        # Chunks start and end on kernel-block boundaries of both sides or on whole
+        # entries, so a compressed segment's entries are never split.
+        extent[axis], d_start[axis], p_start[axis] = tokens // per, d_tok // per, p_tok // per
     return strided_runs(
         extent,
         d_seg.itemsize,
@@ -391,7 +393,7 @@ def _check_template(
     if chunk is None:
         needed = sum(s.nbytes for s in d_group.segments)
     else:
-        needed = sum(s.nbytes // d_group.kernel_block_size for s in d_group.segments) * chunk[2]
+        needed = sum(s.nbytes * chunk[2] // d_group.kernel_block_size for s in d_group.segments)
     if int(length.sum()) != needed:
         raise AssertionError(
             f"template for decode rank {decode_rank} group {g} moves {int(length.sum())} "

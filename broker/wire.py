@@ -268,6 +268,7 @@ def _segment_from_proto(msg: pb.Segment, where: str) -> Segment:
             msg.shard_start,
             msg.global_extent,
             msg.token_axis if msg.HasField("token_axis") else None,
+            msg.tokens_per_entry or 1,
         )
     except LayoutError as exc:  # fields named "segment 'kv'.strides"
         raise LayoutError(f"{where}.{exc.field.rsplit('.', 1)[-1]}", exc.detail) from None
@@ -340,6 +341,7 @@ def rank_layout_to_proto(layout: RankLayout) -> pb.RankLayout:
                         shard_start=s.shard_start,
                         global_extent=s.global_extent,
                         token_axis=s.token_axis,
+                        tokens_per_entry=s.tokens_per_entry,
                     )
                     for s in g.segments
                 ],

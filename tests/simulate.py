@@ -34,9 +34,9 @@ def _segment_labels(
     for axis, n in enumerate(seg.shape):
         if axis == seg.shard_axis:
             value, extent = idx[axis] + seg.shard_start, seg.global_extent
-        elif axis == seg.token_axis:
-            value, extent = idx[axis] + first_token, TOKEN_BOUND
-            tokens = value
+        elif axis == seg.token_axis:  # entries of tokens_per_entry tokens from first_token
+            value, extent = idx[axis] + first_token // seg.tokens_per_entry, TOKEN_BOUND
+            tokens = value * seg.tokens_per_entry
         else:
             value, extent = idx[axis], n
         flat = flat * extent + value

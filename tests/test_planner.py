@@ -352,3 +352,82 @@ def test_nbytes_is_what_its_templates_hold() -> None:
     finally:
         tracemalloc.stop()
     assert 0.9 * held <= planner.nbytes <= held
+
+
+# ------------------------------------------------------------- compressed (one state per r tokens)
+
+
+def compressed_group(kernel_block_size: int, block_size: int, per: int = 4) -> GroupLayout:
+    """A group as DeepSeek-V4 declares its compressed caches: per layer a latent of one state
+    per ``per`` tokens, its indexer keys (33 opaque bytes per state) and a latent of one
+    state per 16 tokens, all replicated over TP, each kernel block padded to 64 bytes."""
+    kbs = kernel_block_size
+    pieces = (("c4", per, 32, "bfloat16"), ("index", per, 33, "uint8"), ("c16", 16, 32, "bfloat16"))
+    segments: list[Segment] = []
+    offset = 0
+    for name, tokens, width, dtype in pieces:
+        shape = (kbs // tokens, width)
+        item = 1 if dtype == "uint8" else 2
+        segments.append(
+            Segment(
+                name,
+                offset,
+                shape,
+                contiguous_strides(shape, item),
+                dtype,
+                token_axis=0,
+                tokens_per_entry=tokens,
+            )
+        )
+        offset = segments[-1].end
+    block_bytes = -(-offset // 64) * 64
+    return GroupLayout(
+        GroupKind.ATTENTION, ("l0", "l1"), tuple(segments), block_size, kbs, block_bytes
+    )
+
+
+def compressed_engine(tp: int, block_size: int, kernel_block_size: int, per: int = 4):
+    group = compressed_group(kernel_block_size, block_size, per)
+    page = group.kernel_block_bytes * group.kernel_blocks_per_page
+    return EngineLayout(
+        "compressed", tp, tuple(RankLayout(r, 2, 24, page, (group,)) for r in range(tp))
+    )
+
+
+@pytest.mark.parametrize("p_tp,d_tp", [(1, 1), (1, 2), (2, 1)])
+@pytest.mark.parametrize(
+    "p_sizes,d_sizes", [((32, 32), (32, 32)), ((64, 32), (32, 16)), ((32, 16), (64, 64))]
+)
+@pytest.mark.parametrize("held_pages", [0, 1])
+def test_compressed_states_move_whole_from_one_rank(
+    p_tp: int, d_tp: int, p_sizes: tuple[int, int], d_sizes: tuple[int, int], held_pages: int
+) -> None:
+    """Segments of one entry per ``tokens_per_entry`` tokens move entry by entry between any
+    block and kernel-block sizes, after a decode prefix hit too: every byte decode needs,
+    none twice, all from vLLM's source rank."""
+    prefill, decode = compressed_engine(p_tp, *p_sizes), compressed_engine(d_tp, *d_sizes)
+    num_tokens = 200
+    p_ids = tuple(range(1, 1 + -(-num_tokens // p_sizes[0])))
+    d_count = -(-num_tokens // d_sizes[0]) - held_pages
+    d_ids = tuple(range(23, 23 - d_count, -1))
+    request = TransferRequest(num_tokens, (p_ids,), (d_ids,))
+    check_plan_by_simulation(prefill, decode, request)
+    for rank in PairPlanner(prefill, decode).plan(request).ranks:
+        assert rank.prefill_ranks == (rank.decode_rank * p_tp // d_tp,)
+
+
+def test_compressed_entries_must_fill_the_kernel_block() -> None:
+    half = Segment("c4", 0, (4, 8), (16, 2), "bfloat16", token_axis=0, tokens_per_entry=4)
+    group = GroupLayout(GroupKind.ATTENTION, ("l0",), (half,), 32, 32, 64)
+    with pytest.raises(LayoutError) as err:
+        RankLayout(0, 1, 4, 64, (group,))
+    assert err.value.field == "ranks[0].groups[0].segments['c4'].token_axis"
+    with pytest.raises(LayoutError) as err:
+        Segment("ssm", 0, (4, 8), (16, 2), "bfloat16", tokens_per_entry=4)
+    assert err.value.field == "segment 'ssm'.tokens_per_entry"
+
+
+def test_compressed_entries_of_other_sizes_are_incompatible() -> None:
+    with pytest.raises(IncompatibleLayoutsError) as err:
+        PairPlanner(compressed_engine(1, 32, 32), compressed_engine(1, 32, 32, per=8))
+    assert err.value.field.endswith("tokens_per_entry")

@@ -10,9 +10,10 @@ import grpc
 import pytest
 from broker_helpers import hybrid
 
+from broker.layout import GroupKind, GroupLayout, RankLayout, Segment
 from broker.models import build_engine_layout
 from broker.v1 import broker_pb2 as pb
-from broker.wire import Role, rank_layout_from_proto
+from broker.wire import Role, rank_layout_from_proto, rank_layout_to_proto
 from clients import protocol
 from clients.protocol import BrokerCallError
 from clients.transport import DRAM, VRAM, Region
@@ -114,3 +115,11 @@ def test_publication_carries_the_request() -> None:
         500,
     )
     assert list(request.allowed_decode_engines) == ["D"]
+
+
+def test_a_compressed_segment_keeps_its_entry_size_on_the_wire() -> None:
+    """A segment of one entry per 4 tokens arrives as one, not as one entry per token."""
+    latent = Segment("c4", 0, (4, 8), (16, 2), "bfloat16", token_axis=0, tokens_per_entry=4)
+    group = GroupLayout(GroupKind.ATTENTION, ("l0",), (latent,), 16, 16, 64)
+    rank = RankLayout(0, 1, 4, 64, (group,))
+    assert rank_layout_from_proto(rank_layout_to_proto(rank), 0) == rank

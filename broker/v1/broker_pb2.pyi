@@ -76,7 +76,7 @@ TRANSFER_STATE_EXPIRED: TransferState
 TRANSFER_STATE_ABORTED: TransferState
 
 class Segment(_message.Message):
-    __slots__ = ("tensor", "offset", "shape", "strides", "dtype", "shard_axis", "shard_start", "global_extent", "token_axis")
+    __slots__ = ("tensor", "offset", "shape", "strides", "dtype", "shard_axis", "shard_start", "global_extent", "token_axis", "tokens_per_entry")
     TENSOR_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +86,7 @@ class Segment(_message.Message):
     SHARD_START_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_EXTENT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_AXIS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_ENTRY_FIELD_NUMBER: _ClassVar[int]
     tensor: str
     offset: int
     shape: _containers.RepeatedScalarFieldContainer[int]
@@ -95,7 +96,8 @@ class Segment(_message.Message):
     shard_start: int
     global_extent: int
     token_axis: int
-    def __init__(self, tensor: _Optional[str] = ..., offset: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., strides: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., shard_axis: _Optional[int] = ..., shard_start: _Optional[int] = ..., global_extent: _Optional[int] = ..., token_axis: _Optional[int] = ...) -> None: ...
+    tokens_per_entry: int
+    def __init__(self, tensor: _Optional[str] = ..., offset: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., strides: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., shard_axis: _Optional[int] = ..., shard_start: _Optional[int] = ..., global_extent: _Optional[int] = ..., token_axis: _Optional[int] = ..., tokens_per_entry: _Optional[int] = ...) -> None: ...
 
 class GroupLayout(_message.Message):
     __slots__ = ("kind", "layers", "segments", "block_size", "kernel_block_size", "kernel_block_bytes", "sliding_window_tokens")
