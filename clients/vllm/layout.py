@@ -39,6 +39,7 @@ from broker.errors import LayoutError
 from broker.layout import GroupKind, GroupLayout, RankLayout, Segment, contiguous_strides
 from broker.models import split_evenly, split_or_replicate
 from clients.transport import DRAM, VRAM, Region
+from clients.vllm.row_layout import derive_row_memory, packs_rows
 
 #: KV-cache quantisations whose page is one dense ``[heads, kbs, K|V]`` array (no scales).
 _DENSE_QUANT = (KVQuantMode.NONE, KVQuantMode.FP8_PER_TENSOR)
@@ -79,7 +80,10 @@ def derive_rank_memory(
     """The layout of rank ``tp_rank`` of ``tp_size`` and its regions, from the transfer
     groups of ``kv_cache_config`` and the cache views ``kv_caches`` (layer name -> view).
     ``conv_layout`` is vLLM's conv state layout (``get_conv_state_layout()``). Raises
-    :class:`LayoutError` naming what cannot be declared."""
+    :class:`LayoutError` naming what cannot be declared. A block-outermost cache (DeepSeek-V4)
+    is declared by :mod:`clients.vllm.row_layout`."""
+    if packs_rows(kv_cache_config, kv_caches):
+        return RankMemory(*derive_row_memory(kv_cache_config, kv_caches, tp_rank))
     num_blocks = kv_cache_config.num_blocks
     groups: list[GroupLayout] = []
     region_bases: dict[int, int] = {}

@@ -71,6 +71,7 @@ from vllm.v1.worker.utils import (
 
 from broker.layout import GroupKind
 from broker.presets import PRESET_CONFIGS, model_from_hf_file
+from harness.vllm import deepseek_v4
 
 #: vLLM's Mamba backend of each model family (the mixer class's ``mamba_type``; Kimi-Linear's
 #: KDA layer inherits GDN's).
@@ -118,6 +119,10 @@ def vllm_config(
         if speculative
         else None,
     )
+    if deepseek_v4.is_deepseek_v4(config):
+        config.cache_config.block_size = deepseek_v4.BLOCK_SIZE
+        deepseek_v4.resolve_layout(config)
+        return config
     # The engine core resolves the layout from the connector's requirement, else (vLLM's
     # NIXL connector under MLA) from the layouts the attention backend supports.
     config.cache_config.kv_cache_layout = connector.get_required_kvcache_layout(config)
@@ -223,6 +228,8 @@ def layer_specs(
     """Each KV-carrying layer's spec, in the order vLLM's model runner finds them (the
     model's layers by index, then a speculative drafter's), as the layers declare them
     (names and kinds from the model's ``config.json``, through our preset parser)."""
+    if deepseek_v4.is_deepseek_v4(config):
+        return deepseek_v4.layer_specs(config)
     model, cache = config.model_config, config.cache_config
     spec = model_from_hf_file(Path(model.model))
     layers = sorted(
