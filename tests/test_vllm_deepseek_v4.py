@@ -1,14 +1,30 @@
 """DeepSeek-V4 (sliding-window and compressed MLA) through the layout the connector derives
 from vLLM 0.33's own objects: the specs DeepSeek-V4's cache layers declare, vLLM's grouping
-and block-outermost allocation (:mod:`harness.vllm.deepseek_v4`)."""
+and block-outermost allocation (:mod:`harness.vllm.deepseek_v4`); then between real vLLM
+schedulers on CPU, a live broker and NIXL reads (see ``test_vllm_connector``).
+
+vLLM cannot run DeepSeek-V4's layers here (its CPU kernels need AMX, its GPU ones CUDA), so the
+end-to-end test fills the prefill pages with random bytes, as the other connector tests do.
+"""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
-from vllm_engines import allocate, engine_config, kv_cache_config, storage_bytes, write_model
+from test_vllm_connector import decode, prefill, transfer_record
+from vllm_engines import (  # noqa: F401 - vllm_distributed: an autouse fixture
+    POISON,
+    Engine,
+    allocate,
+    engine_config,
+    kv_cache_config,
+    storage_bytes,
+    vllm_distributed,
+    write_model,
+)
 
 # isort: split
 # vllm_engines first: it configures vLLM for CPU and skips this module without vLLM.
@@ -21,7 +37,11 @@ from vllm.v1.kv_cache_interface import (
 
 from broker.errors import LayoutError
 from broker.layout import EngineLayout
+from broker.v1 import broker_pb2 as pb
 from clients.vllm.layout import ModelFacts, derive_rank_memory, model_fingerprint
+from clients.vllm.metadata import TRANSFER_ID
+from harness.brokers import BrokerProcess
+from harness.vllm import deepseek_v4
 
 #: DeepSeek-V4's attention schedule in four layers: a sliding-window-only layer, then
 #: compressed layers of ratio 4 (with an indexer) and 128; the rest as the public model's.
@@ -75,15 +95,20 @@ def test_vllm_packs_the_caches_in_block_rows(tmp_path: Path) -> None:
     )
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_segments_address_exactly_each_layers_pages(tp: int, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("tp", "cache_dtype"), [(1, "auto"), (2, "auto"), (2, "fp8")])
+def test_segments_address_exactly_each_layers_pages(
+    tp: int, cache_dtype: str, tmp_path: Path
+) -> None:
     """For every group, writing its layers' cache views changes exactly the bytes its
     segments address in every row (no padding, nothing of another layer), and each segment
-    reads back its layer's page entry by entry; every rank declares the same."""
-    _, kv_config, caches = engine(tmp_path, tp)
+    reads back its layer's page entry by entry; every rank declares the same. The plain-row
+    cache in bfloat16 or per-tensor fp8 (e4m3, the latent and sliding-window caches)."""
+    _, kv_config, caches = engine(tmp_path, tp, cache_dtype=cache_dtype)
     memories = [derive(kv_config, caches, tp, r) for r in range(tp)]
     layout = memories[0].layout
     assert all(m.layout.groups == layout.groups for m in memories)
+    latent = next(s for g in layout.groups for s in g.segments if s.tensor == "model.layers.1.attn")
+    assert latent.dtype == ("float8_e4m3fn" if cache_dtype == "fp8" else "bfloat16")
     ((region,),) = {m.regions for m in memories}
     memory = storage_bytes(next(iter(caches.values())))
     base = memory.untyped_storage().data_ptr()
@@ -137,3 +162,112 @@ def test_the_packed_fp8_ds_mla_cache_is_refused_naming_the_spec(tmp_path: Path) 
         derive(kv_config, caches, 1, 0)
     assert err.value.field.endswith(".kv_cache_spec.state_content_bytes")
     assert "SlidingWindowMLASpec" in err.value.detail and "fp8_ds_mla" in err.value.detail
+
+
+def test_a_bounded_replay_window_is_refused(tmp_path: Path) -> None:
+    """DeepSeek-V4.1's sliding window under bounded replay (decode replays the window after a
+    load, so prefill must stop short of it) is refused at start-up, naming the field."""
+    config = engine_config(write_model(CONFIG, tmp_path / "dsv4"), 1)
+    specs = {
+        name: replace(spec, bounded_replay=True) if isinstance(spec, SlidingWindowMLASpec) else spec
+        for name, spec in deepseek_v4.layer_specs(config).items()
+    }
+    kv_config = kv_cache_config(config, NUM_BLOCKS, specs=specs)
+    with pytest.raises(LayoutError) as err:
+        derive(kv_config, allocate(config, kv_config), 1, 0)
+    assert err.value.field.endswith(".kv_cache_spec.bounded_replay")
+
+
+# ------------------------------------------------------------------ end to end
+
+#: Blocks for a 300-token prompt in every group (they share one pool: 75 of the 4-token
+#: compressor-state group alone), on both engines.
+E2E_BLOCKS = 160
+
+
+def make_engine(model: Path, tp: int, role: str, engine_id: str, broker: str) -> Engine:
+    config = engine_config(
+        model,
+        tp,
+        role=role,
+        engine_id=engine_id,
+        extra={"broker": broker, "model_name": "test-model"},
+    )
+    return Engine(config, E2E_BLOCKS, poison=role == "kv_consumer")
+
+
+def moved_blocks(engine: Engine, block_ids: tuple[list[int], ...]) -> list[list[int]]:
+    """The blocks vLLM's NIXL connector moves per group: a sliding-window group's last
+    ``ceil(window / block_size) + 1`` (``get_exchange_clipped_blocks``), others whole; never
+    vLLM's null block (0)."""
+    out = []
+    for group, ids in zip(engine.kv_config.transfer_groups, block_ids):
+        spec = group.kv_cache_spec
+        window = getattr(spec, "sliding_window", None) or 0
+        keep = -(-window // spec.block_size) + 1 if window else len(ids)
+        out.append([b for b in list(ids)[-keep:] if b != 0])
+    return out
+
+
+def page(engine: Engine, rank: int, name: str, block: int) -> torch.Tensor:
+    return engine.caches[rank][name][block].view(torch.uint8).flatten()
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 2), (2, 1)])
+def test_in_window_and_compressed_pages_move_once_per_decode_rank(
+    broker: BrokerProcess, tmp_path: Path, prefill_tp: int, decode_tp: int
+) -> None:
+    """A prompt of 300 tokens: longer than every window (128 tokens for the sliding-window
+    caches and the ratio-128 compressor state, 8 for the ratio-4 ones). Each decode rank gets,
+    from vLLM's source rank (``d * P // D``), every layer's page of the blocks vLLM's
+    connector would move, byte for byte; the bytes the plans move are exactly those pages'
+    content (no alignment padding, no row tail, no out-of-window block, one copy per decode
+    rank); everything else on decode keeps its poison."""
+    model = write_model(CONFIG, tmp_path / "dsv4")
+    producer = make_engine(model, prefill_tp, "kv_producer", "prefill-0", broker.address)
+    consumer = make_engine(model, decode_tp, "kv_consumer", "decode-0", broker.address)
+    try:
+        groups = producer.kv_config.transfer_groups
+        prompt = list(range(1, 301))
+        params = prefill(producer, "r1", prompt, backoff=0)
+        assert params is not None
+        p_moved = moved_blocks(producer, producer.block_ids("r1"))
+        seen = decode(consumer, "r1", prompt, params, producer)
+        d_moved = moved_blocks(consumer, seen["blocks"])
+        # Windows clip: 3 of the 5 sliding-window blocks, 17 of the 38 ratio-128 compressor
+        # state blocks, 2 of the 75 ratio-4 ones (the third block vLLM's rule keeps is out
+        # of the 8-token window, already its null block); both compressed blocks whole.
+        by_block_size = sorted(
+            (g.kv_cache_spec.block_size, len(ids)) for g, ids in zip(groups, d_moved)
+        )
+        assert by_block_size == [(4, 2), (8, 17), (64, 3), (64, 3), (256, 2)]
+        assert [len(ids) for ids in d_moved] == [len(ids) for ids in p_moved]
+        content = 0  # bytes of the moved pages, per decode rank
+        for group, p_ids, d_ids in zip(groups, p_moved, d_moved):
+            specs = group.kv_cache_spec.kv_cache_specs  # type: ignore[attr-defined]
+            content += len(d_ids) * sum(specs[n].real_page_size_bytes for n in group.layer_names)
+        for d in range(decode_tp):
+            source = d * prefill_tp // decode_tp
+            memory = storage_bytes(next(iter(consumer.caches[d].values())))
+            written = torch.zeros(memory.numel(), dtype=torch.bool)
+            base = memory.data_ptr()
+            for group, p_ids, d_ids in zip(groups, p_moved, d_moved):
+                for name in group.layer_names:
+                    for p_block, d_block in zip(p_ids, d_ids):
+                        got = page(consumer, d, name, d_block)
+                        assert torch.equal(got, page(producer, source, name, p_block)), name
+                        view = consumer.caches[d][name][d_block]
+                        assert view.is_contiguous()
+                        start = view.data_ptr() - base
+                        written[start : start + got.numel()] = True
+            assert bool((memory[~written] == POISON).all()), f"decode rank {d}"
+        record = transfer_record(broker, params[TRANSFER_ID])
+        assert pb.TransferState.Name(record.state) == "TRANSFER_STATE_COMPLETED"
+        plans = sorted(record.plans, key=lambda p: p.decode_rank)
+        assert [(p.decode_rank, list(p.prefill_ranks)) for p in plans] == [
+            (d, [d * prefill_tp // decode_tp]) for d in range(decode_tp)
+        ]
+        assert [(p.total_bytes, p.bytes_moved) for p in plans] == [(content, content)] * decode_tp
+    finally:
+        consumer.close()
+        producer.close()

@@ -35,6 +35,7 @@ from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
 from vllm.v1.core.kv_cache_utils import (
+    generate_scheduler_kv_cache_config,
     get_request_block_hasher,
     init_none_hash,
     resolve_kv_cache_block_sizes,
@@ -146,10 +147,12 @@ class Engine:
         self.config = config
         self.kv_config = kv_cache_config(config, num_blocks, backend)
         config.cache_config.num_gpu_blocks = self.kv_config.num_blocks
-        block_size, hash_block_size = resolve_kv_cache_block_sizes(self.kv_config, config)
+        # As vLLM's engine core: the scheduler sees one layer's spec per group.
+        scheduler_config = generate_scheduler_kv_cache_config([self.kv_config])
+        block_size, hash_block_size = resolve_kv_cache_block_sizes(scheduler_config, config)
         self.scheduler = Scheduler(
             config,
-            self.kv_config,
+            scheduler_config,
             StructuredOutputManager(config),
             block_size=block_size,
             hash_block_size=hash_block_size,
