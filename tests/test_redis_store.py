@@ -7,6 +7,7 @@ test_service.py and test_server.py (the ``default_store`` parametrization)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import queue
 import signal
@@ -18,14 +19,16 @@ from collections.abc import Callable
 import grpc
 import numpy as np
 import pytest
-from broker_helpers import FakeClock, hybrid, register_engine, register_request
+from broker_helpers import FakeClock, hybrid, register_engine, register_request, registration
 from conftest import RedisServer, start_redis
 
 from broker.api import PlanQuery, Publication, Report
 from broker.config import ServiceConfig
 from broker.errors import StoreUnavailableError
+from broker.layout import EngineLayout, GroupKind, GroupLayout, RankLayout, Segment
 from broker.records import ReleaseEvent, TransferRecord
 from broker.service import BrokerService
+from broker.store import codec
 from broker.store.contract import REDELIVER_MS
 from broker.store.redis import RedisStateStore
 from broker.v1 import broker_pb2 as pb
@@ -182,6 +185,28 @@ def test_every_field_round_trips(redis_server: RedisServer) -> None:
     store.append_release(("P", 9), event, *UNBOUNDED)
     (back,) = twin(store).releases_after(("P", 9), 0)
     assert dataclasses.replace(back, sequence=0) == event
+
+
+def test_a_compressed_segment_keeps_its_entry_size(redis_server: RedisServer) -> None:
+    """A registration whose segment holds one entry per 4 tokens (a compressed cache) reads
+    back as registered; one stored before entries held several tokens reads back as one
+    token per entry."""
+    store = redis_server.store()
+    latent = Segment("c4", 0, (4, 8), (16, 2), "bfloat16", token_axis=0, tokens_per_entry=4)
+    group = GroupLayout(GroupKind.ATTENTION, ("l0",), (latent,), 16, 16, 64)
+    layout = EngineLayout("compressed", 1, (RankLayout(0, 1, 4, 64, (group,)),))
+    BrokerService(store, FakeClock(), CONFIG).register_rank(
+        registration(layout, "C", Role.PREFILL, 0)
+    )
+    back = twin(store).get_rank(("C", 0))
+    assert back is not None and back.registration == registration(layout, "C", Role.PREFILL, 0)
+    kv = Segment("kv", 0, (16, 2), (4, 2), "bfloat16", token_axis=0)
+    plain_rank = RankLayout(0, 1, 4, 64, (dataclasses.replace(group, segments=(kv,)),))
+    stored = json.loads(
+        codec.encode_registration(dataclasses.replace(back.registration, layout=plain_rank))
+    )
+    stored["layout"][3][0][5][0].pop()  # as stored before segments had an entry size
+    assert codec.decode_registration(json.dumps(stored), b"").layout == plain_rank
 
 
 def test_server_side_ttls_forget_what_nobody_renews(redis_server: RedisServer) -> None:

@@ -99,6 +99,7 @@ def encode_registration(reg: RankRegistration) -> str:
                                 s.shard_start,
                                 s.global_extent,
                                 s.token_axis,
+                                s.tokens_per_entry,
                             ]
                             for s in g.segments
                         ],
@@ -127,6 +128,7 @@ def decode_registration(text: bytes | str, agent_metadata: bytes) -> RankRegistr
             GroupLayout(
                 GroupKind(kind),
                 tuple(layers),
+                # Segments stored before tokens_per_entry existed hold one token per entry.
                 tuple(
                     Segment(t, off, tuple(shape), tuple(strides), *rest)
                     for t, off, shape, strides, *rest in segments
