@@ -23,6 +23,14 @@ from broker.layout import (
     contiguous_strides,
     dtype_bytes,
 )
+from broker.row_models import (
+    DEFAULT_ROW_BLOCK_SIZE,
+    RowCache,
+    build_row_rank_layout,
+    row_groups,
+    row_kv_dtype,
+    with_block_size,
+)
 
 #: Token alignment of the attention kernel used when vLLM's HMA grows the block size.
 DEFAULT_BLOCK_ALIGNMENT = 16
@@ -93,10 +101,13 @@ class ModelSpec:
     mamba: MambaParams | None
     #: Per group, the sliding window in tokens (0: full attention); empty: no window at all.
     sliding_windows: tuple[int, ...] = ()
+    #: The cache layers of a model vLLM packs block-outermost (:mod:`broker.row_models`), in
+    #: registration order; ``groups`` then hold their names.
+    row_caches: tuple[RowCache, ...] = ()
 
     @property
     def num_regions(self) -> int:
-        return max(len(layers) for _, layers in self.groups)
+        return 1 if self.row_caches else max(len(layers) for _, layers in self.groups)
 
     @property
     def fingerprint(self) -> str:
@@ -104,6 +115,8 @@ class ModelSpec:
         state: tuple[object, ...] = (self.groups, self.attention, self.mamba)
         if any(self.sliding_windows):
             state += (self.sliding_windows,)
+        if self.row_caches:
+            state += (self.row_caches,)
         digest = hashlib.sha256(repr(state).encode())
         return f"{self.name}:{digest.hexdigest()[:12]}"
 
@@ -112,9 +125,28 @@ class ModelSpec:
         return self.sliding_windows[group] if self.sliding_windows else 0
 
 
+def row_model(name: str, caches: tuple[RowCache, ...]) -> ModelSpec:
+    """A model of block-outermost cache layers, grouped as vLLM groups them in blocks of the
+    default size."""
+    groups = row_groups(with_block_size(caches, DEFAULT_ROW_BLOCK_SIZE))
+    return ModelSpec(
+        name,
+        tuple((GroupKind.ATTENTION, tuple(c.name for c in g)) for g in groups),
+        None,
+        None,
+        tuple(g[0].sliding_window for g in groups),
+        caches,
+    )
+
+
 def with_kv_dtype(model: ModelSpec, kv_dtype: str | None) -> ModelSpec:
     """``model`` with its KV cache stored in ``kv_dtype`` (e.g. ``fp8``); unchanged for None
-    or a model without attention."""
+    or a model without attention. Block-outermost caches store their latents in vLLM's dtype
+    for that cache dtype (:func:`broker.row_models.row_kv_dtype`)."""
+    if kv_dtype and model.row_caches:
+        dtype = row_kv_dtype(kv_dtype)
+        caches = tuple(replace(c, dtype=dtype) if c.latent else c for c in model.row_caches)
+        return row_model(model.name, caches)
     if not kv_dtype or model.attention is None:
         return model
     return replace(model, attention=replace(model.attention, dtype=kv_dtype))
@@ -273,7 +305,10 @@ def hma_block_size(
     ``Platform._align_hybrid_block_size`` does: with ``step = max(alignment, user_block_size)``,
     the smallest multiple of ``step`` whose attention page holds the Mamba state, rounded up to
     a multiple of ``alignment`` (the attention backend's smallest kernel block). A user block
-    size is thus a step, not a floor: ``--block-size 64`` yields a multiple of 64."""
+    size is thus a step, not a floor: ``--block-size 64`` yields a multiple of 64.
+    Block-outermost caches: the user's block size, else 256 tokens."""
+    if model.row_caches:
+        return user_block_size or DEFAULT_ROW_BLOCK_SIZE
     if model.attention is None or model.mamba is None:
         return user_block_size or alignment
     step = max(alignment, user_block_size)
@@ -337,6 +372,15 @@ def build_engine_layout(
         raise LayoutError(
             "kernel_block_size", f"{kernel_block_size} does not divide block_size {block_size}"
         )
+    if model.row_caches:
+        if kernel_block_size != block_size:
+            raise LayoutError(
+                "kernel_block_size", "block-outermost caches are not split into kernel blocks"
+            )
+        ranks = tuple(
+            build_row_rank_layout(model.row_caches, r, num_blocks, block_size) for r in range(tp)
+        )
+        return EngineLayout(model.fingerprint, tp, ranks)
     ranks = tuple(
         build_rank_layout(model, tp, r, num_blocks, block_size, kernel_block_size)
         for r in range(tp)

@@ -184,4 +184,25 @@ PRESET_CONFIGS: dict[str, dict[str, Any]] = {
             "short_conv_kernel_size": 4,
         },
     },
+    # deepseek-ai/DeepSeek-V4-Flash config.json: 43 layers, the first two sliding-window
+    # only, then compress ratios 4 and 128 in turn (the last entry: the MTP layer's).
+    "deepseek-v4-flash": {
+        "architectures": ["DeepseekV4ForCausalLM"],
+        "model_type": "deepseek_v4",
+        "torch_dtype": "bfloat16",
+        "hidden_size": 4096,
+        "num_hidden_layers": 43,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 1,
+        "head_dim": 512,
+        "qk_rope_head_dim": 64,
+        "q_lora_rank": 1024,
+        "o_lora_rank": 1024,
+        "o_groups": 8,
+        "index_head_dim": 128,
+        "index_n_heads": 64,
+        "sliding_window": 128,
+        "num_nextn_predict_layers": 1,
+        "compress_ratios": [0, 0] + [4, 128] * 20 + [4, 0],
+    },
 }

@@ -1,7 +1,7 @@
 """Model presets and Hugging Face ``config.json`` parsing into :class:`ModelSpec`.
 
 Presets are the public ``config.json`` values of each model (only the fields read here), so
-a preset and a user's config file go through the same parser. Six families are understood:
+a preset and a user's config file go through the same parser. These families are understood:
 
 - Nemotron-H (``model_type`` ``nemotron_h``): Mamba2 + attention, layer mix from
   ``hybrid_override_pattern`` (``M`` Mamba2, ``*`` attention, ``-`` MLP, ``E`` MoE) or the
@@ -18,6 +18,10 @@ a preset and a user's config file go through the same parser. Six families are u
   alternate layers, no Mamba state.
 - Kimi-Linear (``kimi_linear``): Kimi Delta Attention (KDA, a Gated DeltaNet) in the layers
   ``linear_attn_config.kda_layers`` numbers (from 1), MLA in the others.
+- DeepSeek-V4 (``deepseek_v4``): per layer a sliding-window latent cache, and for layers of
+  compress ratio 4 or 128 (``compress_ratios``, or ``layer_types`` and ``compress_rates``)
+  a compressed latent, its compressor's state and (ratio 4) indexer keys with their
+  compressor's state; vLLM packs them block-outermost (:mod:`broker.row_models`).
 
 State dtypes follow vLLM 0.33 with ``--mamba-cache-dtype auto --mamba-ssm-cache-dtype
 auto``: conv state and KV cache in the model dtype; SSM state from the config's
@@ -39,8 +43,9 @@ from typing import Any
 
 from broker.errors import LayoutError
 from broker.layout import GroupKind, dtype_bytes
-from broker.models import AttentionParams, MambaParams, ModelSpec
+from broker.models import AttentionParams, MambaParams, ModelSpec, row_model
 from broker.preset_configs import PRESET_CONFIGS
+from broker.row_models import RowCache
 
 #: vLLM's ``auto`` model dtype keeps these checkpoint dtypes and downcasts anything else
 #: (float32, or no dtype at all) to bfloat16.
@@ -448,6 +453,99 @@ def _gpt_oss(config: Mapping[str, Any], name: str) -> ModelSpec:
     )
 
 
+#: DeepSeek-V4's layer types and their compress ratios when ``compress_rates`` is not set
+#: (``DeepseekV4Config``); a sliding-attention layer compresses nothing (ratio 0).
+_DSV4_LAYER_TYPES = (
+    "sliding_attention",
+    "compressed_sparse_attention",
+    "heavily_compressed_attention",
+)
+_DSV4_COMPRESS_RATES = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+#: vLLM's DeepSeek-V4 sliding-window cache blocks, and its compressor-state blocks per ratio.
+_DSV4_SWA_BLOCK = 64
+_DSV4_STATE_BLOCKS = {4: 4, 128: 8}
+#: Values per float32 scale of the fp8 indexer keys.
+_DSV4_INDEX_QUANT_BLOCK = 128
+
+
+def _compress_ratios(config: Mapping[str, Any], count: int) -> tuple[str, list[Any]]:
+    """The field and each layer's compress ratio, as vLLM's ``get_compress_ratios`` reads
+    them: ``compress_ratios``, else ``layer_types`` through ``compress_rates``."""
+    if config.get("compress_ratios") is not None:
+        field, ratios = "compress_ratios", config["compress_ratios"]
+        if not isinstance(ratios, list) or len(ratios) < count:
+            raise LayoutError(field, f"needs one ratio per layer ({count})")
+        return field, ratios[:count]
+    field, types = "layer_types", _get(config, "layer_types", "")
+    if not isinstance(types, list) or len(types) < count:
+        raise LayoutError(field, f"needs one entry per layer ({count})")
+    rates = config.get("compress_rates") or _DSV4_COMPRESS_RATES
+    if not isinstance(rates, Mapping):
+        raise LayoutError("compress_rates", f"must be an object, got {rates!r}")
+    for i, kind in enumerate(types[:count]):
+        if kind not in _DSV4_LAYER_TYPES:
+            raise LayoutError(
+                f"{field}[{i}]",
+                f"unknown layer type {kind!r}; expected one of {', '.join(_DSV4_LAYER_TYPES)}",
+            )
+    return field, [rates.get(kind, 0) for kind in types[:count]]
+
+
+def _deepseek_v4(config: Mapping[str, Any], name: str) -> ModelSpec:
+    """DeepSeek-V4: layer *i*'s caches as vLLM registers them under
+    ``model.layers.{i}.attn``: ``.swa_cache`` (the sliding-window latent, ``head_dim``
+    per token); with compress ratio *r* of 4 or 128 also the compressed latent (the layer
+    itself, one per *r* tokens) and ``.compressor.state_cache`` (float32 kv and score state,
+    doubled for ratio 4, whose windows overlap); with ratio 4 also ``.indexer.k_cache`` (fp8
+    keys of ``index_head_dim`` with a float32 scale per 128, one per 4 tokens) and
+    ``.indexer.compressor.state_cache``. Latents are bfloat16 (vLLM's ``auto`` for these
+    caches, whatever the model dtype); the MTP layers' caches are not the model's."""
+    count = _positive_int(config, "num_hidden_layers", "")
+    head_dim = _positive_int(config, "head_dim", "")
+    window = _positive_int(config, "sliding_window", "")
+    field, ratios = _compress_ratios(config, count)
+    caches: list[RowCache] = []
+    for i, ratio in enumerate(ratios):
+        if ratio not in (0, 1, *_DSV4_STATE_BLOCKS) or isinstance(ratio, bool):
+            raise LayoutError(
+                f"{field}[{i}]", f"compress ratio {ratio!r}: vLLM serves 0 or 1 (none), 4, 128"
+            )
+        prefix = f"model.layers.{i}.attn"
+        caches.append(
+            RowCache(f"{prefix}.swa_cache", _DSV4_SWA_BLOCK, 1, head_dim, "bfloat16", window, True)
+        )
+        if ratio <= 1:
+            continue
+        overlap = 1 + (ratio == 4)
+        state_block = _DSV4_STATE_BLOCKS[ratio]
+        caches += [
+            RowCache(prefix, 0, ratio, head_dim, "bfloat16", latent=True),
+            RowCache(
+                f"{prefix}.compressor.state_cache",
+                state_block,
+                1,
+                2 * overlap * head_dim,
+                "float32",
+                overlap * ratio,
+            ),
+        ]
+        if ratio == 4:
+            index_dim = _positive_int(config, "index_head_dim", "")
+            keys = index_dim + index_dim // _DSV4_INDEX_QUANT_BLOCK * 4
+            caches += [
+                RowCache(f"{prefix}.indexer.k_cache", 0, ratio, keys, "uint8"),
+                RowCache(
+                    f"{prefix}.indexer.compressor.state_cache",
+                    state_block,
+                    1,
+                    2 * overlap * index_dim,
+                    "float32",
+                    overlap * ratio,
+                ),
+            ]
+    return row_model(name, tuple(caches))
+
+
 _FAMILIES: dict[str, Callable[[Mapping[str, Any], str], ModelSpec]] = {
     "nemotron_h": _nemotron_h,
     "qwen3_next": _qwen_gdn,
@@ -461,4 +559,5 @@ _FAMILIES: dict[str, Callable[[Mapping[str, Any], str], ModelSpec]] = {
     "deepseek_v3": _deepseek_mla,
     "gpt_oss": _gpt_oss,
     "kimi_linear": _kimi_linear,
+    "deepseek_v4": _deepseek_v4,
 }

@@ -127,10 +127,25 @@ def test_text_output(capsys: pytest.CaptureFixture[str]) -> None:
         assert expected in text
 
 
+def test_text_output_of_replicated_latents_and_block_rows(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """MLA's latent is whole on every rank; DeepSeek-V4's block rows show, per group, its
+    blocks, window and the bytes its layers' pages use of each row."""
+    assert main(["layout", "--model", "deepseek-v2-lite", "--tp", "2"]) == 0
+    assert "each latent (1, 16, 576) bfloat16 (whole on every rank)" in capsys.readouterr().out
+    assert main(["layout", "--model", "deepseek-v4-flash", "--kv-dtype", "fp8"]) == 0
+    text = capsys.readouterr().out
+    assert "block rows of 891,392 bytes" in text
+    assert "256-token blocks, window     -:  62 layer pages, 886,016 bytes per block" in text
+    assert "4-token blocks, window     8:  42 layer pages, 860,160 bytes per block" in text
+
+
 @pytest.mark.parametrize(
     "args,field",
     [
         (["--model", "no-such-model"], "model"),
+        (["--model", "deepseek-v4-flash", "--kv-dtype", "fp8_ds_mla"], "kv_dtype"),
         (["--model", "nemotron-h-8b", "--block-size", "64"], "block_size"),
         (
             ["--model", "nemotron-h-8b", "--block-size", "1040", "--kernel-block-size", "48"],

@@ -117,6 +117,9 @@ LAYER_MIX = {  # preset: (Mamba/GDN layers, attention layers), from the public c
     "jamba-1.5-mini": (28, 4),
     "deepseek-v2-lite": (0, 27),
     "kimi-linear-48b-a3b": (20, 7),
+    # DeepSeek-V4: cache layers (43 sliding-window, 41 compressed latents, 21 indexer key
+    # caches, 62 compressor states; tests/test_presets_deepseek_v4.py)
+    "deepseek-v4-flash": (0, 167),
 }
 HYBRIDS = sorted(name for name, (mamba, _) in LAYER_MIX.items() if mamba)
 

@@ -4,7 +4,8 @@ For every preset model and TP size (and FlashInfer's kernel blocks of 16 tokens)
 the layer specs, the KV-cache groups, the ``KVCacheConfig`` and the cache tensors
 (:mod:`vllm_engines`); :func:`clients.vllm.layout.derive_rank_memory` reads them back as a
 ``RankLayout``, which must equal ``build_engine_layout(resolve_model(preset), ...)`` rank for
-rank, field for field. The regions must be the tensors vLLM allocated.
+rank, field for field. The regions must be the tensors vLLM allocated. DeepSeek-V4, whose
+caches vLLM packs block-outermost, is compared the same way in its own test.
 """
 
 from __future__ import annotations
@@ -46,14 +47,17 @@ from broker.compatibility import check_compatible
 from broker.errors import IncompatibleLayoutsError, LayoutError
 from broker.layout import EngineLayout, GroupKind
 from broker.models import build_engine_layout, with_kv_dtype
-from broker.presets import PRESET_CONFIGS, resolve_model
+from broker.presets import PRESET_CONFIGS, model_from_hf_config, resolve_model
 from clients.vllm.layout import ModelFacts, derive_rank_memory, model_fingerprint
 
 #: MLA models run an MLA backend (Triton MLA: kernel blocks of any multiple of 16 tokens).
 MLA_PRESETS = ("deepseek-v2-lite", "kimi-linear-48b-a3b")
+#: Presets whose caches vLLM packs in block rows (test_deepseek_v4_rows_equal_the_preset).
+ROW_PRESETS = ("deepseek-v4-flash",)
 CASES = [
     (preset, tp, TritonMLABackend if preset in MLA_PRESETS else FlashAttentionBackend)
     for preset in PRESET_CONFIGS
+    if preset not in ROW_PRESETS
     for tp in (1, 2, 4, 8)
 ]
 CASES += [
@@ -306,3 +310,69 @@ def test_kimi_linear_kda_layers_are_the_ones_vllm_builds(tmp_path: Path) -> None
         else GroupKind.ATTENTION
         for i in range(hf_config.num_hidden_layers)
     }
+
+
+def dsv4_layers(*layer_types: str) -> dict[str, Any]:
+    """DeepSeek-V4-Flash's config with these layers, named by ``layer_types``."""
+    flash = {k: v for k, v in PRESET_CONFIGS["deepseek-v4-flash"].items() if k != "compress_ratios"}
+    return {**flash, "num_hidden_layers": len(layer_types), "layer_types": list(layer_types)}
+
+
+SWA, CSA, HCA = (
+    "sliding_attention",
+    "compressed_sparse_attention",
+    "heavily_compressed_attention",
+)
+DSV4_CASES = [
+    ("deepseek-v4-flash", 1, "auto"),
+    ("deepseek-v4-flash", 2, "auto"),
+    ("deepseek-v4-flash", 4, "fp8"),
+    ("deepseek-v4-flash", 1, "fp8_e5m2"),
+    # Every layer kind: every bucket's page sizes repeat, the sliding-window one is split.
+    ((SWA, CSA, HCA, CSA), 2, "auto"),
+    # No ratio-4 layer, so no bucket of mixed page sizes: the sliding-window and compressor
+    # state buckets split down to what the widest row holds.
+    ((SWA, HCA, HCA, HCA, HCA, HCA), 1, "auto"),
+    ((HCA, HCA, CSA, HCA, CSA, HCA, CSA, HCA), 1, "fp8"),
+    # Groups of 3 and of 4 repeats pad alike: vLLM takes 4, so the sliding-window caches
+    # stay one group.
+    ((SWA, CSA, CSA, CSA), 1, "auto"),
+]
+
+
+@pytest.mark.parametrize(
+    ("model", "tp", "cache_dtype"),
+    DSV4_CASES,
+    ids=[
+        f"{m if isinstance(m, str) else ''.join(k[0] for k in m)}-tp{t}-{d}"
+        for m, t, d in DSV4_CASES
+    ],
+)
+def test_deepseek_v4_rows_equal_the_preset(
+    model: str | tuple[str, ...], tp: int, cache_dtype: str, tmp_path: Path
+) -> None:
+    """DeepSeek-V4's layout as the connector derives it from vLLM's own specs, grouping and
+    block-outermost allocation equals the planner's (:mod:`broker.row_models`) on every
+    rank: the row stride, each group's block size and window, and each layer's segment
+    (offset in the row, shape, strides, dtype, tokens per entry). The region is vLLM's
+    allocation."""
+    config_json = PRESET_CONFIGS[model] if isinstance(model, str) else dsv4_layers(*model)
+    config = engine_config(write_model(config_json, tmp_path / "m"), tp, cache_dtype=cache_dtype)
+    kv_config = kv_cache_config(config, NUM_BLOCKS)
+    caches = allocate(config, kv_config)
+    memories = [
+        derive_rank_memory(kv_config, caches, tp, r, ModelFacts(1, 0, cache_dtype))
+        for r in range(tp)
+    ]
+    spec = model_from_hf_config(config_json, "dsv4")
+    expected = build_engine_layout(
+        with_kv_dtype(spec, None if cache_dtype == "auto" else cache_dtype),
+        tp,
+        kv_config.num_blocks,
+        config.cache_config.block_size,
+    )
+    assert [m.layout for m in memories] == list(expected.ranks)
+    backing = storage_bytes(next(iter(caches.values())))
+    for memory in memories:
+        (region,) = memory.regions
+        assert (region.base_addr, region.length_bytes) == (backing.data_ptr(), backing.numel())

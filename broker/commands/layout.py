@@ -114,17 +114,30 @@ def format_layout(engine: EngineLayout, summary: dict) -> str:
             f"{', '.join(group.layers)}"
         )
     attention = next((g for g in rank.groups if g.is_attention), None)
-    if attention is not None:
-        kv = attention.segment("kv")
+    if attention is not None and len(attention.segments) == 1:
+        (kv,) = attention.segments
+        held = (
+            f"heads {kv.shard_interval[0]}..{kv.shard_interval[1] - 1} of {kv.global_extent}"
+            if kv.shard_axis is not None
+            else "whole on every rank"
+        )
         lines += [
             "",
             (
                 f"attention page: {attention.kernel_blocks_per_page} kernel block(s) of "
                 f"{attention.kernel_block_bytes:,} bytes, each {kv.tensor} {kv.shape} "
-                f"{kv.dtype} (heads {kv.shard_interval[0]}..{kv.shard_interval[1] - 1} "
-                f"of {kv.global_extent})"
+                f"{kv.dtype} ({held})"
             ),
         ]
+    elif attention is not None:  # block rows: each group's layers' pages side by side
+        lines += ["", f"block rows of {rank.page_bytes:,} bytes, every page whole on every rank"]
+        for g, group in enumerate(rank.groups):
+            used = sum(s.nbytes for s in group.segments)
+            lines.append(
+                f"  {g:>3} {group.block_size:>5}-token blocks, window "
+                f"{group.sliding_window or '-':>5}: {len(group.segments):>3} layer pages, "
+                f"{used:,} bytes per block (the rest of the row never transferred)"
+            )
     mamba = _mamba_group(rank)
     if mamba is not None:
         lines += [
