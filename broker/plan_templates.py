@@ -241,10 +241,12 @@ def build_template(
     p_groups = [rank.groups[g] for rank in prefill.ranks]
     pieces = _kernel_pieces(p_groups[0], d_group, chunk)
     ranks_out, d_out, p_out, len_out = [], [], [], []
-    units = 0
+    # vLLM's descriptors: per source, one per attention kernel block (all its segments: a
+    # block-outermost row is read whole), one per Mamba segment.
+    vllm_reads: set[tuple[int, ...]] = set()
     budget = max_runs // len(d_group.layers)  # the table repeats it per layer
-    for d_seg in d_group.segments:
-        for p_kb, p_tok, d_kb, d_tok, tokens in pieces:
+    for s, d_seg in enumerate(d_group.segments):
+        for i, (p_kb, p_tok, d_kb, d_tok, tokens) in enumerate(pieces):
             missing = [d_seg.shard_interval]
             for p in sources:
                 p_seg = p_groups[p].segment(d_seg.tensor)
@@ -279,7 +281,8 @@ def build_template(
                     p_out.append(p_off)
                     len_out.append(np.full(d_off.size, run, dtype=_I64))
                     missing = _subtract(missing, lo, hi)
-                units += bool(overlaps)
+                if overlaps:
+                    vllm_reads.add((i, p) if d_group.is_attention else (s, i, p))
                 if not missing:
                     break
             if missing:
@@ -307,7 +310,7 @@ def build_template(
         decode_rank,
         g,
     )
-    return Template(p_rank, p_off, d_off, length, units)
+    return Template(p_rank, p_off, d_off, length, len(vllm_reads))
 
 
 def _kernel_pieces(

@@ -8,8 +8,15 @@ from typing import Any
 
 from broker.errors import LayoutError
 from broker.layout import EngineLayout, GroupKind
-from broker.models import AttentionParams, MambaParams, ModelSpec, build_engine_layout
+from broker.models import (
+    AttentionParams,
+    MambaParams,
+    ModelSpec,
+    build_engine_layout,
+    with_kv_dtype,
+)
 from broker.planner import TransferRequest
+from broker.presets import model_from_hf_config
 
 
 @dataclass(frozen=True)
@@ -69,7 +76,8 @@ def _mamba_params(kind: str, raw: Mapping[str, Any]) -> MambaParams:
 
 def _attention_params(raw: Mapping[str, Any]) -> AttentionParams:
     """``kind`` ``mha`` (default): K and V per head; ``mla``: one latent of ``kv_lora_rank +
-    qk_rope_head_dim`` elements per token, held whole by every rank."""
+    qk_rope_head_dim`` elements per token, held whole by every rank (``deepseek_v4``:
+    :func:`deepseek_v4_config`)."""
     kind = raw.get("kind", "mha")
     dtype = raw.get("dtype", "bfloat16")
     if kind == "mla":
@@ -79,7 +87,7 @@ def _attention_params(raw: Mapping[str, Any]) -> AttentionParams:
             dtype,
         )
     if kind != "mha":
-        raise LayoutError("attention.kind", f"must be mha or mla, got {kind!r}")
+        raise LayoutError("attention.kind", f"must be mha, mla or deepseek_v4, got {kind!r}")
     return AttentionParams(
         _positive_int(raw, "total_num_kv_heads", "attention"),
         _positive_int(raw, "head_dim", "attention"),
@@ -92,6 +100,43 @@ def _sliding_window(group: Mapping[str, Any], where: str) -> int:
     return _positive_int(group, "sliding_window", where) if "sliding_window" in group else 0
 
 
+def deepseek_v4_config(attention: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``config.json`` fields of the DeepSeek-V4 model an ``attention`` of kind
+    ``deepseek_v4`` declares: ``head_dim``, ``index_head_dim``, ``sliding_window`` and each
+    layer's ``compress_ratios``."""
+    ratios = _get(attention, "compress_ratios", "attention")
+    if not isinstance(ratios, list) or not ratios:
+        raise LayoutError("attention.compress_ratios", "must list each layer's compress ratio")
+    return {
+        "architectures": ["DeepseekV4ForCausalLM"],
+        "model_type": "deepseek_v4",
+        "num_hidden_layers": len(ratios),
+        "compress_ratios": ratios,
+        **{
+            key: _get(attention, key, "attention")
+            for key in ("head_dim", "index_head_dim", "sliding_window")
+        },
+    }
+
+
+def _deepseek_v4_model(
+    case: Mapping[str, Any], groups: list[tuple[GroupKind, tuple[str, ...]]], windows: list[int]
+) -> ModelSpec:
+    """DeepSeek-V4's block-outermost caches (:mod:`broker.row_models`); the case's groups must
+    be the ones vLLM forms of them."""
+    attention = case["attention"]
+    config = deepseek_v4_config(attention)
+    try:
+        model = model_from_hf_config(config, case.get("name", "case"))
+        model = with_kv_dtype(model, attention.get("dtype", "bfloat16"))
+    except LayoutError as exc:
+        field = "dtype" if exc.field == "kv_dtype" else exc.field
+        raise LayoutError(f"attention.{field}", exc.detail) from None
+    if (model.groups, model.sliding_windows) != (tuple(groups), tuple(windows)):
+        raise LayoutError("groups", "vLLM groups the DeepSeek-V4 caches otherwise")
+    return model
+
+
 def model_from_case(case: Mapping[str, Any]) -> ModelSpec:
     groups, windows = [], []
     for i, group in enumerate(_get(case, "groups", "")):
@@ -102,6 +147,8 @@ def model_from_case(case: Mapping[str, Any]) -> ModelSpec:
         windows.append(_sliding_window(group, f"groups[{i}]"))
     if not groups:
         raise LayoutError("groups", "at least one group is required")
+    if case.get("attention", {}).get("kind") == "deepseek_v4":
+        return _deepseek_v4_model(case, groups, windows)
     attention = _attention_params(case["attention"]) if "attention" in case else None
     mamba = None
     if "mamba" in case:

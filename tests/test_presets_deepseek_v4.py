@@ -4,6 +4,8 @@ without vLLM; ``tests/test_vllm_layout.py`` checks the same layouts against vLLM
 from __future__ import annotations
 
 import copy
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,6 +15,7 @@ from broker.layout import GroupKind
 from broker.models import build_engine_layout, hma_block_size, with_kv_dtype
 from broker.presets import PRESET_CONFIGS, model_from_hf_config, resolve_model
 from broker.row_models import RowCache
+from harness.cases import load_case
 
 FLASH = PRESET_CONFIGS["deepseek-v4-flash"]
 
@@ -174,3 +177,36 @@ def test_bad_layer_types_name_the_entry() -> None:
             {**config, "layer_types": ["sliding_attention"] * 2, "compress_rates": [4]}, "x"
         )
     assert exc.value.field == "compress_rates"
+
+
+VECTORS = Path(__file__).parent / "data" / "testvectors" / "cases"
+DSV4_CASES = sorted(VECTORS.glob("*deepseek_v4*.json"))
+
+
+@pytest.mark.parametrize("path", DSV4_CASES, ids=lambda p: p.stem)
+def test_vector_cases_list_vllms_groups(path: Path) -> None:
+    """A DeepSeek-V4 case's groups are those vLLM forms of its layers' caches."""
+    case = json.loads(path.read_text())
+    model = load_case(case).model
+    assert [c.name for c in model.row_caches] == [layer["name"] for layer in case["layers"]]
+    assert [(g["layers"], g.get("sliding_window", 0)) for g in case["groups"]] == [
+        (list(names), window) for (_, names), window in zip(model.groups, model.sliding_windows)
+    ]
+
+
+@pytest.mark.parametrize(
+    "change,field",
+    [
+        (lambda c: c["groups"].reverse(), "groups"),
+        (lambda c: c["attention"].update(compress_ratios=[0, 2]), "attention.compress_ratios[1]"),
+        (lambda c: c["attention"].update(compress_ratios=4), "attention.compress_ratios"),
+        (lambda c: c["attention"].pop("head_dim"), "attention.head_dim"),
+        (lambda c: c["attention"].update(dtype="fp8_ds_mla"), "attention.dtype"),
+    ],
+)
+def test_bad_cases_name_the_field(change: Any, field: str) -> None:
+    case = json.loads(DSV4_CASES[0].read_text())
+    change(case)
+    with pytest.raises(LayoutError) as exc:
+        load_case(case)
+    assert exc.value.field == field

@@ -1,6 +1,6 @@
 """The reference-plan generator (vLLM 0.33's own NIXL connector, its descriptors recorded)
 reproduces the shipped vectors: Mamba2 at homogeneous and heterogeneous TP, MLA,
-sliding-window attention and Kimi-Linear (KDA beside MLA)."""
+sliding-window attention, Kimi-Linear (KDA beside MLA) and DeepSeek-V4 (block rows)."""
 
 from __future__ import annotations
 
@@ -30,6 +30,8 @@ VECTORS = Path(__file__).parent / "data" / "testvectors"
         "15_gpt_oss_sliding_window_tp1_tp2",
         "16_gpt_oss_sliding_window_null_padded_tp2_tp1",
         "17_kimi_linear_kda_mla_tp2_tp1",
+        "19_deepseek_v4_swa_csa_hca_tp1_tp2",
+        "20_deepseek_v4_swa_csa_hca_tp2_tp1",
     ],
 )
 def test_generator_reproduces_shipped_vector(name: str) -> None:
@@ -88,6 +90,29 @@ def test_kimi_linear_gathers_kda_state_and_reads_latents_once() -> None:
     # 2 MLA layers x 3 blocks, and 6 KDA layers x (3 x 256 x 3 conv + 4 x 64 x 64 x 4 SSM)
     # bytes from each of the 2 prefill ranks.
     assert expected["total_bytes"] == 2 * 3 * page + 6 * 2 * (3 * 256 * 3 * 2 + 4 * 64 * 64 * 4)
+
+
+def test_deepseek_v4_rows_are_read_whole_by_vllm_and_planned_as_their_pages() -> None:
+    """TP2 -> TP1: vLLM reads 28 whole rows of 150528 bytes from prefill rank 0 (3 + 3
+    sliding-window, 2 compressed, 3 ratio-4 and 17 ratio-128 state blocks; the first ratio-4
+    state block from prefill's null block, holding no in-window token); the expected plan
+    keeps of them only the pages of each block's group (its layers' content, no alignment
+    padding, no row tail) and nothing of the null block's read."""
+    name = "20_deepseek_v4_swa_csa_hca_tp2_tp1"
+    expected = json.loads((VECTORS / "expected" / f"{name}.json").read_text())
+    row = 150528
+    assert expected["engines"]["decode"]["0"]["region_page_bytes"] == [row]
+    assert expected["vllm_bytes_incl_unused"] == 28 * row
+    assert expected["vllm_descriptors"] == 27
+    assert {run[3] for run in expected["runs"]} == {0}
+    swa = 64 * 512 * 2  # a layer's 64-token page of bfloat16 latents
+    # Two ratio-4 latents (64 entries) and their indexer keys (64 x 132 bytes), one ratio-128
+    # latent (2 entries); the ratio-4 layers' compressor and indexer states; a ratio-128 state.
+    compressed = 2 * 64 * 512 * 2 + 2 * 64 * 132 + 2 * 512 * 2
+    states4, state128 = 2 * (4 * 2048 * 4 + 4 * 512 * 4), 8 * 1024 * 4
+    assert expected["total_bytes"] == (
+        2 * 3 * 2 * swa + 2 * compressed + 2 * states4 + 17 * state128
+    )
 
 
 def test_family_without_a_model_is_refused() -> None:

@@ -115,6 +115,20 @@ def _state_spec(config: VllmConfig, ratio: int, head_dim: int) -> KVCacheSpec:
     return CompressorStateCache.get_kv_cache_spec(state, config)  # type: ignore[arg-type]
 
 
+def layer_backends(config: VllmConfig) -> dict[str, type]:
+    """Each cache layer's attention backend on CPU, as its vLLM class returns it: the latent's
+    sparse MLA backend, the sliding window's, the indexer keys' and the compressor states'."""
+    suffixes = {
+        ".swa_cache": DeepseekSparseSWABackend,
+        ".indexer.k_cache": DeepseekV4CPUIndexerBackend,
+        ".state_cache": CompressorBackend,
+    }
+    return {
+        name: next((b for s, b in suffixes.items() if name.endswith(s)), DeepseekV4CPUSparseBackend)
+        for name in layer_specs(config)
+    }
+
+
 def resolve_layout(config: VllmConfig) -> None:
     """Set the cache layout as vLLM's engine core resolves it for the model's specs and the
     backends of its CPU layers (latent, sliding window, indexer keys, compressor state)."""

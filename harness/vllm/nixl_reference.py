@@ -79,6 +79,7 @@ from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec, MambaSpec
 
 from broker.layout import EngineLayout
 from harness.scenarios import Scenario
+from harness.vllm import deepseek_v4
 
 PREFILL_ID, DECODE_ID = "prefill", "decode"
 HOST = "127.0.0.1"
@@ -171,7 +172,9 @@ class _Engine:
     def __init__(
         self, model_dir: Path, layout: EngineLayout, role: KVRole, engine_id: str, backend: type
     ) -> None:
-        block_size = next(g.block_size for g in layout.groups if g.is_attention)
+        # The engine's block size: its attention groups' (DeepSeek-V4: the compressed
+        # caches', the largest; its other caches' block sizes are fixed).
+        block_size = max(g.block_size for g in layout.groups if g.is_attention)
         transfer = KVTransferConfig(
             kv_connector="NixlConnector", kv_role=role, engine_id=engine_id, kv_buffer_device="cpu"
         )
@@ -182,13 +185,16 @@ class _Engine:
         self.caches: dict[int, dict[str, torch.Tensor]] = {}
         self.workers: dict[int, NixlPullConnectorWorker] = {}
         specs = layer_specs(self.config, backend)
-        self.config.compilation_config.static_forward_context.update(
-            {
-                name: _Layer(
-                    self._mamba_backend() if isinstance(spec, MambaSpec) else backend, spec
-                )
+        backends = (
+            deepseek_v4.layer_backends(self.config)
+            if deepseek_v4.is_deepseek_v4(self.config)
+            else {
+                name: self._mamba_backend() if isinstance(spec, MambaSpec) else backend
                 for name, spec in specs.items()
             }
+        )
+        self.config.compilation_config.static_forward_context.update(
+            {name: _Layer(backends[name], spec) for name, spec in specs.items()}
         )
         self.kv_config: KVCacheConfig = kv_cache_config(
             self.config, layout.ranks[0].num_blocks, backend

@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from broker.errors import LayoutError
-from broker.layout import window_blocks
+from broker.layout import RankLayout, window_blocks
 from broker.planner import TransferRequest
 from broker.presets import PRESET_CONFIGS, model_from_hf_config
-from harness.cases import Case, load_case, merge_runs
+from harness.cases import Case, deepseek_v4_config, load_case, merge_runs
 from harness.scenarios import Scenario
 from harness.vllm.nixl_reference import VllmDecodeSide
 
@@ -112,13 +112,24 @@ def _kimi_linear(case: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def _deepseek_v4(case: Mapping[str, Any]) -> dict[str, Any]:
+    attn = case["attention"]
+    if attn.get("dtype", "bfloat16") != "bfloat16":
+        raise LayoutError("attention.dtype", "DeepSeek-V4 reference plans are made in bfloat16")
+    return {**PRESET_CONFIGS["deepseek-v4-flash"], **deepseek_v4_config(attn)}
+
+
 def hf_config(case: Mapping[str, Any]) -> dict[str, Any]:
     """A ``config.json`` of a model vLLM forms the case's layers and groups from: Mamba2 as
     Nemotron-H, MLA as DeepSeek-V2, sliding-window attention as gpt-oss, GDN state with MLA
-    as Kimi-Linear (its KDA layers); other families raise :class:`LayoutError`."""
+    as Kimi-Linear (its KDA layers), DeepSeek-V4 as DeepSeek-V4-Flash with the case's layers;
+    other families raise :class:`LayoutError`."""
     windowed = any("sliding_window" in g for g in case["groups"])
-    mla = case.get("attention", {}).get("kind") == "mla"
-    if mla and "mamba" not in case:
+    kind = case.get("attention", {}).get("kind")
+    mla = kind == "mla"
+    if kind == "deepseek_v4":
+        config = _deepseek_v4(case)
+    elif mla and "mamba" not in case:
         config = _deepseek_v2(case)
     elif mla and case.get("mamba_type") == "gdn" and "shapes_by_tp" not in case["mamba"]:
         config = _kimi_linear(case)
@@ -129,7 +140,8 @@ def hf_config(case: Mapping[str, Any]) -> dict[str, Any]:
     else:
         raise LayoutError(
             "mamba_type",
-            "reference plans are made for Mamba2, MLA, sliding-window and Kimi-Linear cases",
+            "reference plans are made for Mamba2, MLA, sliding-window, Kimi-Linear and "
+            "DeepSeek-V4 cases",
         )
     built = model_from_hf_config(config, "case")
     wanted = tuple(
@@ -179,6 +191,25 @@ def _carries_state(side: VllmDecodeSide, region: Region, offset: int) -> bool:
     return start < request.num_tokens and in_window
 
 
+def _row_content(rank: RankLayout, request: TransferRequest, run: list[int]) -> list[list[int]]:
+    """The bytes of a read of one block row (``run``) that the block's group's layers'
+    pages hold: vLLM's connector reads whole rows, alignment padding and the row's tail
+    (other groups' pages are wider) included, which carry no state."""
+    d, d_region, d_offset, p, p_region, p_offset, length = run
+    row = rank.page_bytes
+    block = d_offset // row
+    if (d_offset + length - 1) // row != block:
+        raise RuntimeError(f"vLLM reads {length} bytes at {d_offset} across block rows")
+    group = next(g for g, ids in enumerate(request.decode_block_ids) if block in ids)
+    content = []
+    for segment in rank.groups[group].segments:
+        start = block * row + segment.offset
+        lo, hi = max(start, d_offset), min(start + segment.nbytes, d_offset + length)
+        if lo < hi:
+            content.append([d, d_region, lo, p, p_region, p_offset + lo - d_offset, hi - lo])
+    return content
+
+
 def _vllm_request(loaded: Case) -> TransferRequest:
     """The request as vLLM's schedulers hand it to its worker: a sliding-window group's
     prefill list is the tail of the prefill block table, where vLLM has put its null block
@@ -226,7 +257,11 @@ def reference_plan(case: Mapping[str, Any]) -> dict[str, Any]:
                     continue
                 kept += 1
                 p_region, p_offset = _locate(p_regions[p], remote_addr, length)
-                runs.append([d, d_region, d_offset, p, p_region, p_offset, length])
+                run = [d, d_region, d_offset, p, p_region, p_offset, length]
+                if loaded.model.row_caches:
+                    runs += _row_content(loaded.decode.ranks[d], loaded.request, run)
+                else:
+                    runs.append(run)
             engines["decode"][str(d)] = {
                 **_region_facts(d_regions, loaded.decode.ranks[d].num_blocks),
                 "kernel_block_size": side.worker.block_size,
