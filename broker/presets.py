@@ -491,6 +491,20 @@ def _compress_ratios(config: Mapping[str, Any], count: int) -> tuple[str, list[A
     return field, [rates.get(kind, 0) for kind in types[:count]]
 
 
+def _compressor_state(compressor: str, ratio: int, head_dim: int) -> RowCache:
+    """A DeepSeek-V4 compressor's float32 kv and score state over its window, both doubled
+    for ratio 4, whose windows overlap (``DeepseekCompressor``)."""
+    overlap = 1 + (ratio == 4)
+    return RowCache(
+        f"{compressor}.state_cache",
+        _DSV4_STATE_BLOCKS[ratio],
+        1,
+        2 * overlap * head_dim,
+        "float32",
+        overlap * ratio,
+    )
+
+
 def _deepseek_v4(config: Mapping[str, Any], name: str) -> ModelSpec:
     """DeepSeek-V4: layer *i*'s caches as vLLM registers them under
     ``model.layers.{i}.attn``: ``.swa_cache`` (the sliding-window latent, ``head_dim``
@@ -511,37 +525,20 @@ def _deepseek_v4(config: Mapping[str, Any], name: str) -> ModelSpec:
                 f"{field}[{i}]", f"compress ratio {ratio!r}: vLLM serves 0 or 1 (none), 4, 128"
             )
         prefix = f"model.layers.{i}.attn"
-        caches.append(
-            RowCache(f"{prefix}.swa_cache", _DSV4_SWA_BLOCK, 1, head_dim, "bfloat16", window, True)
-        )
+        swa = f"{prefix}.swa_cache"
+        caches.append(RowCache(swa, _DSV4_SWA_BLOCK, 1, head_dim, "bfloat16", window, latent=True))
         if ratio <= 1:
             continue
-        overlap = 1 + (ratio == 4)
-        state_block = _DSV4_STATE_BLOCKS[ratio]
         caches += [
             RowCache(prefix, 0, ratio, head_dim, "bfloat16", latent=True),
-            RowCache(
-                f"{prefix}.compressor.state_cache",
-                state_block,
-                1,
-                2 * overlap * head_dim,
-                "float32",
-                overlap * ratio,
-            ),
+            _compressor_state(f"{prefix}.compressor", ratio, head_dim),
         ]
         if ratio == 4:
             index_dim = _positive_int(config, "index_head_dim", "")
             keys = index_dim + index_dim // _DSV4_INDEX_QUANT_BLOCK * 4
             caches += [
                 RowCache(f"{prefix}.indexer.k_cache", 0, ratio, keys, "uint8"),
-                RowCache(
-                    f"{prefix}.indexer.compressor.state_cache",
-                    state_block,
-                    1,
-                    2 * overlap * index_dim,
-                    "float32",
-                    overlap * ratio,
-                ),
+                _compressor_state(f"{prefix}.indexer.compressor", ratio, index_dim),
             ]
     return row_model(name, tuple(caches))
 

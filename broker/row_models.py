@@ -109,8 +109,10 @@ def row_groups(caches: Sequence[RowCache]) -> list[list[RowCache]]:
     buckets: dict[tuple[int, int], list[RowCache]] = {}
     for cache in caches:
         buckets.setdefault((cache.block_size, cache.sliding_window), []).append(cache)
-    if not buckets:
-        raise LayoutError("layers", "the model has no KV-carrying layer")
+    if len({cache.page_bytes for cache in caches}) < 2:
+        raise LayoutError(
+            "layers", "vLLM packs caches in block rows only where their page sizes differ"
+        )
     patterns = [_by_page(bucket) for bucket in buckets.values()]
     balanced = [len({len(v) for v in p.values()}) == 1 for p in patterns]
     repeats = [max(len(v) for v in p.values()) for p in patterns]

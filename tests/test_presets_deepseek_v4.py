@@ -167,6 +167,13 @@ def test_bad_configs_name_the_field(path: str, value: Any, field: str) -> None:
     assert exc.value.field == field
 
 
+def test_caches_of_one_page_size_are_not_packed_in_rows() -> None:
+    """Sliding-window layers alone have pages of one size, which vLLM does not pack."""
+    with pytest.raises(LayoutError) as exc:
+        model_from_hf_config(mutated("compress_ratios", [0] * 43), "x")
+    assert exc.value.field == "layers"
+
+
 def test_bad_layer_types_name_the_entry() -> None:
     config = {**mutated("compress_ratios", None), "num_hidden_layers": 2}
     with pytest.raises(LayoutError) as exc:
