@@ -32,6 +32,7 @@ VECTORS = Path(__file__).parent / "data" / "testvectors"
         "17_kimi_linear_kda_mla_tp2_tp1",
         "19_deepseek_v4_swa_csa_hca_tp1_tp2",
         "20_deepseek_v4_swa_csa_hca_tp2_tp1",
+        "21_deepseek_v4_fp8_tp1_tp2",
     ],
 )
 def test_generator_reproduces_shipped_vector(name: str) -> None:

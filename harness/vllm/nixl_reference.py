@@ -170,7 +170,13 @@ class _Engine:
     """One engine's vLLM config and KV-cache config, with the model's layers registered."""
 
     def __init__(
-        self, model_dir: Path, layout: EngineLayout, role: KVRole, engine_id: str, backend: type
+        self,
+        model_dir: Path,
+        layout: EngineLayout,
+        role: KVRole,
+        engine_id: str,
+        backend: type,
+        cache_dtype: str,
     ) -> None:
         # The engine's block size: its attention groups' (DeepSeek-V4: the compressed
         # caches', the largest; its other caches' block sizes are fixed).
@@ -179,7 +185,13 @@ class _Engine:
             kv_connector="NixlConnector", kv_role=role, engine_id=engine_id, kv_buffer_device="cpu"
         )
         self.config = vllm_config(
-            model_dir, layout.tp_size, transfer, NixlConnector, backend, block_size=block_size
+            model_dir,
+            layout.tp_size,
+            transfer,
+            NixlConnector,
+            backend,
+            block_size=block_size,
+            cache_dtype=cache_dtype,
         )
         self.engine_id, self.backend = engine_id, backend
         self.caches: dict[int, dict[str, torch.Tensor]] = {}
@@ -256,7 +268,8 @@ class VllmDecodeSide:
     """vLLM's decode rank ``decode_rank`` of ``sc`` after its handshake with the prefill
     ranks it reads; ``preset`` names the model's ``config.json`` (or is one).
     ``kernel_block_size`` 0: FlashAttention (kernel block = logical block), else FlashInfer
-    (which must choose that size); MLA: Triton MLA. :attr:`handshake_s` is the first
+    (which must choose that size); MLA: Triton MLA; ``cache_dtype``: vLLM's
+    ``--kv-cache-dtype``. :attr:`handshake_s` is the first
     request's handshake (NIXL's C++ calls recorded, not run); :attr:`descriptors` what vLLM
     posts for the request; :meth:`reads` the descriptors themselves."""
 
@@ -266,6 +279,7 @@ class VllmDecodeSide:
         sc: Scenario,
         kernel_block_size: int = 0,
         decode_rank: int = 0,
+        cache_dtype: str = "auto",
     ) -> None:
         backend: type = FlashInferBackend if kernel_block_size else FlashAttentionBackend
         if sc.model.attention is not None and sc.model.attention.latent:
@@ -275,8 +289,10 @@ class VllmDecodeSide:
         self._scheduler: NixlPullConnectorScheduler | None = None
         with tempfile.TemporaryDirectory() as tmp:
             model_dir = write_model(preset, Path(tmp) / "model")
-            decode = _Engine(model_dir, sc.decode, "kv_consumer", DECODE_ID, backend)
-            prefill = _Engine(model_dir, sc.prefill, "kv_producer", PREFILL_ID, backend)
+            decode = _Engine(model_dir, sc.decode, "kv_consumer", DECODE_ID, backend, cache_dtype)
+            prefill = _Engine(
+                model_dir, sc.prefill, "kv_producer", PREFILL_ID, backend, cache_dtype
+            )
             self.decode_engine, self.prefill_engine = decode, prefill
             for attempt in range(1, HANDSHAKE_ATTEMPTS + 1):
                 try:

@@ -4,7 +4,7 @@ For a planning case, every decode rank is built as vLLM's connector worker, with
 ranks it reads (:class:`harness.vllm.nixl_reference.VllmDecodeSide`), on caches shaped as
 vLLM allocates them for the case's model (a ``config.json`` made from the case: Mamba2 as
 Nemotron-H, MLA as DeepSeek-V2, sliding windows as gpt-oss, GDN state beside MLA as
-Kimi-Linear). The descriptors vLLM posts for the request are located in
+Kimi-Linear, DeepSeek-V4 as DeepSeek-V4-Flash). The descriptors vLLM posts for the request are located in
 the cache tensors of both sides and normalised as the vectors' README says: what carries no
 state is dropped, the rest becomes maximal runs relative to region bases.
 
@@ -113,17 +113,24 @@ def _kimi_linear(case: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _deepseek_v4(case: Mapping[str, Any]) -> dict[str, Any]:
-    attn = case["attention"]
-    if attn.get("dtype", "bfloat16") != "bfloat16":
-        raise LayoutError("attention.dtype", "DeepSeek-V4 reference plans are made in bfloat16")
-    return {**PRESET_CONFIGS["deepseek-v4-flash"], **deepseek_v4_config(attn)}
+    return {**PRESET_CONFIGS["deepseek-v4-flash"], **deepseek_v4_config(case["attention"])}
+
+
+def _cache_dtype(case: Mapping[str, Any]) -> str:
+    """vLLM's ``--kv-cache-dtype`` for the case: a DeepSeek-V4 case's ``attention.dtype``
+    (its cache dtype is not the model's); other families' caches are in the model dtype."""
+    attention = case.get("attention", {})
+    if attention.get("kind") == "deepseek_v4":
+        dtype = attention.get("dtype", "bfloat16")
+        return "auto" if dtype == "bfloat16" else str(dtype)
+    return "auto"
 
 
 def hf_config(case: Mapping[str, Any]) -> dict[str, Any]:
     """A ``config.json`` of a model vLLM forms the case's layers and groups from: Mamba2 as
     Nemotron-H, MLA as DeepSeek-V2, sliding-window attention as gpt-oss, GDN state with MLA
-    as Kimi-Linear (its KDA layers), DeepSeek-V4 as DeepSeek-V4-Flash with the case's layers;
-    other families raise :class:`LayoutError`."""
+    as Kimi-Linear (its KDA layers), DeepSeek-V4 as DeepSeek-V4-Flash with the case's layers
+    (in the case's cache dtype); other families raise :class:`LayoutError`."""
     windowed = any("sliding_window" in g for g in case["groups"])
     kind = case.get("attention", {}).get("kind")
     mla = kind == "mla"
@@ -245,7 +252,7 @@ def reference_plan(case: Mapping[str, Any]) -> dict[str, Any]:
     runs, kept, posted = [], 0, 0
     engines: dict[str, dict[str, Any]] = {"prefill": {}, "decode": {}}
     for d in range(loaded.decode.tp_size):
-        side = VllmDecodeSide(copy.deepcopy(config), scenario, kernel, d)
+        side = VllmDecodeSide(copy.deepcopy(config), scenario, kernel, d, _cache_dtype(case))
         try:
             reads = side.reads()
             d_regions = side.decode_engine.regions(d)
