@@ -236,7 +236,8 @@ def build_template(
     page token, tokens)``; ``None`` for a Mamba block), asking the prefill ranks in ``sources``
     order. Raises :class:`LimitExceededError` past ``max_runs`` runs over the group's regions,
     :class:`IncompatibleLayoutsError` if no prefill rank holds some needed indices; with
-    ``merge`` false the runs keep vLLM's granularity (one per segment per kernel block)."""
+    ``merge`` false the runs keep vLLM's granularity (one per segment per kernel block; of a
+    block row, which vLLM reads whole, one per layer page)."""
     d_group = decode.ranks[decode_rank].groups[g]
     p_groups = [rank.groups[g] for rank in prefill.ranks]
     pieces = _kernel_pieces(p_groups[0], d_group, chunk)
