@@ -228,13 +228,16 @@ def publish(
 # --------------------------------------------------------------------------- step
 
 
-def step(record: TransferRecord, event: Event, now: int, rules: Rules) -> Step:
-    """Apply ``event`` to ``record`` at ``now`` (see the module's table)."""
+def step(record: TransferRecord, event: Event | tuple[Event, ...], now: int, rules: Rules) -> Step:
+    """Apply ``event`` to ``record`` at ``now`` (see the module's table); a tuple of events
+    is applied in turn as one change (one record to store), ended by the first refused."""
+    events = event if isinstance(event, tuple) else (event,)
     change = _Change(record, now, rules)
-    if not isinstance(event, Tick):
+    if not any(isinstance(e, Tick) for e in events):
         change.expire_if_due()
     try:
-        _APPLY[type(event)](change, event)
+        for e in events:
+            _APPLY[type(e)](change, e)
     except PdbrokerError as refusal:
         return change.done(refusal)
     return change.done()
