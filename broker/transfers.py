@@ -233,7 +233,7 @@ def step(record: TransferRecord, event: Event | tuple[Event, ...], now: int, rul
     is applied in turn as one change (one record to store), ended by the first refused."""
     events = event if isinstance(event, tuple) else (event,)
     change = _Change(record, now, rules)
-    if not any(isinstance(e, Tick) for e in events):
+    if Tick not in map(type, events):
         change.expire_if_due()
     try:
         for e in events:
