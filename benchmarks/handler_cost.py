@@ -1,5 +1,6 @@
 """What plans and reports cost the broker without gRPC, unary and batched: request bytes
-parsed, the servicer method, the response serialized, in one process.
+parsed, the servicer method, the response serialized, in one process; and what checking
+each plan costs the decode rank that gets it (``check_plan``, as before posting its reads).
 
 A Nemotron-3-Nano TP2 prefill and TP2 decode engine register (fake addresses) and transfers
 of ``--tokens`` tokens are published. Each way then plans every rank of fresh transfers, as
@@ -7,7 +8,8 @@ in serving (a transfer's first ask claims it and plans both ranks, the second on
 its plan), and reports every plan DONE: ``GetTransferPlan`` and ``ReportTransfer`` one entry
 a call, or ``GetTransferPlans`` and ``ReportTransfers`` ``--batch`` entries a call. The ways
 alternate trial by trial, each trial on ``--transfers`` fresh transfers; printed: the lowest
-of ``--trials`` CPU times per rank-plan and per report, and their ratios.
+of ``--trials`` CPU times per rank-plan and per report, and their ratios, and the lowest
+time per plan of the decode ranks' checks.
 
     .venv/bin/python benchmarks/handler_cost.py
 """
@@ -27,7 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from broker.presets import resolve_model
 from broker.servicer import BrokerServicer
 from broker.v1 import broker_pb2 as pb
-from harness.bench_engines import published_service
+from clients.plan_check import check_plan
+from clients.transport import RegionIndex, fake_memory
+from harness.bench_engines import DECODE_ADDR, published_service
 from harness.scenarios import build_scenario
 
 
@@ -59,6 +63,10 @@ def main() -> int:
     servicer = BrokerServicer(service)
     decode_ids = [pb.BlockIds(ids=g) for g in sc.request.decode_block_ids]
     context = Context()
+    regions = {r: RegionIndex(m) for r, m in fake_memory(sc.decode, DECODE_ADDR).items()}
+
+    def rank_of(plan: pb.GetTransferPlanResponse) -> int:
+        return int(plan.plan_id.rsplit("-", 1)[1])
 
     def entries(first: int) -> list[pb.GetTransferPlanRequest]:
         return [
@@ -74,7 +82,7 @@ def main() -> int:
             pb.ReportTransferRequest(
                 plan_id=p.plan_id,
                 engine_id="D",
-                tp_rank=int(p.plan_id.rsplit("-", 1)[1]),
+                tp_rank=rank_of(p),
                 status=pb.REPORT_STATUS_DONE,
                 bytes_moved=p.total_bytes,
                 duration_us=1000,
@@ -144,7 +152,7 @@ def main() -> int:
     }
 
     async def trials() -> dict[str, list[float]]:
-        best = {name: [float("inf"), float("inf")] for name in ways}
+        best = {name: [float("inf")] * 3 for name in ways}
         first = 0
         for trial in range(args.trials + 1):  # trial 0 warms the pair's planner up
             for name, (asks, plan, report_asks, report) in ways.items():
@@ -153,10 +161,13 @@ def main() -> int:
                 start = time.process_time()
                 plans = await plan(requests)
                 planned = time.process_time()
+                for p in plans:
+                    check_plan(p, regions[rank_of(p)], rank_of(p))
+                checked = time.process_time()
                 answers = report_asks(plans)
                 reported = time.process_time()
                 await report(answers)
-                spent = [planned - start, time.process_time() - reported]
+                spent = [planned - start, time.process_time() - reported, checked - planned]
                 if trial:
                     best[name] = [min(b, s / len(plans) * 1e6) for b, s in zip(best[name], spent)]
         return best
@@ -167,10 +178,11 @@ def main() -> int:
         f"{args.model} {args.tokens} tokens, P TP2 -> D TP2, in process, lowest of "
         f"{args.trials} trials, CPU us:"
     )
-    for name, (plan_us, report_us) in best.items():
+    for name, (plan_us, report_us, check_us) in best.items():
         print(
             f"  {name:>9}: {plan_us:7.1f} per rank-plan ({unary[0] / plan_us:4.2f}x unary), "
-            f"{report_us:6.1f} per report ({unary[1] / report_us:4.2f}x unary)"
+            f"{report_us:6.1f} per report ({unary[1] / report_us:4.2f}x unary); "
+            f"decode rank's check_plan {check_us:5.1f} per plan"
         )
     return 0
 

@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import numpy as np
 
+# Reductions called as ufuncs: ``array.min()`` adds a Python wrapper per call, and a plan's
+# descriptors take several of these.
+_min, _max = np.minimum.reduce, np.maximum.reduce
+
 
 class OutOfRegionError(AssertionError):
     """A run reaches outside its region: a planner or registration bug, never user input."""
@@ -26,11 +30,11 @@ def absolute_descriptors(
     """
     if not region.size:
         return np.empty((0, 3), dtype=np.int64)
-    if int(length.min()) <= 0:
+    if int(_min(length)) <= 0:
         raise OutOfRegionError(f"{side}: a descriptor has no length")
     return _absolute(
-        region_table, region, (int(region.min()), int(region.max())), offset, length,
-        int(length.max()), side,
+        region_table, region, (int(_min(region)), int(_max(region))), offset, length,
+        int(_max(length)), side,
     )  # fmt: skip
 
 
@@ -46,9 +50,9 @@ def descriptor_pair(
     the sides share (region indices, lengths) is checked once."""
     if not region.size:
         return np.empty((0, 3), dtype=np.int64), np.empty((0, 3), dtype=np.int64)
-    if int(length.min()) <= 0:
+    if int(_min(length)) <= 0:
         raise OutOfRegionError("local and remote: a descriptor has no length")
-    regions, longest = (int(region.min()), int(region.max())), int(length.max())
+    regions, longest = (int(_min(region)), int(_max(region))), int(_max(length))
     return (
         _absolute(local_table, region, regions, local_offset, length, longest, "local"),
         _absolute(remote_table, region, regions, remote_offset, length, longest, "remote"),
@@ -70,10 +74,10 @@ def _absolute(
         raise OutOfRegionError(
             f"{side}: region index outside the {region_table.shape[1]} registered"
         )
-    if int(offset.min()) < 0:
+    if int(_min(offset)) < 0:
         raise OutOfRegionError(f"{side}: a descriptor has a negative offset")
     # Ending within the shortest region is enough; only otherwise look up each one's length.
-    if int(offset.max()) + longest > int(region_table[1].min()) and bool(
+    if int(_max(offset)) + longest > int(_min(region_table[1])) and bool(
         (offset > region_table[1][region] - length).any()
     ):
         raise OutOfRegionError(f"{side}: a descriptor leaves its registered region")

@@ -103,10 +103,12 @@ class Effects:
         for listener in self.listeners:
             self.later(listener, key)
 
-    def decide(self, t: TransferRecord, event: transfers.Event, now: int) -> TransferRecord:
-        """Apply ``event`` through the state machine and store what it did; a refusal is
-        raised (as :class:`Refusal`) once that is stored. Returns the new record (``t``
-        when it was forgotten)."""
+    def decide(
+        self, t: TransferRecord, event: transfers.Event | tuple[transfers.Event, ...], now: int
+    ) -> TransferRecord:
+        """Apply ``event`` (or events, in turn) through the state machine and store what it
+        did, once; a refusal is raised (as :class:`Refusal`) once that is stored. Returns the
+        new record (``t`` when it was forgotten)."""
         step = transfers.step(t, event, now, self.rules)
         self.apply(t, step, now)
         if step.refusal is not None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from itertools import chain, pairwise
 
 import numpy as np
@@ -104,15 +105,17 @@ class RankPlan:
     naive_bytes: int
     vllm_descriptors: int
 
-    @property
+    # Computed once: the broker reads them several times per plan request and report (the
+    # plan never changes once made).
+    @cached_property
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.sources)
 
-    @property
+    @cached_property
     def num_descriptors(self) -> int:
         return sum(s.num_descriptors for s in self.sources)
 
-    @property
+    @cached_property
     def prefill_ranks(self) -> tuple[int, ...]:
         return tuple(s.prefill_rank for s in self.sources)
 

@@ -250,32 +250,35 @@ class BrokerService:
             made = work.run_if_free() if work.block_ids <= in_place else None
             return work if made is None else made
 
+        claim: tuple[transfers.Claim, ...] = ()  # stored with the hand-out, in one write
         if t.state is TransferState.PUBLISHED:
             made = plans_for(None)
             if isinstance(made, PlanWork):
                 return made
-            claim = secrets.token_hex(10)  # plan ids: unguessable, unique per claim and rank
+            claim_id = secrets.token_hex(10)  # plan ids: unguessable, unique per claim and rank
             plans = tuple(
-                PlanRecord(f"{claim}-{p.decode_rank}", p.decode_rank, query.block_ids, p)
+                PlanRecord(f"{claim_id}-{p.decode_rank}", p.decode_rank, query.block_ids, p)
                 for p in made.plans
             )
-            t = self.effects.decide(
-                t, transfers.Claim(decode.engine_id, decode.generation, plans), now
-            )
-        if t.plans[rank].block_ids != query.block_ids and not t.plans[rank].handed_out:
-            made = plans_for(rank)
-            if isinstance(made, PlanWork):
-                return made
-            t = self.effects.decide(t, transfers.Replan(rank, query.block_ids, made.plans[0]), now)
+            claim = (transfers.Claim(decode.engine_id, decode.generation, plans),)
+            plan = plans[rank]
+        else:
+            if t.plans[rank].block_ids != query.block_ids and not t.plans[rank].handed_out:
+                made = plans_for(rank)
+                if isinstance(made, PlanWork):
+                    return made
+                replan = transfers.Replan(rank, query.block_ids, made.plans[0])
+                t = self.effects.decide(t, replan, now)
+            plan = t.plans[rank]
         if answer_bytes is not None:
-            _check_answer_size(t.plans[rank], prefill, answer_bytes)
+            _check_answer_size(plan, prefill, answer_bytes)
         with tracing.span(
             "broker.plan",
             t.traceparent,
             {"pdbroker.transfer_id": t.transfer_id, "pdbroker.decode_rank": rank},
         ) as span:
-            first = not t.plans[rank].handed_out
-            t = self.effects.decide(t, transfers.HandOut(rank, query.block_ids), now)
+            first = not plan.handed_out
+            t = self.effects.decide(t, (*claim, transfers.HandOut(rank, query.block_ids)), now)
             traceparent = tracing.span_traceparent(span) or t.traceparent
             ticket = self._ticket(t, t.plans[rank], prefill, decode, query, traceparent)
             if span is not None:

@@ -228,13 +228,16 @@ def publish(
 # --------------------------------------------------------------------------- step
 
 
-def step(record: TransferRecord, event: Event, now: int, rules: Rules) -> Step:
-    """Apply ``event`` to ``record`` at ``now`` (see the module's table)."""
+def step(record: TransferRecord, event: Event | tuple[Event, ...], now: int, rules: Rules) -> Step:
+    """Apply ``event`` to ``record`` at ``now`` (see the module's table); a tuple of events
+    is applied in turn as one change (one record to store), ended by the first refused."""
+    events = event if isinstance(event, tuple) else (event,)
     change = _Change(record, now, rules)
-    if not isinstance(event, Tick):
+    if Tick not in map(type, events):
         change.expire_if_due()
     try:
-        _APPLY[type(event)](change, event)
+        for e in events:
+            _APPLY[type(e)](change, e)
     except PdbrokerError as refusal:
         return change.done(refusal)
     return change.done()
@@ -453,7 +456,11 @@ class _Change:
     """The record being changed by one event and the effects gathered on the way."""
 
     def __init__(self, record: TransferRecord, now: int, rules: Rules) -> None:
-        self.record = record
+        self._record = record
+        #: Field changes and timeline entries not yet in ``_record``: a record is made once
+        #: per read of :attr:`record` that follows changes, not once per change.
+        self._changes: dict[str, Any] = {}
+        self._noted: list[TimelineEntry] = []
         self.now = now
         self.rules = rules
         self.effects: list[Effect] = []
@@ -471,9 +478,24 @@ class _Change:
             self._consumers = (plans, self.record.consumers)
         return self._consumers[1]
 
+    @property
+    def record(self) -> TransferRecord:
+        """The record with every change made so far."""
+        if self._changes or self._noted:
+            changes = self._changes
+            if self._noted:
+                changes["timeline"] = (
+                    *changes.get("timeline", self._record.timeline),
+                    *self._noted,
+                )
+                self._noted = []
+            self._record = evolve(self._record, **changes)
+            self._changes = {}
+        return self._record
+
     def set(self, **changes: Any) -> None:
-        """Replace fields of the record (``replace`` checks their names)."""
-        self.record = evolve(self.record, **changes)
+        """Replace fields of the record."""
+        self._changes.update(changes)
 
     def plan(self, decode_rank: int) -> PlanRecord:
         return self.record.plans[decode_rank]
@@ -485,7 +507,7 @@ class _Change:
 
     def note(self, event: str, detail: str = "") -> None:
         entry = TimelineEntry(self.now, event, detail)
-        self.set(timeline=(*self.record.timeline, entry))
+        self._noted.append(entry)
         self.effects.append(Noted(entry))
 
     def read_deadline(self, plan: PlanRecord) -> int:
@@ -559,12 +581,14 @@ class _Change:
             self.set(deadline_ms=max(self.now, finished) + self.rules.retention_ms)
 
     def release(self, p: int, reason: ReleaseReason, detail: str) -> None:
-        released = list(self.record.released)
+        t = self.record
+        released = list(t.released)
         released[p] = reason
         self.set(released=tuple(released))
         self.note("released", f"prefill rank {p}: {reason.value}")
-        self.effects.append(Release(p, reason, detail, self.record.block_ids))
-        self.drop_block_ids_once_released()
+        self.effects.append(Release(p, reason, detail, t.block_ids))
+        if t.state.terminal:  # else its block ids are still needed
+            self.drop_block_ids_once_released()
 
     def drop_block_ids_once_released(self) -> None:
         """A finished transfer whose every prefill rank was released needs its block ids no

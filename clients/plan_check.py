@@ -14,6 +14,9 @@ from broker.v1 import broker_pb2 as pb
 from broker.wire import MEMORY_KIND
 from clients.transport import Region, RegionIndex, TransferError, descriptor_array
 
+# Reductions called as ufuncs (no Python wrapper per call: a plan's rows are few).
+_min, _max, _sum, _any = np.minimum.reduce, np.maximum.reduce, np.add.reduce, np.logical_or.reduce
+
 
 class PlanRejected(TransferError):
     """A plan this rank refuses to execute; nothing of it was posted to NIXL."""
@@ -45,7 +48,7 @@ def check_plan(
     if reads:
         local = reads[0].local if len(reads) == 1 else np.concatenate([r.local for r in reads])
         remote = reads[0].remote if len(reads) == 1 else np.concatenate([r.remote for r in reads])
-        if (local[:, 1] != remote[:, 1]).any():
+        if _any(local[:, 1] != remote[:, 1]):
             i = next(
                 i for i, r in enumerate(reads) if not np.array_equal(r.local[:, 1], r.remote[:, 1])
             )
@@ -61,7 +64,7 @@ def check_plan(
         # Inside the regions and disjoint: every sum below is bounded by the registered bytes.
         lengths = local[:, 1]
         if len(reads) == 1:
-            sums = [int(lengths.sum())]
+            sums = [int(_sum(lengths))]
         else:
             starts = np.cumsum([0] + [len(r.local) for r in reads[:-1]])
             sums = np.add.reduceat(lengths, starts).tolist()
@@ -125,9 +128,12 @@ def _overlap(writes: np.ndarray) -> bool:
     if len(writes) < 2:
         return False
     device = writes[:, 2]
-    if (device == device[0]).all():  # one device: by address
-        writes = writes[writes[:, 0].argsort()]
-        return bool((writes[1:, 0] < writes[:-1, 0] + writes[:-1, 1]).any())
+    if _min(device) == _max(device):  # one device: by address
+        addr = writes[:, 0]
+        order = addr.argsort()
+        start = addr[order]
+        end = start + writes[:, 1][order]
+        return bool(_any(start[1:] < end[:-1]))
     writes = writes[np.lexsort((writes[:, 0], device))]  # by device, then address
     same_device = writes[1:, 2] == writes[:-1, 2]
     return bool((same_device & (writes[1:, 0] < writes[:-1, 0] + writes[:-1, 1])).any())

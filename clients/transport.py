@@ -28,6 +28,9 @@ from broker.layout import EngineLayout
 DRAM = "DRAM"
 VRAM = "VRAM"
 _DESCRIPTOR_DTYPE = np.dtype("<i8")
+# Reductions called as ufuncs, without the Python wrapper of ``array.min()``/``.all()``: a
+# plan's check makes several on a few dozen rows, where the wrapper costs as much as the work.
+_min, _max, _all = np.minimum.reduce, np.maximum.reduce, np.logical_and.reduce
 #: Bytes between two fake regions of :func:`fake_memory`.
 FAKE_REGION_GAP = 1 << 20
 
@@ -125,12 +128,12 @@ class RegionIndex:
             return True
         spans = self._spans.get(kind, ())
         addr, length, device = descriptors[:, 0], descriptors[:, 1], descriptors[:, 2]
-        if not spans or int(length.min()) <= 0:
+        if not spans or int(_min(length)) <= 0:
             return False
         if len(spans) == 1:
             device_id, starts, ends = spans[0]
-            return not (device != device_id).any() and bool(
-                _within(addr, length, starts, ends).all()
+            return int(_min(device)) == int(_max(device)) == device_id and bool(
+                _all(_within(addr, length, starts, ends))
             )
         placed = np.zeros(len(descriptors), dtype=bool)
         for device_id, starts, ends in spans:
@@ -154,9 +157,10 @@ def _within(
     addr: np.ndarray, length: np.ndarray, starts: np.ndarray, ends: np.ndarray
 ) -> np.ndarray:
     """Per run of positive ``length``, whether it lies inside one of the sorted spans."""
-    index = np.searchsorted(starts, addr, side="right") - 1
-    # ends - addr cannot wrap (addr >= its region's start > 0); addr + length could.
-    return (index >= 0) & (length <= ends[np.maximum(index, 0)] - addr)
+    index = starts.searchsorted(addr, side="right") - 1
+    # ends - addr cannot wrap (addr >= its region's start > 0); addr + length could. Index -1
+    # (before the first span) reads the last span's end, and is refused by ``index >= 0``.
+    return (index >= 0) & (length <= ends[index] - addr)
 
 
 def inside(descriptors: np.ndarray, regions: Sequence[Region]) -> bool:

@@ -151,6 +151,9 @@ def test_plans_on_one_device_are_checked_alike() -> None:
     within = plan(source([(1 << 20, 50, 0), ((1 << 20) + 49, 10, 0)]))
     with pytest.raises(PlanRejected, match="writes some bytes of rank 0 twice"):
         check_plan(within, REGIONS[:2], 0)
+    # Disjoint writes out of address order are fine.
+    unordered = plan(source([(2 << 20, 4096, 0), ((1 << 20) + 200, 3896, 0), (1 << 20, 100, 0)]))
+    assert len(check_plan(unordered, REGIONS[:2], 0)[0].local) == 3
     outside = plan(one.sources[0], source([((2 << 20) + 1, 4096, 0)], prefill_rank=1))
     with pytest.raises(PlanRejected, match="source 1 .* writes outside rank 0's"):
         check_plan(outside, REGIONS[:2], 0)

@@ -30,6 +30,7 @@ from broker.errors import (
     RequestError,
 )
 from broker.planner import PairPlanner
+from broker.records import TransferRecord
 from broker.service import BrokerService
 from broker.wire import ReleaseReason, ReportStatus, Role, TransferState
 from harness.scenarios import Scenario, build_scenario
@@ -134,6 +135,36 @@ def test_prefill_rank_nobody_reads_is_released_when_the_transfer_is_claimed() ->
     done(service, plan0.plan_id, 0)
     assert released(service, 4)[0] == [("t1", ReleaseReason.COMPLETED)]
     assert released(service, 4)[2] == []
+
+
+def test_a_first_plan_request_claims_and_hands_out_in_one_write(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    service, _, sc = setup(2, 2)
+    publish(service, sc, "t1")
+    publish(service, sc, "t2")
+    writes: list[str] = []
+    put = service.store.put_transfer
+
+    def counted(record: TransferRecord) -> None:
+        writes.append(record.transfer_id)
+        put(record)
+
+    monkeypatch.setattr(service.store, "put_transfer", counted)
+    service.get_plan(query(sc, 1))
+    assert writes == ["t1"]
+    t = service.get_transfer("t1")
+    assert t.state is TransferState.IN_PROGRESS
+    assert [p.handed_out for p in t.plans] == [False, True]
+    service.get_plan(query(sc, 0))
+    assert writes == ["t1", "t1"]
+    # A first request whose answer would be too large claims nothing: the transfer stays
+    # PUBLISHED, for that rank to ask StreamTransferPlan.
+    with pytest.raises(LimitExceededError) as refused:
+        service.plan_step(query(sc, 0, "t2"), answer_bytes=100, in_place=1 << 20)
+    assert refused.value.field == "plan"
+    assert service.get_transfer("t2").state is TransferState.PUBLISHED
+    assert writes == ["t1", "t1"]
 
 
 def test_plan_matches_the_planner_at_absolute_addresses() -> None:

@@ -193,6 +193,25 @@ def test_claim_releases_the_ranks_nobody_reads() -> None:
     assert run.releases == [(1, ReleaseReason.COMPLETED)]
 
 
+def test_events_stepped_together_act_as_in_turn_and_stop_at_a_refusal() -> None:
+    t, readers = published(3), [frozenset({0}), frozenset({1})]  # prefill rank 2: unread
+    one_by_one = transfers.step(t, claim(readers), 5, RULES)
+    assert one_by_one.record is not None
+    one_by_one_then = transfers.step(one_by_one.record, HandOut(0, ((7,),)), 5, RULES)
+    together = transfers.step(t, (claim(readers), HandOut(0, ((7,),))), 5, RULES)
+    assert together.refusal is None
+    assert together.record == one_by_one_then.record
+    assert together.effects == one_by_one.effects + one_by_one_then.effects
+    assert any(isinstance(e, Release) for e in together.effects)
+    # A refused event ends the step: what came before it stands, nothing after it runs.
+    refused = transfers.step(
+        t, (claim(readers), HandOut(0, ((8,),)), HandOut(1, ((7,),))), 5, RULES
+    )
+    assert isinstance(refused.refusal, PreconditionError)
+    assert refused.record == one_by_one.record
+    assert not refused.record.plans[1].handed_out
+
+
 def test_hand_out_makes_a_plan_live_and_a_second_hand_out_changes_nothing() -> None:
     run = Run(published(1))
     run.apply(claim([frozenset({0})]))
