@@ -159,8 +159,9 @@ def test_bench_transfer_moves_verified_bytes_and_prints_json_alone() -> None:
     """Run as a process with NIXL and UCX logging at INFO: standard output, file descriptor
     and all, holds the JSON alone; their lines go to standard error."""
     require_module("nixl", "engine")
-    env = {**os.environ, "NIXL_LOG_LEVEL": "INFO", "UCX_LOG_LEVEL": "info"}
-    env.pop("UCX_LOG_FILE", None)
+    # UCX settings an earlier test's imports left in this process (vLLM sets some) stay out.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
+    env.update(NIXL_LOG_LEVEL="INFO", UCX_LOG_LEVEL="info")
     argv = ["transfer", "--tokens", "2048", "--repeats", "1", "--kernel-block-size", "16"]
     done = subprocess.run(
         [sys.executable, "-m", "broker.cli", "bench", *argv, "--json"],
