@@ -145,7 +145,7 @@ def test_text_output_of_replicated_latents_and_block_rows(
     "args,field",
     [
         (["--model", "no-such-model"], "model"),
-        (["--model", "deepseek-v4-flash", "--kv-dtype", "fp8_ds_mla"], "kv_dtype"),
+        (["--model", "deepseek-v4-flash", "--kv-dtype", "nvfp4_ds_mla"], "kv_dtype"),
         (["--model", "nemotron-h-8b", "--block-size", "64"], "block_size"),
         (
             ["--model", "nemotron-h-8b", "--block-size", "1040", "--kernel-block-size", "48"],
