@@ -34,6 +34,7 @@ VECTORS = Path(__file__).parent / "data" / "testvectors"
         "20_deepseek_v4_swa_csa_hca_tp2_tp1",
         "21_deepseek_v4_fp8_tp1_tp2",
         "22_deepseek_v4_fp8_ds_mla_tp1_tp2",
+        "23_deepseek_v4_fp8_ds_mla_tp2_tp1",
     ],
 )
 def test_generator_reproduces_shipped_vector(name: str) -> None:
