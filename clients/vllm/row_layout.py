@@ -169,7 +169,9 @@ def _page_segment(
     item = view.element_size()
     if spec.state_content_bytes:
         if not view[0].is_contiguous() or item != 1:
-            raise LayoutError(where, f"packed cache view {tuple(view.shape)} is not whole bytes")
+            raise LayoutError(
+                where, f"packed cache view {tuple(view.shape)} is not one contiguous page of bytes"
+            )
         content = view[0].numel()
         return packed_page_segment(name, view.data_ptr() - base, content, spec.block_size)
     return Segment(
