@@ -28,8 +28,8 @@ from broker.row_models import (
     RowCache,
     build_row_rank_layout,
     row_groups,
-    row_kv_dtype,
     with_block_size,
+    with_row_kv_dtype,
 )
 
 #: Token alignment of the attention kernel used when vLLM's HMA grows the block size.
@@ -142,11 +142,9 @@ def row_model(name: str, caches: tuple[RowCache, ...]) -> ModelSpec:
 def with_kv_dtype(model: ModelSpec, kv_dtype: str | None) -> ModelSpec:
     """``model`` with its KV cache stored in ``kv_dtype`` (e.g. ``fp8``); unchanged for None
     or a model without attention. Block-outermost caches store their latents in vLLM's dtype
-    for that cache dtype (:func:`broker.row_models.row_kv_dtype`)."""
+    for that cache dtype (:func:`broker.row_models.with_row_kv_dtype`)."""
     if kv_dtype and model.row_caches:
-        dtype = row_kv_dtype(kv_dtype)
-        caches = tuple(replace(c, dtype=dtype) if c.latent else c for c in model.row_caches)
-        return row_model(model.name, caches)
+        return row_model(model.name, with_row_kv_dtype(model.row_caches, kv_dtype))
     if not kv_dtype or model.attention is None:
         return model
     return replace(model, attention=replace(model.attention, dtype=kv_dtype))

@@ -11,6 +11,11 @@ is row *b*, holding one page of each of the group's layers, layers of one spec s
 (specs in the order they first appear), each page padded to its alignment
 (``get_kv_cache_config_from_groups``). Every TP rank holds every page whole, so every
 segment is replicated; the padding and the row's unused tail lie in no segment.
+
+A page is a plain array of entries, or (``packed``) a record of the whole block in a format
+that does not keep an entry's bytes together (vLLM's ``fp8_ds_mla`` latent: every entry's
+fp8 NoPE and bfloat16 RoPE values, then every entry's scales). Such a page is declared as one
+entry of the whole block, so it moves whole, as vLLM's connector moves it.
 """
 
 from __future__ import annotations
@@ -38,7 +43,8 @@ class RowCache:
     """One cache layer: blocks of ``block_size`` tokens (0: the engine's block size), one
     entry of ``width`` elements of ``dtype`` per ``tokens_per_entry`` tokens, the page padded
     to ``alignment`` bytes, the last ``sliding_window`` tokens kept (0: all). ``latent``: it
-    holds the attention latent, which is stored in the KV-cache dtype."""
+    holds the attention latent, which is stored in the KV-cache dtype. ``packed``: the page
+    is one record of the block, not addressable by entry."""
 
     name: str
     block_size: int
@@ -48,6 +54,7 @@ class RowCache:
     sliding_window: int = 0
     latent: bool = False
     alignment: int = 512
+    packed: bool = False
 
     @property
     def entries(self) -> int:
@@ -81,6 +88,7 @@ class RowCache:
             self.sliding_window,
             self.latent,
             self.alignment,
+            self.packed,
         )
 
 
@@ -89,19 +97,37 @@ def with_block_size(caches: Iterable[RowCache], block_size: int) -> tuple[RowCac
     return tuple(replace(c, block_size=c.block_size or block_size) for c in caches)
 
 
-def row_kv_dtype(kv_dtype: str) -> str:
-    """The dtype vLLM stores the latent caches in for ``--kv-cache-dtype kv_dtype``
-    (``_resolve_dsv4_kv_cache_dtype``): bfloat16, or per-tensor e4m3 for any fp8 format of
-    the plain-row cache."""
+#: vLLM's packed ``fp8_ds_mla`` latent (FlashMLA, vLLM's CPU backend): per entry 448 fp8 NoPE
+#: values and 64 bfloat16 RoPE values, then 8 scale bytes in an area after the block's values.
+PACKED_LATENT_BYTES = 584
+#: The alignment of every DeepSeek-V4 page (latent or not) under ``fp8_ds_mla``.
+PACKED_PAGE_ALIGNMENT = 576
+
+
+def with_row_kv_dtype(caches: Iterable[RowCache], kv_dtype: str) -> tuple[RowCache, ...]:
+    """``caches`` as vLLM stores them for ``--kv-cache-dtype kv_dtype``
+    (``_resolve_dsv4_kv_cache_dtype``): latents as bfloat16 or per-tensor e4m3 plain rows
+    (any other fp8 format), or as packed ``fp8_ds_mla`` pages, which pads every page to 576
+    bytes."""
+    if kv_dtype == "fp8_ds_mla":
+        return tuple(_packed(replace(c, alignment=PACKED_PAGE_ALIGNMENT)) for c in caches)
     if kv_dtype in ("auto", "bfloat16"):
-        return "bfloat16"
-    if kv_dtype.startswith("fp8") and not kv_dtype.endswith("_ds_mla"):
-        return "float8_e4m3fn"
-    raise LayoutError(
-        "kv_dtype",
-        f"{kv_dtype!r}: block-outermost MLA caches are bfloat16 or fp8 (e4m3) plain rows; "
-        "the packed fp8_ds_mla format is not supported",
-    )
+        dtype = "bfloat16"
+    elif kv_dtype.startswith("fp8") and not kv_dtype.endswith("_ds_mla"):
+        dtype = "float8_e4m3fn"
+    else:
+        raise LayoutError(
+            "kv_dtype",
+            f"{kv_dtype!r}: block-outermost MLA caches are bfloat16 or fp8 (e4m3) plain rows "
+            "or packed fp8_ds_mla pages",
+        )
+    return tuple(replace(c, dtype=dtype) if c.latent else c for c in caches)
+
+
+def _packed(cache: RowCache) -> RowCache:
+    if not cache.latent:
+        return cache
+    return replace(cache, width=PACKED_LATENT_BYTES, dtype="uint8", packed=True)
 
 
 def row_groups(caches: Sequence[RowCache]) -> list[list[RowCache]]:
@@ -191,7 +217,10 @@ def build_row_rank_layout(
 
 
 def _segment(cache: RowCache, offset: int) -> Segment:
-    """The layer's page: ``[entries, width]``, one entry per ``tokens_per_entry`` tokens."""
+    """The layer's page: ``[entries, width]``, one entry per ``tokens_per_entry`` tokens; a
+    packed page ``[1, content bytes]``, one entry of the whole block."""
+    if cache.packed:
+        return packed_page_segment(cache.name, offset, cache.content_bytes, cache.block_size)
     shape = (cache.entries, cache.width)
     return Segment(
         cache.name,
@@ -201,4 +230,18 @@ def _segment(cache: RowCache, offset: int) -> Segment:
         cache.dtype,
         token_axis=0,
         tokens_per_entry=cache.tokens_per_entry,
+    )
+
+
+def packed_page_segment(name: str, offset: int, content_bytes: int, block_size: int) -> Segment:
+    """A packed page at ``offset`` in the row: its ``content_bytes`` as one entry of all
+    ``block_size`` tokens of the block."""
+    return Segment(
+        name,
+        offset,
+        (1, content_bytes),
+        (content_bytes, 1),
+        "uint8",
+        token_axis=0,
+        tokens_per_entry=block_size,
     )

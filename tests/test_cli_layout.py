@@ -139,13 +139,18 @@ def test_text_output_of_replicated_latents_and_block_rows(
     assert "block rows of 891,392 bytes" in text
     assert "256-token blocks, window     -:  62 layer pages, 886,016 bytes per block" in text
     assert "4-token blocks, window     8:  42 layer pages, 860,160 bytes per block" in text
+    assert main(["layout", "--model", "deepseek-v4-flash", "--kv-dtype", "fp8_ds_mla"]) == 0
+    text = capsys.readouterr().out
+    # Packed latents: 584 bytes per entry, every page padded to 576 bytes.
+    assert "block rows of 1,002,240 bytes" in text
+    assert "256-token blocks, window     -:  62 layer pages, 985,664 bytes per block" in text
 
 
 @pytest.mark.parametrize(
     "args,field",
     [
         (["--model", "no-such-model"], "model"),
-        (["--model", "deepseek-v4-flash", "--kv-dtype", "fp8_ds_mla"], "kv_dtype"),
+        (["--model", "deepseek-v4-flash", "--kv-dtype", "nvfp4_ds_mla"], "kv_dtype"),
         (["--model", "nemotron-h-8b", "--block-size", "64"], "block_size"),
         (
             ["--model", "nemotron-h-8b", "--block-size", "1040", "--kernel-block-size", "48"],

@@ -38,6 +38,7 @@ SHARED = {
     "broker.errors",
     "broker.limits",
     "broker.models",
+    "broker.row_models",
     "broker.presets",
     "broker.logs",
     "broker.tracing",

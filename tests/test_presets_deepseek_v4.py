@@ -120,9 +120,10 @@ def test_the_engine_block_size_sizes_the_compressed_caches() -> None:
     assert exc.value.field == "kernel_block_size"
 
 
-def test_fp8_formats_store_the_latents_in_e4m3_and_the_packed_one_is_refused() -> None:
-    """Any fp8 format stores the sliding-window and compressed latents as per-tensor e4m3, as
-    vLLM's plain-row cache does; indexer keys stay bytes, compressor states float32."""
+def test_fp8_formats_store_the_latents_in_e4m3_and_nvfp4_is_refused() -> None:
+    """Any fp8 format but the packed one stores the sliding-window and compressed latents as
+    per-tensor e4m3, as vLLM's plain-row cache does; indexer keys stay bytes, compressor
+    states float32. The packed NVFP4 format is refused."""
     model = with_kv_dtype(resolve_model("deepseek-v4-flash"), "fp8_e5m2")
     assert {(c.latent, c.dtype) for c in model.row_caches} == {
         (True, "float8_e4m3fn"),
@@ -130,8 +131,36 @@ def test_fp8_formats_store_the_latents_in_e4m3_and_the_packed_one_is_refused() -
         (False, "float32"),
     }
     with pytest.raises(LayoutError) as exc:
-        with_kv_dtype(model, "fp8_ds_mla")
-    assert exc.value.field == "kv_dtype" and "fp8_ds_mla" in exc.value.detail
+        with_kv_dtype(model, "nvfp4_ds_mla")
+    assert exc.value.field == "kv_dtype" and "nvfp4_ds_mla" in exc.value.detail
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_packed_fp8_ds_mla_latent_pages_are_one_entry_of_the_block(tp: int) -> None:
+    """Under fp8_ds_mla each latent page holds 584 bytes per entry (values, then the block's
+    scales), declared as one entry of the whole block; every page is padded to 576 bytes.
+    The groups are the plain rows' ones."""
+    model = with_kv_dtype(resolve_model("deepseek-v4-flash"), "fp8_ds_mla")
+    assert model.groups == resolve_model("deepseek-v4-flash").groups
+    engine = build_engine_layout(model, tp, 3)
+    assert {rank.groups for rank in engine.ranks} == {engine.ranks[0].groups}
+    rank = engine.ranks[-1]
+    # The compressed group: 21 ratio-4 latents (64 x 584 = 37,376 bytes, padded to 37,440),
+    # 21 indexer keys (64 x 132 = 8,448, padded to 8,640), 20 ratio-128 latents (2 x 584 =
+    # 1,168, padded to 1,728).
+    assert rank.page_bytes == 21 * 37_440 + 21 * 8_640 + 20 * 1_728 == 1_002_240
+    compressed = rank.groups[2]
+    latent = compressed.segment("model.layers.2.attn")
+    assert (latent.offset, latent.shape, latent.strides) == (0, (1, 37_376), (37_376, 1))
+    assert (latent.dtype, latent.token_axis, latent.tokens_per_entry) == ("uint8", 0, 256)
+    assert compressed.segment("model.layers.3.attn").shape == (1, 1_168)
+    keys = compressed.segment("model.layers.2.attn.indexer.k_cache")
+    assert (keys.offset, keys.shape, keys.tokens_per_entry) == (21 * 37_440, (64, 132), 4)
+    swa = rank.groups[0].segment("model.layers.2.attn.swa_cache")
+    assert (swa.offset, swa.shape, swa.tokens_per_entry) == (37_440, (1, 37_376), 64)
+    states = rank.groups[3].segments  # 4 x 2048 float32 = 32,768, padded to 32,832
+    assert sorted(s.offset for s in states)[:2] == [0, 32_832]
+    assert all(s.shard_axis is None for g in rank.groups for s in g.segments)
 
 
 def test_a_page_is_padded_to_its_alignment() -> None:
@@ -208,7 +237,7 @@ def test_vector_cases_list_vllms_groups(path: Path) -> None:
         (lambda c: c["attention"].update(compress_ratios=[0, 2]), "attention.compress_ratios[1]"),
         (lambda c: c["attention"].update(compress_ratios=4), "attention.compress_ratios"),
         (lambda c: c["attention"].pop("head_dim"), "attention.head_dim"),
-        (lambda c: c["attention"].update(dtype="fp8_ds_mla"), "attention.dtype"),
+        (lambda c: c["attention"].update(dtype="nvfp4_ds_mla"), "attention.dtype"),
     ],
 )
 def test_bad_cases_name_the_field(change: Any, field: str) -> None:

@@ -33,6 +33,8 @@ VECTORS = Path(__file__).parent / "data" / "testvectors"
         "19_deepseek_v4_swa_csa_hca_tp1_tp2",
         "20_deepseek_v4_swa_csa_hca_tp2_tp1",
         "21_deepseek_v4_fp8_tp1_tp2",
+        "22_deepseek_v4_fp8_ds_mla_tp1_tp2",
+        "23_deepseek_v4_fp8_ds_mla_tp2_tp1",
     ],
 )
 def test_generator_reproduces_shipped_vector(name: str) -> None:
@@ -112,6 +114,26 @@ def test_deepseek_v4_rows_are_read_whole_by_vllm_and_planned_as_their_pages() ->
     compressed = 2 * 64 * 512 * 2 + 2 * 64 * 132 + 2 * 512 * 2
     states4, state128 = 2 * (4 * 2048 * 4 + 4 * 512 * 4), 8 * 1024 * 4
     assert expected["total_bytes"] == (
+        2 * 3 * 2 * swa + 2 * compressed + 2 * states4 + 17 * state128
+    )
+
+
+def test_packed_fp8_ds_mla_latent_pages_move_whole_from_vllms_rows() -> None:
+    """TP1 -> TP2 under fp8_ds_mla: each decode rank reads 28 rows of 93888 bytes (every page
+    padded to 576 bytes) from prefill rank 0; the expected plan keeps each packed latent page
+    whole (584 bytes per entry, the block's scales included) and nothing of the padding."""
+    name = "22_deepseek_v4_fp8_ds_mla_tp1_tp2"
+    expected = json.loads((VECTORS / "expected" / f"{name}.json").read_text())
+    row = 93888
+    assert expected["engines"]["decode"]["1"]["region_page_bytes"] == [row]
+    assert expected["vllm_bytes_incl_unused"] == 2 * 28 * row
+    assert {run[3] for run in expected["runs"]} == {0}
+    swa = 64 * 584  # a layer's 64-token packed latent page
+    # Two ratio-4 latents (64 entries) and their indexer keys (64 x 132 bytes), one ratio-128
+    # latent (2 entries); the ratio-4 layers' compressor and indexer states; a ratio-128 state.
+    compressed = 2 * 64 * 584 + 2 * 64 * 132 + 2 * 584
+    states4, state128 = 2 * (4 * 2048 * 4 + 4 * 512 * 4), 8 * 1024 * 4
+    assert expected["total_bytes"] == 2 * (
         2 * 3 * 2 * swa + 2 * compressed + 2 * states4 + 17 * state128
     )
 

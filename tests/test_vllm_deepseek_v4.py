@@ -95,20 +95,24 @@ def test_vllm_packs_the_caches_in_block_rows(tmp_path: Path) -> None:
     )
 
 
-@pytest.mark.parametrize(("tp", "cache_dtype"), [(1, "auto"), (2, "auto"), (2, "fp8")])
+@pytest.mark.parametrize(
+    ("tp", "cache_dtype"), [(1, "auto"), (2, "auto"), (2, "fp8"), (1, "fp8_ds_mla")]
+)
 def test_segments_address_exactly_each_layers_pages(
     tp: int, cache_dtype: str, tmp_path: Path
 ) -> None:
     """For every group, writing its layers' cache views changes exactly the bytes its
     segments address in every row (no padding, nothing of another layer), and each segment
     reads back its layer's page entry by entry; every rank declares the same. The plain-row
-    cache in bfloat16 or per-tensor fp8 (e4m3, the latent and sliding-window caches)."""
+    cache in bfloat16 or per-tensor fp8 (e4m3, the latent and sliding-window caches), and the
+    packed fp8_ds_mla one (latent pages of bytes)."""
     _, kv_config, caches = engine(tmp_path, tp, cache_dtype=cache_dtype)
     memories = [derive(kv_config, caches, tp, r) for r in range(tp)]
     layout = memories[0].layout
     assert all(m.layout.groups == layout.groups for m in memories)
     latent = next(s for g in layout.groups for s in g.segments if s.tensor == "model.layers.1.attn")
-    assert latent.dtype == ("float8_e4m3fn" if cache_dtype == "fp8" else "bfloat16")
+    dtypes = {"auto": "bfloat16", "fp8": "float8_e4m3fn", "fp8_ds_mla": "uint8"}
+    assert latent.dtype == dtypes[cache_dtype]
     ((region,),) = {m.regions for m in memories}
     memory = storage_bytes(next(iter(caches.values())))
     base = memory.untyped_storage().data_ptr()
@@ -154,14 +158,36 @@ def test_windows_and_compressed_entries_are_vllms(tmp_path: Path) -> None:
     assert model_fingerprint("dsv4", one) == model_fingerprint("dsv4", two.ranks[0])
 
 
-def test_the_packed_fp8_ds_mla_cache_is_refused_naming_the_spec(tmp_path: Path) -> None:
-    """The packed format (NoPE fp8, RoPE bf16 and scales in 584 bytes per token) is refused
-    at start-up, naming the spec, the format and the field."""
-    _, kv_config, caches = engine(tmp_path, 1, cache_dtype="fp8_ds_mla")
+def test_packed_fp8_ds_mla_pages_are_one_entry_of_the_whole_block(tmp_path: Path) -> None:
+    """The packed latents (584 bytes per entry, a block's scales after all its values) are
+    declared as one entry of the whole block, their content without the 576-byte alignment
+    padding; the other caches keep their entries, padded to 576 bytes too."""
+    _, kv_config, caches = engine(tmp_path, 2, cache_dtype="fp8_ds_mla")
+    layout = derive(kv_config, caches, 2, 1).layout
+    packed = 0
+    for group, declared in zip(kv_config.transfer_groups, layout.groups):
+        specs = group.kv_cache_spec.kv_cache_specs  # type: ignore[attr-defined]
+        for seg in declared.segments:
+            spec = specs[seg.tensor]
+            assert spec.alignment == 576 and seg.nbytes == spec.real_page_size_bytes
+            if spec.state_content_bytes:
+                packed += 1
+                assert spec.state_content_bytes == 584
+                assert (seg.shape, seg.dtype) == ((1, seg.nbytes), "uint8")
+                assert seg.tokens_per_entry == declared.block_size == spec.block_size
+            else:
+                assert seg.tokens_per_entry == spec.tokens_per_state
+    assert packed == 7  # four sliding-window latents, three compressed ones
+
+
+def test_the_packed_nvfp4_ds_mla_cache_is_refused_naming_the_spec(tmp_path: Path) -> None:
+    """The packed NVFP4 format is refused at start-up, naming the spec, the format and the
+    field."""
+    _, kv_config, caches = engine(tmp_path, 1, cache_dtype="nvfp4_ds_mla")
     with pytest.raises(LayoutError) as err:
         derive(kv_config, caches, 1, 0)
     assert err.value.field.endswith(".kv_cache_spec.state_content_bytes")
-    assert "SlidingWindowMLASpec" in err.value.detail and "fp8_ds_mla" in err.value.detail
+    assert "SlidingWindowMLASpec" in err.value.detail and "nvfp4_ds_mla" in err.value.detail
 
 
 def test_a_bounded_replay_window_is_refused(tmp_path: Path) -> None:
@@ -185,13 +211,16 @@ def test_a_bounded_replay_window_is_refused(tmp_path: Path) -> None:
 E2E_BLOCKS = 160
 
 
-def make_engine(model: Path, tp: int, role: str, engine_id: str, broker: str) -> Engine:
+def make_engine(
+    model: Path, tp: int, role: str, engine_id: str, broker: str, cache_dtype: str
+) -> Engine:
     config = engine_config(
         model,
         tp,
         role=role,
         engine_id=engine_id,
         extra={"broker": broker, "model_name": "test-model"},
+        cache_dtype=cache_dtype,
     )
     return Engine(config, E2E_BLOCKS, poison=role == "kv_consumer")
 
@@ -213,19 +242,25 @@ def page(engine: Engine, rank: int, name: str, block: int) -> torch.Tensor:
     return engine.caches[rank][name][block].view(torch.uint8).flatten()
 
 
-@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 2), (2, 1)])
+@pytest.mark.parametrize(
+    ("prefill_tp", "decode_tp", "cache_dtype"),
+    [(1, 2, "auto"), (2, 1, "auto"), (1, 2, "fp8_ds_mla"), (2, 1, "fp8_ds_mla")],
+)
 def test_in_window_and_compressed_pages_move_once_per_decode_rank(
-    broker: BrokerProcess, tmp_path: Path, prefill_tp: int, decode_tp: int
+    broker: BrokerProcess, tmp_path: Path, prefill_tp: int, decode_tp: int, cache_dtype: str
 ) -> None:
     """A prompt of 300 tokens: longer than every window (128 tokens for the sliding-window
     caches and the ratio-128 compressor state, 8 for the ratio-4 ones). Each decode rank gets,
     from vLLM's source rank (``d * P // D``), every layer's page of the blocks vLLM's
     connector would move, byte for byte; the bytes the plans move are exactly those pages'
     content (no alignment padding, no row tail, no out-of-window block, one copy per decode
-    rank); everything else on decode keeps its poison."""
+    rank); everything else on decode keeps its poison. The bfloat16 plain rows, and the packed
+    fp8_ds_mla pages (each moved whole)."""
     model = write_model(CONFIG, tmp_path / "dsv4")
-    producer = make_engine(model, prefill_tp, "kv_producer", "prefill-0", broker.address)
-    consumer = make_engine(model, decode_tp, "kv_consumer", "decode-0", broker.address)
+    producer = make_engine(
+        model, prefill_tp, "kv_producer", "prefill-0", broker.address, cache_dtype
+    )
+    consumer = make_engine(model, decode_tp, "kv_consumer", "decode-0", broker.address, cache_dtype)
     try:
         groups = producer.kv_config.transfer_groups
         prompt = list(range(1, 301))

@@ -328,6 +328,10 @@ DSV4_CASES = [
     ("deepseek-v4-flash", 2, "auto"),
     ("deepseek-v4-flash", 4, "fp8"),
     ("deepseek-v4-flash", 1, "fp8_e5m2"),
+    # The packed format: latent pages of 584 bytes per entry, every page padded to 576 bytes.
+    ("deepseek-v4-flash", 2, "fp8_ds_mla"),
+    ((SWA, CSA, HCA, CSA), 1, "fp8_ds_mla"),
+    ((SWA, HCA, HCA, HCA, HCA, HCA), 2, "fp8_ds_mla"),
     # Every layer kind: every bucket's page sizes repeat, the sliding-window one is split.
     ((SWA, CSA, HCA, CSA), 2, "auto"),
     # No ratio-4 layer, so no bucket of mixed page sizes: the sliding-window and compressor

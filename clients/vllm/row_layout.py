@@ -10,9 +10,11 @@ holds the whole of each page (MLA's latent is not split over TP, nor are DeepSee
 compressor state and indexer keys), so every segment is replicated. A compressed cache (one
 state per ``tokens_per_state`` tokens) declares entries of that many tokens.
 
-Only the plain-row cache (bfloat16, or fp8 with one per-tensor scale) is declared; the packed
-``fp8_ds_mla``/``nvfp4_ds_mla`` formats (latent, RoPE part and block scales per token in one
-record) are refused.
+The plain-row cache (bfloat16, or fp8 with one per-tensor scale) declares a page per entry.
+The packed ``fp8_ds_mla`` format (``state_content_bytes`` per entry: FlashMLA's and vLLM's
+CPU backend's latent, its values for every entry before the block's scales) does not keep an
+entry's bytes together: its page is declared as one entry of the whole block, which moves
+whole. ``nvfp4_ds_mla`` is refused.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from vllm.v1.kv_cache_interface import (
 
 from broker.errors import LayoutError
 from broker.layout import GroupKind, GroupLayout, RankLayout, Segment
+from broker.row_models import packed_page_segment
 from clients.transport import DRAM, VRAM, Region
 
 
@@ -101,6 +104,10 @@ def derive_row_memory(
     return layout, (Region(base, num_blocks * row, device, kind),)
 
 
+#: The packed cache format whose pages are declared whole.
+PACKED = "fp8_ds_mla"
+
+
 def _member_spec(spec: KVCacheSpec, layer: str) -> KVCacheSpec:
     """``layer``'s own spec in a group (a ``UniformTypeKVCacheSpecs`` keeps one per layer)."""
     if isinstance(spec, UniformTypeKVCacheSpecs):
@@ -116,12 +123,12 @@ def _row_spec(spec: KVCacheSpec, where: str) -> MLAAttentionSpec | SlidingWindow
             f"{type(spec).__name__} in a block-outermost KV cache is not supported; "
             "MLA and sliding-window MLA pages are",
         )
-    if spec.state_content_bytes or spec.num_head_slots:
+    if spec.num_head_slots or (spec.state_content_bytes and spec.cache_dtype_str != PACKED):
         raise LayoutError(
             f"{where}.state_content_bytes",
             f"{type(spec).__name__} in the packed {spec.cache_dtype_str!r} format "
             f"({spec.state_content_bytes} bytes per token) is not supported; "
-            "the plain bfloat16 or per-tensor fp8 cache is",
+            f"the plain bfloat16 or per-tensor fp8 cache and the packed {PACKED!r} one are",
         )
     if isinstance(spec, SlidingWindowMLASpec) and (
         spec.extra_retained_tokens or spec.bounded_replay
@@ -142,23 +149,31 @@ def _page_segment(
     where: str,
 ) -> Segment:
     """The layer's page in a row: ``[entries, width]`` of one entry per ``tokens_per_state``
-    tokens, as the view strides it."""
+    tokens, as the view strides it; a packed page as one entry of the whole block."""
     per = int(spec.tokens_per_state)
     if per != spec.tokens_per_state:
         raise LayoutError(where, f"{spec.tokens_per_state} tokens per state is not whole")
+    width = spec.state_content_bytes or spec.head_size
     if (
         view.dim() != 4
         or view.shape[0] != num_blocks
         or view.shape[1] != 1
         or view.shape[2] * per != spec.block_size
-        or view.shape[3] != spec.head_size
+        or view.shape[3] != width
     ):
         raise LayoutError(
             where,
             f"cache view {tuple(view.shape)} is not {num_blocks} pages of "
-            f"{spec.block_size} tokens / {per} per entry x {spec.head_size}",
+            f"{spec.block_size} tokens / {per} per entry x {width}",
         )
     item = view.element_size()
+    if spec.state_content_bytes:
+        if not view[0].is_contiguous() or item != 1:
+            raise LayoutError(
+                where, f"packed cache view {tuple(view.shape)} is not one contiguous page of bytes"
+            )
+        content = view[0].numel()
+        return packed_page_segment(name, view.data_ptr() - base, content, spec.block_size)
     return Segment(
         name,
         view.data_ptr() - base,
