@@ -408,13 +408,17 @@ class BrokerServer:
         self._reaper = asyncio.create_task(self._reap_forever())
 
     async def _reap_forever(self) -> None:
-        """Reap every ``reap_interval_ms``; while the store fails, report NOT_SERVING (a
-        replica that cannot reach Redis leaves its load balancer) and log once."""
+        """Reap every ``reap_interval_ms`` (where store calls run:
+        :meth:`~broker.servicer.BrokerServicer.stored`); while the store fails, report
+        NOT_SERVING (a replica that cannot reach Redis leaves its load balancer) and log
+        once."""
         serving = True
+        servicer = self._servicer
+        assert servicer is not None
         while True:
             await asyncio.sleep(self.reap_interval_ms / 1000)
             try:
-                self.service.reap()
+                await servicer.stored(self.service.reap)
             except Exception as exc:
                 if serving:
                     if isinstance(exc, StoreUnavailableError):

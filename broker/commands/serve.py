@@ -171,7 +171,7 @@ _INT_OPTIONS = (
         "--store-timeout-ms",
         "PDBROKER_STORE_TIMEOUT_MS",
         1_000,
-        "deadline of one Redis connect or reply; past it calls answer UNAVAILABLE",
+        "deadline of one Redis connect, and of all replies of one store call (UNAVAILABLE past it)",
     ),
     (
         "--workers",

@@ -53,9 +53,8 @@ in commit order and a cursor never skips an event; each commit publishes the ran
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable, Collection, Iterable, Iterator
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import redis
 
@@ -63,21 +62,19 @@ from broker.records import (
     RankKey,
     RankRecord,
     RankRegistration,
-    ReleaseEvent,
     TransferKey,
     TransferRecord,
 )
 from broker.store import codec
 from broker.store.contract import REDELIVER_MS, StateStore, held_block_ids
 from broker.store.redis_link import (
-    PROBE_INTERVAL_S,
     STORE_TIMEOUT_MS,
-    UNREACHABLE,
     Availability,
     client_for,
     fails_fast,
     raise_if_broken,
 )
+from broker.store.redis_releases import RedisReleaseQueues
 from broker.store.redis_scripts import SCRIPTS
 from broker.store.redis_unit import (
     PlanBlobs,
@@ -99,7 +96,7 @@ class ConflictError(RuntimeError):
 
 
 @fails_fast
-class RedisStateStore(StateStore):
+class RedisStateStore(RedisReleaseQueues, StateStore):
     """Records in one Redis server (or primary); see the module docstring.
 
     ``rank_ttl_ms`` must exceed the service's lease TTL and ``transfer_ttl_ms`` the longest
@@ -107,6 +104,8 @@ class RedisStateStore(StateStore):
     Not thread-safe, like the service: use it from one thread (callbacks of
     :meth:`subscribe_releases` run on their own).
     """
+
+    blocking = True
 
     def __init__(
         self,
@@ -508,93 +507,3 @@ class RedisStateStore(StateStore):
     def drop_contacts(self, decode: RankKey) -> None:
         key = self._key("contacts", rank_member(decode))
         self._write(lambda c: c.delete(key))
-
-    # ------------------------------------------------------------------ release queues
-
-    def append_release(
-        self, key: RankKey, event: ReleaseEvent, rank_bytes: int, total_bytes: int
-    ) -> None:
-        """Queue ``event`` under a sequence taken when the write is applied (so sequences
-        grow in commit order across replicas); ``event.sequence`` is not used."""
-        member = rank_member(key)
-        keys = [
-            self._key("releases", member),
-            self._key("counter", "release"),
-            self._key("backlog", member),
-        ]
-        args = [
-            self.prefix,
-            codec.encode_release(event),
-            self._key("releases").decode(),
-            member,
-            self.rank_ttl_ms,
-            event.nbytes,
-            rank_bytes,
-            total_bytes,
-        ]
-        self._write(lambda c: self._run("append", keys, args, c))
-
-    def compacted_through(self, key: RankKey) -> int:
-        value = self.client.hget(self._key("backlog", rank_member(key)), "compacted")
-        return 0 if value is None else int(value)
-
-    def releases_after(self, key: RankKey, sequence: int) -> list[ReleaseEvent]:
-        stream = self._key("releases", rank_member(key))
-        # redis-py types XRANGE for clients of either decode_responses, with None for the
-        # deleted entries XCLAIM may return; this client answers bytes, and XRANGE never None
-        # (an empty list when there is no stream).
-        entries = cast(
-            "list[tuple[bytes, dict[bytes, bytes]]]",
-            self.client.xrange(stream, f"({sequence}-0", "+"),
-        )
-        return [
-            codec.decode_release(int(entry_id.split(b"-", 1)[0]), fields[b"e"])
-            for entry_id, fields in entries
-        ]
-
-    def mark_delivered(self, key: RankKey, sequence: int) -> None:
-        cursor, ttl = self._key("cursor", rank_member(key)), self.rank_ttl_ms
-        self._write(lambda c: self._run("mark", [cursor], [sequence, ttl], c))
-
-    def delivered(self, key: RankKey) -> int:
-        value = self.client.get(self._key("cursor", rank_member(key)))
-        return 0 if value is None else int(value)
-
-    def trim_releases(self, key: RankKey, keep_delivered: int) -> None:
-        member = rank_member(key)
-        keys = [self._key("releases", member), self._key("cursor", member)]
-        self._write(lambda c: self._run("trim", keys, [self.prefix, member, keep_delivered], c))
-
-    def drop_releases(self, key: RankKey) -> None:
-        member = rank_member(key)
-        keys = [
-            self._key("releases", member),
-            self._key("cursor", member),
-            self._key("backlog", member),
-        ]
-        args = [self.prefix, member, self._key("releases").decode()]
-        self._write(lambda c: self._run("drop", keys, args, c))
-
-    def subscribe_releases(self, callback: Callable[[RankKey], None]) -> Callable[[], None]:
-        """Call ``callback(key)`` on a background thread whenever any replica queues a
-        release for prefill rank ``key`` or drops its queue (so a local watcher wakes up);
-        returns the function that stops listening. Listening survives outages: the thread
-        subscribes again once Redis is back."""
-        pubsub = self.client.pubsub(ignore_subscribe_messages=True)
-        pubsub.subscribe(
-            **{self._key("releases").decode(): lambda m: callback(parse_rank(m["data"]))}
-        )
-
-        def keep_listening(exc: BaseException, *_: Any) -> None:
-            if not isinstance(exc, UNREACHABLE):
-                raise exc
-            time.sleep(PROBE_INTERVAL_S)
-
-        worker = pubsub.run_in_thread(sleep_time=1.0, daemon=True, exception_handler=keep_listening)
-
-        def stop() -> None:
-            worker.stop()
-            worker.join(5)
-            pubsub.close()
-
-        return stop

@@ -2,9 +2,10 @@
 and reply, outages noticed once and probed in the background, and names of the store that
 never carry its credentials.
 
-Every connect and every reply has a deadline (``timeout_ms``, no retries), so a stalled or
-dead Redis fails a call within it and never holds the caller (the server's event loop)
-longer. Such a failure raises :class:`~broker.errors.StoreUnavailableError` (gRPC
+Every connect has a deadline of ``timeout_ms`` (no retries), and so has every store call as
+a whole: each reply is awaited for what is left of its call's deadline
+(:class:`CallDeadline`), so a call of several round trips to a stalled or dead Redis fails
+within ``timeout_ms`` of its start, not once per round trip. Such a failure raises :class:`~broker.errors.StoreUnavailableError` (gRPC
 UNAVAILABLE) naming the store, and from then on every call fails at once, without touching
 Redis, until a background thread's ``PING`` is answered again (every
 :data:`PROBE_INTERVAL_S`): the event loop is blocked at most once per outage.
@@ -23,6 +24,7 @@ from typing import Any, TypeVar
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+from redis.utils import SENTINEL
 
 from broker.errors import StoreUnavailableError
 
@@ -52,17 +54,48 @@ def redact_url(url: str) -> str:
     return _PASSWORD_PARAM.sub(r"\g<key>***", _USERINFO.sub(userinfo, url, count=1))
 
 
+class CallDeadline(threading.local):
+    """The instant (``time.monotonic``) by which the store call running on this thread must
+    be answered (None: no call is running; replies then wait for the socket timeout)."""
+
+    at: float | None = None
+
+    def remaining(self, default: Any) -> Any:
+        """Seconds left to the running call (at least 1 ms, so a late reply fails as a
+        timeout), else ``default``."""
+        return default if self.at is None else max(self.at - time.monotonic(), 0.001)
+
+
+#: The deadline of the store call running on each thread.
+DEADLINE = CallDeadline()
+
+
+class _Deadlined:
+    """A connection whose replies wait no longer than their call's :data:`DEADLINE`."""
+
+    def read_response(self, *args: Any, timeout: Any = SENTINEL, **kwargs: Any) -> Any:
+        return super().read_response(  # type: ignore[misc]
+            *args, timeout=DEADLINE.remaining(timeout), **kwargs
+        )
+
+
 def client_for(url: str, timeout_ms: int = STORE_TIMEOUT_MS) -> redis.Redis:
     """A client of ``redis://HOST:PORT/DB`` (``rediss://`` for TLS, ``unix://`` too) whose
-    connects and replies each time out after ``timeout_ms``, never retried (the caller gets
+    connects time out after ``timeout_ms`` and whose replies wait for what is left of their
+    call's deadline (:data:`DEADLINE`, else ``timeout_ms``), never retried (the caller gets
     UNAVAILABLE and may go to another replica)."""
-    return redis.Redis.from_url(
+    client = redis.Redis.from_url(
         url,
         socket_timeout=timeout_ms / 1000,
         socket_connect_timeout=timeout_ms / 1000,
         retry=Retry(NoBackoff(), 0),
         health_check_interval=30,
     )
+    pool = client.connection_pool
+    pool.connection_class = type(
+        f"Deadlined{pool.connection_class.__name__}", (_Deadlined, pool.connection_class), {}
+    )
+    return client
 
 
 def store_name(client: redis.Redis) -> str:
@@ -84,6 +117,11 @@ class Availability:
         self.client = client
         #: How errors name the store: its address, never its credentials.
         self.name = store_name(client)
+        #: How long one store call may take (seconds): the client's reply timeout.
+        self.timeout_s: float = (
+            client.connection_pool.connection_kwargs.get("socket_timeout")
+            or STORE_TIMEOUT_MS / 1000
+        )
         #: Why the store is unavailable (None: it is not known to be); set by the call that
         #: could not reach it, cleared by the probe that got an answer.
         self.outage: str | None = None
@@ -119,7 +157,8 @@ class Availability:
 def fails_fast(cls: type[T]) -> type[T]:
     """Every public method of ``cls`` (which has an :class:`Availability` as ``link``):
     while the store is known to be unavailable, raise :class:`StoreUnavailableError` at
-    once; when Redis cannot be reached in time, raise it and start probing."""
+    once; when Redis cannot be reached in time, raise it and start probing. The outermost
+    such call on a thread sets its :data:`DEADLINE` (``link.timeout_s`` from its start)."""
 
     def guard(method: Callable[..., Any]) -> Callable[..., Any]:
         @wraps(method)
@@ -127,10 +166,16 @@ def fails_fast(cls: type[T]) -> type[T]:
             link: Availability = self.link
             if link.outage is not None:
                 raise link.unavailable()
+            outermost = DEADLINE.at is None
+            if outermost:
+                DEADLINE.at = time.monotonic() + link.timeout_s
             try:
                 return method(self, *args, **kwargs)
             except UNREACHABLE as exc:
                 raise link.lost(exc) from None
+            finally:
+                if outermost:
+                    DEADLINE.at = None
 
         return guarded
 
