@@ -40,9 +40,14 @@ every broker dies, Redis forgets what nobody renews. Index entries whose record 
 way are skipped and removed when read.
 
 **Units of work.** :meth:`RedisStateStore.transact` is optimistic: its reads ``WATCH`` the
-keys they return, its writes are queued (the last write of a record replacing earlier ones)
-and applied in one ``MULTI``/``EXEC`` that fails if any watched key changed; the unit then
-runs again on fresh records. A unit that raises applies nothing. So two replicas never both
+keys they return (in the same round trip, on the connection units keep:
+:class:`~broker.store.redis_unit.UnitLink`), its writes are queued (the last write of a
+record replacing earlier ones) and applied in one ``MULTI``/``EXEC`` that fails if any
+watched key changed; the unit then runs again on fresh records. Scripts inside ``EXEC`` are
+sent whole (``EVAL``), so none is missing and no round trip checks; an engine's ranks are
+read with its set of ranks as last seen (one round trip unless that set changed). So a call
+makes a fixed few round trips, whatever the number of engines and transfers
+(``tests/test_redis_round_trips.py``). A unit that raises applies nothing. So two replicas never both
 claim a transfer, both count one report or both release a prefill rank. Release sequences
 are taken from ``P counter:release`` inside the commit (a Lua script), so they grow per stream
 in commit order and a cursor never skips an event; each commit publishes the rank on
@@ -72,13 +77,15 @@ from broker.store.redis_link import (
     Availability,
     client_for,
     fails_fast,
-    raise_if_broken,
 )
 from broker.store.redis_releases import RedisReleaseQueues
 from broker.store.redis_scripts import SCRIPTS
 from broker.store.redis_unit import (
+    Command,
     PlanBlobs,
     Unit,
+    UnitLink,
+    exchange,
     parse_rank,
     parse_transfer,
     rank_member,
@@ -121,6 +128,9 @@ class RedisStateStore(RedisReleaseQueues, StateStore):
         self.transfer_ttl_ms = transfer_ttl_ms
         self.link = Availability(client)
         self._unit: Unit | None = None
+        self._unit_link = UnitLink(client.connection_pool)
+        #: The tp ranks of each engine when last read in a unit of work.
+        self._engine_members: dict[str, tuple[int, ...]] = {}
         #: Decoded registrations by rank: (generation, registration).
         self._registrations: dict[RankKey, tuple[int, RankRegistration]] = {}
         #: Decoded plans by blob token.
@@ -149,40 +159,52 @@ class RedisStateStore(RedisReleaseQueues, StateStore):
     def transact(self, operation: Callable[[], T], attempts: int = 32) -> T:
         if self._unit is not None:
             return operation()
+        link = self._unit_link
         for _ in range(attempts):
-            with self.client.pipeline(transaction=True) as pipe:
-                self._unit = unit = Unit(pipe)
-                try:
-                    try:
-                        result = operation()
-                    except redis.WatchError as exc:
-                        raise_if_broken(exc)
-                        raise
-                    if self.link.outage is not None:  # nothing can be committed
-                        if pipe.connection is not None:  # no UNWATCH to wait for
-                            pipe.connection.disconnect()
-                        raise self.link.unavailable()
-                    pipe.multi()
-                    for op in unit.ops.values():
-                        op(pipe)
-                    pipe.execute()
-                    for remember in unit.on_commit:
-                        remember()
-                except redis.WatchError as exc:
-                    raise_if_broken(exc)
-                    continue
-                finally:
-                    self._unit = None
+            self._unit = unit = Unit()
+            try:
+                result = operation()
+                if self.link.outage is not None:  # nothing can be committed
+                    link.drop()
+                    raise self.link.unavailable()
+                commands = self._queued(unit)
+                if (unit.watched or commands) and link.commit(commands) is None:
+                    continue  # another replica changed what this attempt read
+                for remember in unit.on_commit:
+                    remember()
+            except BaseException:
+                link.stale = link.stale or bool(unit.watched)
+                raise
+            finally:
+                self._unit = None
             return result
         raise ConflictError(f"gave up after {attempts} conflicting attempts")
 
-    def _watch(self, keys: Iterable[bytes]) -> None:
+    def _queued(self, unit: Unit) -> list[Command]:
+        """The commands of the unit's writes, in order."""
+        collector = self.client.pipeline(transaction=False)
+        for op in unit.ops.values():
+            op(collector)
+        return [args for args, _ in collector.command_stack]
+
+    def _fetch(self, watch: Iterable[bytes], commands: list[Command]) -> list[Any]:
+        """The raw replies to ``commands``, in one round trip; in a unit of work, on its link
+        after ``WATCH`` of the keys of ``watch`` it does not watch yet."""
         unit = self._unit
-        if unit is not None:
-            new = [k for k in keys if k not in unit.watched]
-            if new:
-                unit.pipe.watch(*new)
-                unit.watched.update(new)
+        if not commands:
+            return []
+        if unit is None:
+            pool = self.client.connection_pool
+            connection = pool.get_connection()
+            try:
+                return exchange(connection, commands)
+            finally:
+                pool.release(connection)
+        new = [k for k in dict.fromkeys(watch) if k not in unit.watched]
+        unit.watched.update(new)
+        if new:
+            return self._unit_link.exchange([("WATCH", *new), *commands])[1:]
+        return self._unit_link.exchange(commands)
 
     def _write(self, op: Callable[[Any], Any], record: object = None) -> None:
         """Apply ``op`` to the client now, or queue it for the unit's ``EXEC``."""
@@ -192,6 +214,10 @@ class RedisStateStore(RedisReleaseQueues, StateStore):
             self._unit.queue(op, record)
 
     def _run(self, name: str, keys: list[bytes], args: list[Any], client: Any) -> Any:
+        """Script ``name`` now (by its digest), or queued for a unit's ``EXEC`` in full:
+        a script missing from Redis then fails nothing, and needs no round trip to check."""
+        if isinstance(client, redis.client.Pipeline):
+            return client.execute_command("EVAL", SCRIPTS[name], len(keys), *keys, *args)
         return self._scripts[name](keys=keys, args=args, client=client)
 
     def _key(self, *parts: str) -> bytes:
@@ -247,12 +273,11 @@ class RedisStateStore(RedisReleaseQueues, StateStore):
 
     def _rank_at(self, index: bytes, matches: Callable[[RankRecord], bool]) -> RankRecord | None:
         """The rank an index key names, if it still ``matches`` (pending writes first)."""
-        self._watch([index])
+        (member,) = self._fetch([index], [("GET", index)])
         if self._unit is not None:
             for record in self._unit.ranks.values():
                 if record is not None and matches(record):
                     return record
-        member = self.client.get(index)
         if member is None:
             return None
         record = self.get_rank(parse_rank(member))
@@ -287,11 +312,24 @@ class RedisStateStore(RedisReleaseQueues, StateStore):
             )
             records = (self._decode_rank((engine_id, int(tp)), row) for tp, *row in rows)
             return sorted((r for r in records if r is not None), key=lambda r: r.key[1])
-        self._watch([engine_key])
-        tp_ranks = {int(m) for m in self.client.smembers(engine_key)}
-        tp_ranks |= {k[1] for k in self._unit.ranks if k[0] == engine_id}
+        # The ranks it had when last read here are read (and watched) with its set: one
+        # round trip unless they changed.
+        guess = [(engine_id, tp) for tp in self._engine_members.get(engine_id, ())]
+        rank_keys = [self._key("rank", rank_member(k)) for k in guess]
+        members, *rows = self._fetch(
+            [engine_key, *rank_keys],
+            [("SMEMBERS", engine_key), *(("HMGET", k, *_RANK_FIELDS) for k in rank_keys)],
+        )
+        tp_ranks = {int(m) for m in members}
+        self._engine_members[engine_id] = tuple(sorted(tp_ranks))
+        pending = self._unit.ranks
+        tp_ranks |= {k[1] for k in pending if k[0] == engine_id}
         keys = [(engine_id, r) for r in sorted(tp_ranks)]
-        return [r for r in self._ranks(keys) if r is not None]
+        read = {k: row for k, row in zip(guess, rows) if k not in pending}
+        rest = [k for k in keys if k not in read]
+        found = dict(zip(rest, self._ranks(rest)))
+        records = (found[k] if k in found else self._decode_rank(k, read[k]) for k in keys)
+        return [r for r in records if r is not None]
 
     def count_ranks(self) -> int:
         """Registered ranks (in a unit of work, not counting its own writes)."""
@@ -334,12 +372,8 @@ class RedisStateStore(RedisReleaseQueues, StateStore):
         pending = {} if self._unit is None else self._unit.ranks
         remote = [k for k in keys if k not in pending]
         rank_keys = [self._key("rank", rank_member(k)) for k in remote]
-        if watch:
-            self._watch(rank_keys)
-        with self.client.pipeline(transaction=False) as pipe:
-            for rank_key in rank_keys:
-                pipe.hmget(rank_key, _RANK_FIELDS)
-            rows = dict(zip(remote, pipe.execute()))
+        reads: list[Command] = [("HMGET", k, *_RANK_FIELDS) for k in rank_keys]
+        rows = dict(zip(remote, self._fetch(rank_keys if watch else [], reads)))
         return [pending[k] if k in pending else self._decode_rank(k, rows[k]) for k in keys]
 
     def _decode_rank(self, key: RankKey, row: list[bytes | None]) -> RankRecord | None:
@@ -401,8 +435,8 @@ class RedisStateStore(RedisReleaseQueues, StateStore):
         self, index: bytes, belongs: Callable[[TransferRecord], bool]
     ) -> list[TransferKey]:
         """Transfer keys in set ``index``, with this unit's own writes (``belongs``)."""
-        self._watch([index])
-        keys = {parse_transfer(m) for m in self.client.smembers(index)}
+        (members,) = self._fetch([index], [("SMEMBERS", index)])
+        keys = {parse_transfer(m) for m in members}
         if self._unit is not None:
             for key, record in self._unit.transfers.items():
                 if record is None:
@@ -461,25 +495,19 @@ class RedisStateStore(RedisReleaseQueues, StateStore):
         pending = {} if self._unit is None else self._unit.transfers
         remote = [k for k in keys if k not in pending]
         hash_keys = [self._key("transfer", transfer_member(k)) for k in remote]
-        if watch:
-            self._watch(hash_keys)
-        with self.client.pipeline(transaction=False) as pipe:
-            for hash_key in hash_keys:
-                pipe.hget(hash_key, "m")
-            metas = [None if raw is None else codec.plans_token_of(raw) for raw in pipe.execute()]
+        raws = self._fetch(hash_keys if watch else [], [("HGET", k, "m") for k in hash_keys])
+        metas = [None if raw is None else codec.plans_token_of(raw) for raw in raws]
         plans = {m[1]: self._plans.get(m[1]) for m in metas if m is not None}
         plans[""] = {}  # no plans yet
         misses = [i for i, m in enumerate(metas) if m is not None and plans[m[1]] is None]
         if misses:
-            with self.client.pipeline(transaction=False) as pipe:
-                for i in misses:
-                    pipe.hmget(hash_keys[i], ("m", "p"))
-                for i, (raw, blob) in zip(misses, pipe.execute()):
-                    # Read again with the blob: a writer may have replaced both meanwhile.
-                    metas[i] = meta = None if raw is None else codec.plans_token_of(raw)
-                    if meta is not None and plans.get(meta[1]) is None:
-                        plans[meta[1]] = decoded = codec.decode_plans(blob)
-                        self._plans.remember(meta[1], decoded)
+            reads: list[Command] = [("HMGET", hash_keys[i], "m", "p") for i in misses]
+            for i, (raw, blob) in zip(misses, self._fetch([], reads)):
+                # Read again with the blob: a writer may have replaced both meanwhile.
+                metas[i] = meta = None if raw is None else codec.plans_token_of(raw)
+                if meta is not None and plans.get(meta[1]) is None:
+                    plans[meta[1]] = decoded = codec.decode_plans(blob)
+                    self._plans.remember(meta[1], decoded)
         found = {
             k: None if m is None else codec.decode_transfer(m[0], plans[m[1]] or {})
             for k, m in zip(remote, metas)
@@ -496,8 +524,8 @@ class RedisStateStore(RedisReleaseQueues, StateStore):
                 pipe.pexpire(key, self.rank_ttl_ms)
                 added, _ = pipe.execute()
             return bool(added)
-        self._watch([key])
-        if (decode, agent) in self._unit.contacts or self.client.sismember(key, agent):
+        (known,) = self._fetch([key], [("SISMEMBER", key, agent)])
+        if (decode, agent) in self._unit.contacts or known:
             return False
         self._unit.contacts.add((decode, agent))
         ttl = self.rank_ttl_ms

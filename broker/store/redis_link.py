@@ -183,10 +183,3 @@ def fails_fast(cls: type[T]) -> type[T]:
         if isinstance(method, FunctionType) and not name.startswith("_"):
             setattr(cls, name, guard(method))
     return cls
-
-
-def raise_if_broken(exc: Exception) -> None:
-    """Raise the connection error behind a ``WatchError`` (redis-py's answer when a watching
-    connection breaks); a lost race is not one."""
-    if isinstance(exc, redis.WatchError) and isinstance(exc.__context__, UNREACHABLE):
-        raise exc.__context__ from None
