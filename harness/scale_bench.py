@@ -16,11 +16,12 @@ the stream's end, the reaper's period included) and the broker's CPU per call (/
 expiries the CPU above the reaper's idle rate, over the window they expire in). Per point:
 the event loop's longest stall over the phases (``pdbroker_event_loop_longest_stall_seconds``)
 and the broker's memory per transfer held (RSS growth while the held transfers were
-published, and Redis's ``used_memory`` growth on Redis). The sweep runs the engine counts
-at the fewest held transfers, then the held counts at the most engines, so its first point
-is the smallest and its last the largest; the ratios largest/smallest of every call's p99
-and CPU are set against :data:`GOAL_RATIO`, every point's longest stall against
-:data:`GOAL_STALL_MS`.
+published, and the growth of Redis's ``used_memory_dataset`` on Redis). The sweep runs the
+engine counts at the fewest held transfers, then the held counts at the most engines, so
+its first point is the smallest and its last the largest; with ``trials`` above 1 the whole
+sweep runs that many times and each figure of a point is the lowest of its trials. The
+ratios largest/smallest of every call's p99 and CPU are set against :data:`GOAL_RATIO`,
+every point's longest stall against :data:`GOAL_STALL_MS`.
 """
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ class ScaleOptions:
     expiries: int
     tokens: int
     lease_ttl_ms: int
+    trials: int = 1
 
 
 def sweep(engines: Sequence[int], held: Sequence[int]) -> list[tuple[int, int]]:
@@ -105,7 +107,6 @@ def run_scale(options: ScaleOptions, progress: Progress) -> dict:
     """Every point of the sweep on every store, the ratios and whether the goals are met."""
     points = sweep(options.engines, options.held)
     load_before = os.getloadavg()
-    results: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="pdbroker-bench-scale-") as directory:
         server = None
         if "redis" in options.stores:
@@ -114,14 +115,18 @@ def run_scale(options: ScaleOptions, progress: Progress) -> dict:
                 raise UsageError("--store", "the redis store needs redis-server on PATH")
             server = start_redis(Path(directory), binary=binary)
         try:
-            for store in options.stores:
-                for n, (engines, held) in enumerate(points, 1):
-                    progress.phase(
-                        f"{store} store, point {n}/{len(points)}: {engines} engines, "
-                        f"{held:,} transfers held"
-                    )
-                    redis = server if store == "redis" else None
-                    results.append(_point(options, engines, held, redis))
+            trials: list[list[dict]] = []
+            for trial in range(1, options.trials + 1):
+                trials.append([])
+                for store in options.stores:
+                    for n, (engines, held) in enumerate(points, 1):
+                        progress.phase(
+                            f"trial {trial}/{options.trials}, {store} store, point "
+                            f"{n}/{len(points)}: {engines} engines, {held:,} transfers held"
+                        )
+                        redis = server if store == "redis" else None
+                        trials[-1].append(_point(options, engines, held, redis))
+            results = [lowest_of(runs) for runs in zip(*trials)]
         finally:
             if server is not None:
                 server.stop()
@@ -133,10 +138,20 @@ def run_scale(options: ScaleOptions, progress: Progress) -> dict:
         "probe": f"{PROBE_MODEL} TP{PROBE_TP} -> TP{PROBE_TP}, {options.tokens} tokens",
         "samples": options.samples,
         "expiries": options.expiries,
+        "trials": options.trials,
         "points": results,
         "ratios": ratios(results),
         "goal": {"ratio": GOAL_RATIO, "longest_stall_ms": GOAL_STALL_MS},
     }
+
+
+def lowest_of(runs: Sequence[Any]) -> Any:
+    """The runs of one point, each figure the lowest of its trials (the host's noise only
+    adds)."""
+    first = runs[0]
+    if isinstance(first, dict):
+        return {key: lowest_of([run[key] for run in runs]) for key in first}
+    return min(runs) if isinstance(first, float | int) and not isinstance(first, bool) else first
 
 
 def ratios(points: list[dict]) -> list[dict]:
@@ -255,9 +270,12 @@ class _Point:
         answers = await _gathered(self.stub.RegisterRank, requests)
         self.leases += [a.lease_id for a in answers]
 
+    def _renewal_due(self) -> bool:
+        return time.monotonic() - self.renewed > self.options.lease_ttl_ms / 3000
+
     async def _renew(self, force: bool = False) -> None:
         """KeepAlive every lease kept, when a third of the lease TTL passed (or ``force``)."""
-        if force or time.monotonic() - self.renewed > self.options.lease_ttl_ms / 3000:
+        if force or self._renewal_due():
             requests = [pb.KeepAliveRequest(lease_id=lease) for lease in self.leases]
             await _gathered(self.stub.KeepAlive, requests)
             self.renewed = time.monotonic()
@@ -273,12 +291,12 @@ class _Point:
             await _gathered(self.stub.PublishBlocks, requests)
 
     def _memory(self) -> tuple[int, int]:
-        """The broker's RSS and Redis's ``used_memory`` (0 without Redis), in bytes."""
+        """The broker's RSS and the bytes of Redis's data (0 without Redis)."""
         if self.redis is None:
             return rss_bytes(self.pid), 0
         import redis as redis_py
 
-        used = int(redis_py.Redis.from_url(self.redis.url).info("memory")["used_memory"])
+        used = int(redis_py.Redis.from_url(self.redis.url).info("memory")["used_memory_dataset"])
         return rss_bytes(self.pid), used
 
     def _longest_stall(self) -> float:
@@ -293,16 +311,18 @@ class _Point:
     async def _timed(
         self, method: Callable[[Any], Awaitable[Any]], requests: Sequence[Any]
     ) -> tuple[dict, list]:
-        """``method`` on each of ``requests``, one at a time (the cluster renewed first):
-        the latency and the broker's CPU per call, and the answers."""
+        """``method`` on each of ``requests``, one at a time: the latency and the broker's
+        CPU per call (renewals of the cluster's leases, when due, left out), and the
+        answers."""
         await self._renew(force=True)
-        latencies, answers = [], []
-        cpu = _cpu_s(self.pid)
+        latencies, answers, cpu = [], [], 0.0
         for request in requests:
-            started = time.perf_counter()
+            if self._renewal_due():
+                await self._renew()
+            before, started = _cpu_s(self.pid), time.perf_counter()
             answers.append(await method(request))
             latencies.append(time.perf_counter() - started)
-        cpu = _cpu_s(self.pid) - cpu
+            cpu += _cpu_s(self.pid) - before
         return _summary(latencies, cpu / len(requests)), answers
 
     async def _calls(self) -> dict[str, dict]:
@@ -319,6 +339,8 @@ class _Point:
         calls["RegisterRank"], leases = await self._timed(stub.RegisterRank, regs)
         keep = [pb.KeepAliveRequest(lease_id=a.lease_id) for a in leases]
         calls["KeepAlive"], _ = await self._timed(stub.KeepAlive, keep)
+        gone = [pb.DeregisterRequest(lease_id=a.lease_id) for a in leases]
+        calls["Deregister"], _ = await self._timed(stub.Deregister, gone)  # before they expire
         pubs = [_publication(f"s{i}", "probeP", sc) for i in range(n)]
         calls["PublishBlocks"], _ = await self._timed(stub.PublishBlocks, pubs)
         plans = {}
@@ -333,9 +355,7 @@ class _Point:
             for d, plan in ((d, plans[d][i]) for d in (0, 1))
         ]
         calls["ReportTransfer"], _ = await self._timed(stub.ReportTransfer, reports)
-        gone = [pb.DeregisterRequest(lease_id=a.lease_id) for a in leases]
-        calls["Deregister"], _ = await self._timed(stub.Deregister, gone)
-        return calls
+        return {call: calls[call] for call in CALLS[:-1]}
 
     async def _expiries(self) -> dict:
         """Ranks registered and left to expire, each watched until the broker removed it:
@@ -431,7 +451,7 @@ def table(result: dict) -> str:
     about = (
         f"{machine['cpus']} CPUs ({machine['cpu_model']}), 1-min load average {load[0]} -> "
         f"{load[1]}; probe {result['probe']}, {result['samples']} calls each, "
-        f"{result['expiries']} expiries"
+        f"{result['expiries']} expiries, lowest of {result['trials']} trials"
     )
     header = "store  engines  ranks    held  call                           p50 ms  p99 ms  CPU us"
     lines = [about, header]

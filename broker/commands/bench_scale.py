@@ -55,6 +55,12 @@ def add_scale(kinds: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     scale.add_argument("--tokens", type=positive_int, default=8192, help="tokens of every transfer")
     scale.add_argument(
+        "--trials",
+        type=positive_int,
+        default=1,
+        help="sweeps run in turn; each figure is the lowest of its trials",
+    )
+    scale.add_argument(
         "--lease-ttl-ms",
         type=positive_int,
         default=3000,
@@ -82,6 +88,7 @@ def run_scale_command(args: argparse.Namespace, progress: Progress) -> int:
         expiries=args.expiries,
         tokens=args.tokens,
         lease_ttl_ms=args.lease_ttl_ms,
+        trials=args.trials,
     )
     result = run_scale(options, progress)
     _emit(args, progress, "scale", {"scale": result}, table(result))

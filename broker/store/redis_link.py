@@ -16,12 +16,14 @@ from __future__ import annotations
 import re
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable
 from functools import wraps
 from types import FunctionType
 from typing import Any, TypeVar
 
 import redis
+import redis.sentinel
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 from redis.utils import SENTINEL
@@ -80,17 +82,21 @@ class _Deadlined:
 
 
 def client_for(url: str, timeout_ms: int = STORE_TIMEOUT_MS) -> redis.Redis:
-    """A client of ``redis://HOST:PORT/DB`` (``rediss://`` for TLS, ``unix://`` too) whose
-    connects time out after ``timeout_ms`` and whose replies wait for what is left of their
-    call's deadline (:data:`DEADLINE`, else ``timeout_ms``), never retried (the caller gets
-    UNAVAILABLE and may go to another replica)."""
-    client = redis.Redis.from_url(
-        url,
-        socket_timeout=timeout_ms / 1000,
-        socket_connect_timeout=timeout_ms / 1000,
-        retry=Retry(NoBackoff(), 0),
-        health_check_interval=30,
-    )
+    """A client of ``redis://HOST:PORT/DB`` (``rediss://`` for TLS, ``unix://`` too), or of
+    the primary that Redis Sentinel names (:data:`SENTINEL_URL`), whose connects time out
+    after ``timeout_ms`` and whose replies wait for what is left of their call's deadline
+    (:data:`DEADLINE`, else ``timeout_ms``), never retried (the caller gets UNAVAILABLE and
+    may go to another replica). ``ValueError`` says what is wrong with ``url``."""
+    options: dict[str, Any] = {
+        "socket_timeout": timeout_ms / 1000,
+        "socket_connect_timeout": timeout_ms / 1000,
+        "retry": Retry(NoBackoff(), 0),
+        "health_check_interval": 30,
+    }
+    if url.startswith(SENTINEL_SCHEME):
+        client = _sentinel_primary(url, options)
+    else:
+        client = redis.Redis.from_url(url, **options)
     pool = client.connection_pool
     pool.connection_class = type(
         f"Deadlined{pool.connection_class.__name__}", (_Deadlined, pool.connection_class), {}
@@ -98,11 +104,48 @@ def client_for(url: str, timeout_ms: int = STORE_TIMEOUT_MS) -> redis.Redis:
     return client
 
 
+#: The scheme of a store found through Redis Sentinel, and the form of its URL.
+SENTINEL_SCHEME = "redis+sentinel://"
+SENTINEL_URL = f"{SENTINEL_SCHEME}[[USER]:PASSWORD@]HOST:PORT[,HOST:PORT...]/PRIMARY[/DB]"
+
+
+def _sentinel_primary(url: str, options: dict[str, Any]) -> redis.Redis:
+    """A client of the primary named ``PRIMARY`` by the sentinels of ``url``
+    (:data:`SENTINEL_URL`; the password is the primary's, the sentinels take none): each new
+    connection asks the sentinels where it is, so after a failover calls reach the new one."""
+    parts = urllib.parse.urlsplit(url)
+    userinfo, _, hosts = parts.netloc.rpartition("@")
+    user, _, password = (urllib.parse.unquote(p) for p in userinfo.partition(":"))
+    path = [p for p in parts.path.split("/") if p]
+    if not hosts or not 1 <= len(path) <= 2 or (len(path) == 2 and not path[1].isdigit()):
+        raise ValueError(f"expected {SENTINEL_URL}")
+    sentinels = []
+    for address in hosts.split(","):
+        host, colon, port = address.rpartition(":")
+        if not colon or not host or not port.isdigit():
+            raise ValueError(f"sentinel {address!r} is not HOST:PORT")
+        sentinels.append((host.strip("[]"), int(port)))
+    sentinel = redis.sentinel.Sentinel(sentinels, sentinel_kwargs=options)
+    return sentinel.master_for(
+        path[0],
+        db=int(path[1]) if len(path) == 2 else 0,
+        username=user or None,
+        password=password or None,
+        **options,
+    )
+
+
 def store_name(client: redis.Redis) -> str:
-    """``redis://HOST:PORT/DB`` (or ``unix://PATH``) of ``client``'s server, without
-    credentials."""
+    """``redis://HOST:PORT/DB`` (or ``unix://PATH``, or the sentinels and primary of a
+    :data:`SENTINEL_URL`) of ``client``'s server, without credentials."""
     pool = client.connection_pool
     kwargs = pool.connection_kwargs
+    if isinstance(pool, redis.sentinel.SentinelConnectionPool):
+        hosts = ",".join(
+            f"{s.connection_pool.connection_kwargs['host']}:{s.connection_pool.connection_kwargs['port']}"
+            for s in pool.sentinel_manager.sentinels
+        )
+        return f"{SENTINEL_SCHEME}{hosts}/{pool.service_name}/{kwargs.get('db', 0)}"
     if "path" in kwargs:
         return f"unix://{kwargs['path']}"
     scheme = "rediss" if issubclass(pool.connection_class, redis.SSLConnection) else "redis"
