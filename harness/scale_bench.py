@@ -16,10 +16,11 @@ the stream's end, the reaper's period included) and the broker's CPU per call (/
 expiries the CPU above the reaper's idle rate, over the window they expire in). Per point:
 the event loop's longest stall over the phases (``pdbroker_event_loop_longest_stall_seconds``)
 and the broker's memory per transfer held (RSS growth while the held transfers were
-published, and the growth of Redis's ``used_memory_dataset`` on Redis). The sweep runs the
-engine counts at the fewest held transfers, then the held counts at the most engines, so
-its first point is the smallest and its last the largest; with ``trials`` above 1 the whole
-sweep runs that many times and each figure of a point is the lowest of its trials. The
+published, and the growth of the ``MEMORY USAGE`` of Redis's keys on Redis; on Redis, their
+growth per rank registered too). The sweep runs the engine counts at the fewest held
+transfers, then the held counts at the most engines, so its first point is the smallest and
+its last the largest; with ``trials`` above 1 the whole sweep runs that many times and each
+figure of a point is the lowest of its trials. The
 ratios largest/smallest of every call's p99 and CPU are set against :data:`GOAL_RATIO`,
 every point's longest stall against :data:`GOAL_STALL_MS`.
 """
@@ -226,6 +227,7 @@ class _Point:
     async def run(self, engines: int, held: int) -> dict:
         async with grpc.aio.insecure_channel(self.broker.address) as channel:
             self.stub = pb_grpc.BrokerStub(channel)
+            empty = self._memory()
             prefill = await self._cluster(engines)
             ranks = len(self.leases)
             memory = self._memory()
@@ -247,6 +249,7 @@ class _Point:
         }
         if self.redis is not None:
             point["redis_bytes_per_transfer_held"] = round((grown[1] - memory[1]) / held)
+            point["redis_bytes_per_rank"] = round((memory[1] - empty[1]) / ranks)
         return point
 
     # ------------------------------------------------------------------ the cluster
@@ -261,6 +264,7 @@ class _Point:
             prefill.append((f"p{i}", sc))
             if i + 1 < engines:
                 await self._register(sc, f"d{i + 1}", Role.DECODE, i + 1)
+            await self._renew()  # the first engines' leases outlast the last's registration
         return prefill
 
     async def _register(self, sc: Scenario, engine_id: str, role: Role, index: int) -> None:
@@ -282,21 +286,28 @@ class _Point:
 
     async def _hold(self, prefill: list[tuple[str, Scenario]], held: int) -> None:
         """Publish ``held`` transfers over the prefill engines, left in flight."""
-        for start in range(0, held, 1_000):
+        for start in range(0, held, CONCURRENCY):
             await self._renew()
             requests = [
                 _publication(f"held{i}", *prefill[i % len(prefill)])
-                for i in range(start, min(held, start + 1_000))
+                for i in range(start, min(held, start + CONCURRENCY))
             ]
             await _gathered(self.stub.PublishBlocks, requests)
 
     def _memory(self) -> tuple[int, int]:
-        """The broker's RSS and the bytes of Redis's data (0 without Redis)."""
+        """The broker's RSS and the bytes of Redis's keys (``MEMORY USAGE`` of each; 0
+        without Redis): its buffers, which come and go, left out."""
         if self.redis is None:
             return rss_bytes(self.pid), 0
         import redis as redis_py
 
-        used = int(redis_py.Redis.from_url(self.redis.url).info("memory")["used_memory_dataset"])
+        client, used = redis_py.Redis.from_url(self.redis.url), 0
+        keys = list(client.scan_iter(count=1_000))
+        for start in range(0, len(keys), 1_000):
+            with client.pipeline(transaction=False) as pipe:
+                for key in keys[start : start + 1_000]:
+                    pipe.memory_usage(key)
+                used += sum(n or 0 for n in pipe.execute())
         return rss_bytes(self.pid), used
 
     def _longest_stall(self) -> float:
@@ -464,7 +475,10 @@ def table(result: dict) -> str:
             )
         memory = f"broker {p['broker_bytes_per_transfer_held']:,} B"
         if "redis_bytes_per_transfer_held" in p:
-            memory += f", Redis {p['redis_bytes_per_transfer_held']:,} B"
+            memory += (
+                f", Redis {p['redis_bytes_per_transfer_held']:,} B "
+                f"(and {p['redis_bytes_per_rank']:,} B per rank)"
+            )
         lines.append(
             f"{'':<30}longest loop stall {p['longest_stall_ms']} ms; per transfer held: {memory}"
         )
@@ -504,5 +518,5 @@ def plot(result: dict, path: Path) -> None:
             ax.grid(True, which="both", alpha=0.3)
         row[0].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=80)
     plt.close(fig)

@@ -160,6 +160,7 @@ def test_bench_scale_sweeps_both_stores(capsys: pytest.CaptureFixture[str], tmp_
             assert c["cpu_us"] > 0 or call == "lease expiry", (call, c)
         assert 0 < p["longest_stall_ms"] < 5_000
     assert points[-1]["redis_bytes_per_transfer_held"] > 100  # records, not noise, at 30 held
+    assert points[-1]["redis_bytes_per_rank"] > 1_000  # a registration, its regions, metadata
     for row in result["ratios"]:
         first, last = (
             [p for p in points if p["store"] == row["store"]][i]["calls"].get(row["call"])
