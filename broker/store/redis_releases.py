@@ -24,15 +24,10 @@ class RedisReleaseQueues:
     prefix: str
     rank_ttl_ms: int
     link: Availability
-
-    def _key(self, *parts: str) -> bytes:
-        raise NotImplementedError
-
-    def _write(self, op: Callable[[Any], Any], record: object = None) -> None:
-        raise NotImplementedError
-
-    def _run(self, name: str, keys: list[bytes], args: list[Any], client: Any) -> Any:
-        raise NotImplementedError
+    #: The store's key naming, queued writes and scripts.
+    _key: Callable[..., bytes]
+    _write: Callable[..., None]
+    _run: Callable[..., Any]
 
     def append_release(
         self, key: RankKey, event: ReleaseEvent, rank_bytes: int, total_bytes: int
