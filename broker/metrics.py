@@ -162,6 +162,13 @@ class BrokerMetrics(ServiceObserver):
             "unreachable, or shutting down).",
             registry=r,
         )
+        self._longest_stall = 0.0
+        Gauge(
+            "pdbroker_event_loop_longest_stall_seconds",
+            "The longest the event loop was late to wake a task (how long it held every "
+            "other call) since the previous scrape of this series; probed every 5 ms.",
+            registry=r,
+        ).set_function(self._take_longest_stall)
         rpc_labels = ["grpc_type", "grpc_service", "grpc_method"]
         self.rpc_started = Counter(
             "grpc_server_started_total",
@@ -236,6 +243,15 @@ class BrokerMetrics(ServiceObserver):
         return MethodMetrics(self, (grpc_type, service, method))
 
     # ------------------------------------------------------------------ exposition
+
+    def loop_stalled(self, seconds: float) -> None:
+        """The event loop woke a task ``seconds`` late."""
+        self._longest_stall = max(self._longest_stall, seconds)
+
+    def _take_longest_stall(self) -> float:
+        """The longest stall since the previous call (a scrape), starting afresh."""
+        longest, self._longest_stall = self._longest_stall, 0.0
+        return longest
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> int:
         """Expose ``/metrics`` over HTTP on ``addr:port`` (port 0 picks one) from a daemon

@@ -58,6 +58,8 @@ if TYPE_CHECKING:  # prometheus_client: only where metrics are served
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Broker"].full_name
+#: How often the event loop's stalls are probed when metrics are kept (seconds).
+STALL_PROBE_S = 0.005
 #: Broker methods that answer with a stream.
 _STREAMING = frozenset(
     m.name for m in pb.DESCRIPTOR.services_by_name["Broker"].methods if m.server_streaming
@@ -336,6 +338,7 @@ class BrokerServer:
         self._health_server: grpc.aio.Server | None = None
         self._health: health.aio.HealthServicer | None = None
         self._reaper: asyncio.Task[None] | None = None
+        self._stall_probe: asyncio.Task[None] | None = None
         self._unsubscribe: Callable[[], None] = lambda: None
 
     @property
@@ -406,15 +409,21 @@ class BrokerServer:
 
         self._unsubscribe = self.service.store.subscribe_releases(wake)
         self._reaper = asyncio.create_task(self._reap_forever())
+        if self.metrics is not None:
+            self._stall_probe = asyncio.create_task(self._probe_stalls(self.metrics))
 
     async def _reap_forever(self) -> None:
-        """Reap every ``reap_interval_ms``; while the store fails, report NOT_SERVING (a
-        replica that cannot reach Redis leaves its load balancer) and log once."""
+        """Reap every ``reap_interval_ms`` (where store calls run:
+        :meth:`~broker.servicer.BrokerServicer.stored`); while the store fails, report
+        NOT_SERVING (a replica that cannot reach Redis leaves its load balancer) and log
+        once."""
         serving = True
+        servicer = self._servicer
+        assert servicer is not None
         while True:
             await asyncio.sleep(self.reap_interval_ms / 1000)
             try:
-                self.service.reap()
+                await servicer.stored(self.service.reap)
             except Exception as exc:
                 if serving:
                     if isinstance(exc, StoreUnavailableError):
@@ -428,6 +437,14 @@ class BrokerServer:
                 log.warning("reaper succeeded again; SERVING")
                 await self._set_health(health_pb2.HealthCheckResponse.SERVING)
             serving = True
+
+    async def _probe_stalls(self, metrics: BrokerMetrics) -> None:
+        """Tell ``metrics`` how late the loop wakes a task every :data:`STALL_PROBE_S`."""
+        loop = asyncio.get_running_loop()
+        while True:
+            started = loop.time()
+            await asyncio.sleep(STALL_PROBE_S)
+            metrics.loop_stalled(loop.time() - started - STALL_PROBE_S)
 
     async def _set_health(self, status: int) -> None:
         if self.metrics is not None:
@@ -449,8 +466,9 @@ class BrokerServer:
             self.metrics.serving.set(0)
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
-        if self._reaper is not None:
-            self._reaper.cancel()
+        for task in (self._reaper, self._stall_probe):
+            if task is not None:
+                task.cancel()
         self._unsubscribe()
         await self._server.stop(grace_s)
         self._server = None

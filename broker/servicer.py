@@ -7,7 +7,11 @@ Translating is pure, and for a registration (its layout's validation) or a reque
 block ids it is the costly part of a call: those run on a worker thread
 (:meth:`BrokerServicer.offload`), as do planning large transfers and turning large plans into
 descriptors and bytes, so the event loop keeps answering health checks and keep-alives
-meanwhile; calls into the service stay on the loop, one at a time.
+meanwhile. Calls into the service (and authorization, which reads the store) run one at a
+time, in order: on the loop for a store in memory, on a thread of their own for a store that
+waits on I/O (:attr:`~broker.store.contract.StateStore.blocking`, Redis;
+:meth:`BrokerServicer.stored`), so a slow round trip to Redis holds only the calls that wait
+for the store, never health checks, streams or the loop.
 
 Trace context: ``PublishBlocks`` keeps the ``traceparent`` its caller sent in metadata with
 the transfer (tracing on or off here, so engines that trace get one trace per transfer through
@@ -20,7 +24,9 @@ every call).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -30,7 +36,7 @@ from typing import Any, NoReturn, TypeVar
 import grpc
 
 from broker import convert, tracing
-from broker.api import PlanResult
+from broker.api import PlanResult, Report, ReportOutcome
 from broker.auth import AccessGuard, Identity
 from broker.engines import check_published_blocks
 from broker.errors import (
@@ -156,10 +162,9 @@ def _handler(method: Method, rule: Rule) -> Handler:
     @wraps(method)
     async def handler(self: Any, request: Req, context: grpc.aio.ServicerContext) -> Resp:
         try:
-            self.authorize(context, rule, request)
-            if self.traced:
-                return tracing.call_in_context(context.invocation_metadata(), method, self, request)
-            return method(self, request)
+            who = self.identify(context)
+            metadata = context.invocation_metadata() if self.traced else None
+            return await self.stored(self.authorized_call, who, rule, request, method, metadata)
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status
             await abort(context, exc)
 
@@ -176,8 +181,15 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         #: Whether this process records spans (fixed when the server starts).
         self.traced = tracing.enabled()
         self._wakeups: dict[RankKey, set[asyncio.Event]] = {}
-        service.add_release_listener(self.wake)
+        service.add_release_listener(self.wake_from_any_thread)
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="pdbroker-work")
+        self._store_thread = (
+            ThreadPoolExecutor(1, thread_name_prefix="pdbroker-store")
+            if service.store.blocking
+            else None
+        )
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: int | None = None
 
     async def offload(self, function: Callable[..., T], *args: Any) -> T:
         """``function(*args)`` on the worker thread (pure work only: no service calls)."""
@@ -189,37 +201,80 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         """``function(*args)`` here, or on the worker thread when ``heavy``."""
         return await self.offload(function, *args) if heavy else function(*args)
 
+    async def stored(self, function: Callable[..., T], *args: Any) -> T:
+        """``function(*args)``, a call that reads or writes the store: here for a store in
+        memory, else on the store thread (calls still run one at a time, in the order made),
+        in this task's context (its trace)."""
+        if self._store_thread is None:
+            return function(*args)
+        loop = asyncio.get_running_loop()
+        self._loop, self._loop_thread = loop, threading.get_ident()
+        context = contextvars.copy_context()
+        return await loop.run_in_executor(self._store_thread, context.run, function, *args)
+
     def close(self) -> None:
         self._worker.shutdown(wait=False, cancel_futures=True)
+        if self._store_thread is not None:
+            self._store_thread.shutdown(wait=False, cancel_futures=True)
 
     def wake(self, key: RankKey) -> None:
         """Wake the watchers of prefill rank ``key`` (a release was queued or it went away)."""
         for event in self._wakeups.get(key, ()):
             event.set()
 
-    def authorize(self, context: grpc.aio.ServicerContext, rule: Rule, request: Any) -> Any:
-        """Raise unless the caller is identified and ``rule`` allows ``request``; returns
-        what the rule found (None without authorization)."""
+    def wake_from_any_thread(self, key: RankKey) -> None:
+        """:meth:`wake`, from the store thread too (through the loop)."""
+        if self._loop is None or threading.get_ident() == self._loop_thread:
+            self.wake(key)
+        else:
+            self._loop.call_soon_threadsafe(self.wake, key)
+
+    def identify(self, context: grpc.aio.ServicerContext) -> Identity | None:
+        """The caller (None without authorization)."""
+        return None if self.guard is None else self.guard.identify(context)
+
+    def authorize(self, who: Identity | None, rule: Rule, request: Any) -> Any:
+        """Raise unless ``rule`` allows ``who`` to make ``request`` (reads the store: call it
+        through :meth:`stored`); returns what the rule found (None without authorization)."""
         if self.guard is not None:
-            return rule(self.guard, self.guard.identify(context), request)
+            assert who is not None
+            return rule(self.guard, who, request)
         return None
 
-    def in_context(
+    async def authorized(self, context: grpc.aio.ServicerContext, rule: Rule, request: Any) -> Any:
+        """:meth:`authorize` of the caller of ``context``, where store calls run."""
+        if self.guard is None:
+            return None
+        return await self.stored(self.authorize, self.identify(context), rule, request)
+
+    def authorized_call(
+        self, who: Identity | None, rule: Rule, request: Any, method: Method, metadata: Any
+    ) -> Any:
+        """``method(self, request)`` once ``rule`` allows it, in the trace context of
+        ``metadata`` (the caller's, when this process traces)."""
+        self.authorize(who, rule, request)
+        if metadata is not None:
+            return tracing.call_in_context(metadata, method, self, request)
+        return method(self, request)
+
+    async def in_context(
         self, context: grpc.aio.ServicerContext, call: Callable[..., T], *args: Any
     ) -> T:
-        """``call(*args)``, in the trace context the caller sent when this process traces."""
+        """``call(*args)`` (a service call: :meth:`stored`), in the trace context the caller
+        sent when this process traces."""
         if self.traced:
-            return tracing.call_in_context(context.invocation_metadata(), call, *args)
-        return call(*args)
+            metadata = context.invocation_metadata()
+            return await self.stored(tracing.call_in_context, metadata, call, *args)
+        return await self.stored(call, *args)
 
     async def RegisterRank(
         self, request: Any, context: grpc.aio.ServicerContext
     ) -> pb.RegisterRankResponse:
         try:
             request = await self.parsed(request)
-            self.authorize(context, _registrant, request)
+            await self.authorized(context, _registrant, request)
             registration = await self.offload(convert.registration_from_proto, request)
-            lease = self.in_context(context, self.service.register_rank, registration)
+            lease = await self.in_context(context, self.service.register_rank, registration)
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status
             await abort(context, exc)
         return convert.lease_to_proto(lease)
@@ -240,14 +295,14 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         traceparent = tracing.traceparent_from_metadata(context.invocation_metadata())
         try:
             request = await self.parsed(request)
-            self.authorize(context, _as_engine, request)
+            await self.authorized(context, _as_engine, request)
             heavy = count_block_ids(request.block_ids) > OFFLOAD_BLOCK_IDS
             pub = await self.pure(heavy, convert.publication_from_proto, request, traceparent)
             checked = None
             if heavy:
-                layout, checked = self.service.engine_layout(pub.engine_id)
+                layout, checked = await self.stored(self.service.engine_layout, pub.engine_id)
                 await self.offload(check_published_blocks, layout, pub.block_ids, pub.num_tokens)
-            expires = self.service.publish(pub, checked)
+            expires = await self.stored(self.service.publish, pub, checked)
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status
             await abort(context, exc)
         return pb.PublishBlocksResponse(expires_at_ms=expires)
@@ -284,7 +339,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         self, request: Any, context: grpc.aio.ServicerContext, answer_bytes: int | None
     ) -> PlanResult:
         request = await self.parsed(request)
-        self.authorize(context, _as_engine, request)
+        await self.authorized(context, _as_engine, request)
         return await self._planned(request, answer_bytes, count_block_ids(request.block_ids))
 
     async def _planned(
@@ -297,7 +352,9 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         query = await self.pure(heavy, convert.plan_query_from_proto, request)
         planned: Planned | None = None
         while True:
-            step = self.service.plan_step(query, planned, answer_bytes, OFFLOAD_BLOCK_IDS)
+            step = await self.stored(
+                self.service.plan_step, query, planned, answer_bytes, OFFLOAD_BLOCK_IDS
+            )
             if isinstance(step, PlanTicket):
                 return await self.pure(step.num_descriptors > OFFLOAD_DESCRIPTORS, step.result)
             planned = await self.offload(step.run)  # large, or the planner is busy there
@@ -311,7 +368,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         on its own; the answer's plans share one ``max_unary_plan_bytes`` budget."""
         try:
             request = await self.parsed(request)
-            self.authorize(context, _as_engine, request)
+            await self.authorized(context, _as_engine, request)
             engine_id = convert.batch_engine(request, request.entries, "entries")
             counts = convert.batch_block_ids(request.entries)
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status
@@ -338,7 +395,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         rank's span) when it names one, else of the call."""
         try:
             request = await self.parsed(request)
-            who = self.authorize(context, _caller, request)
+            who = await self.authorized(context, _caller, request)
             engine_id = convert.batch_engine(request, request.reports, "reports")
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status
             await abort(context, exc)
@@ -349,27 +406,36 @@ class BrokerServicer(pb_grpc.BrokerServicer):
             try:
                 convert.check_entry_engine(entry, engine_id)
                 entry.engine_id = engine_id
-                if self.guard is not None:
-                    self.guard.report_plan(who, entry.plan_id)
                 report = convert.report_from_proto(entry)
                 if self.traced and entry.traceparent:  # the reporting rank's span
-                    with tracing.attached(tracing.context_from_traceparent(entry.traceparent)):
-                        outcome = self.service.report(report)
+                    traced = tracing.context_from_traceparent(entry.traceparent)
+                    outcome = await self.stored(self._report, who, report, traced)
                 else:
-                    outcome = self.in_context(context, self.service.report, report)
+                    outcome = await self.in_context(context, self._report, who, report)
                 convert.outcome_to_proto(outcome, into=result.outcome)
             except Exception as exc:  # noqa: BLE001 - an entry's failure is its answer
                 result.code, result.message = await _entry_refusal(context, exc, "reports", i)
             slice_start = await _yield_when_due(slice_start)
         return response
 
+    def _report(self, who: Identity | None, report: Report, traced: Any = None) -> ReportOutcome:
+        """Record ``report`` once its plan is the caller's, in the trace context ``traced``
+        (None: the current one)."""
+        if self.guard is not None:
+            assert who is not None
+            self.guard.report_plan(who, report.plan_id)
+        if traced is None:
+            return self.service.report(report)
+        with tracing.attached(traced):
+            return self.service.report(report)
+
     async def ExtendTransfers(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         """A large request (many entries of long ids) is parsed on the worker thread."""
         try:
             request = await self.parsed(request)
-            self.authorize(context, _as_engine, request)
+            await self.authorized(context, _as_engine, request)
             names = convert.extension_from_proto(request)
-            extensions = self.in_context(context, self.service.extend, *names)
+            extensions = await self.in_context(context, self.service.extend, *names)
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status
             await abort(context, exc)
         return convert.extensions_to_proto(extensions, lambda e: status_code(e).value[0])
@@ -378,12 +444,12 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         self, request: pb.AbortTransferRequest, context: grpc.aio.ServicerContext
     ) -> pb.AbortTransferResponse:
         try:
-            state = self.in_context(
+            state = await self.in_context(
                 context,
                 self.service.abort,
                 ident(request.transfer_id, "transfer_id"),
                 text(request.reason),
-                self._publisher(context, request),
+                await self._publisher(context, request),
                 request.held_by_decode,
             )
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status
@@ -396,11 +462,11 @@ class BrokerServicer(pb_grpc.BrokerServicer):
 
     async def GetTransfer(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
-            transfer = self.in_context(
+            transfer = await self.in_context(
                 context,
                 self.service.get_transfer,
                 ident(request.transfer_id, "transfer_id"),
-                self._publisher(context, request),
+                await self._publisher(context, request),
             )
             heavy = sum(len(g) for g in transfer.block_ids) > OFFLOAD_BLOCK_IDS
             now = self.service.clock.now_ms()
@@ -408,11 +474,11 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status
             await abort(context, exc)
 
-    def _publisher(self, context: grpc.aio.ServicerContext, request: Any) -> str:
+    async def _publisher(self, context: grpc.aio.ServicerContext, request: Any) -> str:
         """The prefill engine whose transfer ``request`` names: as named, else the one the
         authorized caller is a party of (callers learn nothing of others' transfers)."""
         named = optional_ident(request.prefill_engine_id, "prefill_engine_id")
-        return self.authorize(context, _transfer_party, request) or named
+        return await self.authorized(context, _transfer_party, request) or named
 
     @_unary(_operator)
     def ListTransfers(self, request: pb.ListTransfersRequest) -> pb.ListTransfersResponse:
@@ -426,10 +492,13 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         """Stream the rank's releases until the client cancels or the rank goes away
         (deregistered, lease expired, re-registered): then the stream ends with OK."""
         try:
-            self.authorize(context, _as_engine, request)
+            await self.authorized(context, _as_engine, request)
             key = (ident(request.engine_id, "engine_id"), request.tp_rank)
             lease_id = optional_ident(request.lease_id, "lease_id")
-            generation, cursor = self.service.feeds.start(*key, request.after_sequence, lease_id)
+            feeds = self.service.feeds
+            generation, cursor = await self.stored(
+                feeds.start, *key, request.after_sequence, lease_id
+            )
         except Exception as exc:  # noqa: BLE001
             await abort(context, exc)
         wake = asyncio.Event()
@@ -437,7 +506,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         try:
             while True:
                 wake.clear()
-                events = self.service.feeds.after(key, generation, cursor)
+                events = await self.stored(feeds.after, key, generation, cursor)
                 if events is None:
                     return
                 for event in events:
@@ -446,7 +515,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
                     queued_ms = self.service.clock.now_ms() - event.released_at_ms
                     self.service.observer.release_delivered(queued_ms / 1000)
                     cursor = event.sequence
-                    self.service.feeds.delivered(key, cursor)
+                    await self.stored(feeds.delivered, key, cursor)
                 if not events:
                     await wake.wait()
         except Exception as exc:  # noqa: BLE001 - events dropped meanwhile, store unavailable

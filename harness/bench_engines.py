@@ -108,6 +108,14 @@ def cpu_seconds(pid: int) -> float:
     return own + sum(cpu_seconds(int(child)) for child in children)
 
 
+def rss_bytes(pid: int) -> int:
+    """Resident memory of process ``pid`` (bytes), from /proc (Linux)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for process {pid}")
+
+
 def start_broker(max_transfers: int, profile: Path | None = None) -> tuple[subprocess.Popen, str]:
     """``pdbroker serve --insecure`` on a free loopback port (under cProfile writing
     ``profile`` when it stops, if given); returns the process and its address."""

@@ -54,10 +54,11 @@ def free_port() -> int:
 
 
 def start_redis(
-    directory: Path, port: int | None = None, binary: str = "redis-server"
+    directory: Path, port: int | None = None, binary: str = "redis-server", *more: str
 ) -> RedisServer:
     """``binary`` (redis-server) on 127.0.0.1 with its files in ``directory``; append-only
-    persistence so a restarted server (same directory and port) keeps what was written."""
+    persistence so a restarted server (same directory and port) keeps what was written.
+    ``more``: further options (``--replicaof HOST PORT``)."""
     port = port or free_port()
     process = subprocess.Popen(
         [
@@ -78,22 +79,50 @@ def start_redis(
             "yes",
             "--loglevel",
             "warning",
+            *more,
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
     )
-    server = RedisServer(process, port, directory)
+    return _answering(RedisServer(process, port, directory))
+
+
+def start_sentinel(
+    directory: Path, primary: RedisServer, name: str, binary: str = "redis-server"
+) -> RedisServer:
+    """One Redis Sentinel on a free loopback port watching ``primary`` as ``name`` (quorum
+    1, down after 500 ms: a failover within seconds of the primary going away), its
+    configuration (which it rewrites) in ``directory``."""
+    port = free_port()
+    config = directory / "sentinel.conf"
+    config.write_text(
+        f"port {port}\nbind 127.0.0.1\ndir {directory}\n"
+        f"sentinel monitor {name} 127.0.0.1 {primary.port} 1\n"
+        f"sentinel down-after-milliseconds {name} 500\n"
+        f"sentinel failover-timeout {name} 5000\n"
+    )
+    process = subprocess.Popen(
+        [binary, str(config), "--sentinel"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    return _answering(RedisServer(process, port, directory))
+
+
+def _answering(server: RedisServer) -> RedisServer:
+    """``server`` once it answers ``PING`` (stopped, and RuntimeError, if it never does)."""
     deadline = time.monotonic() + REDIS_START_S
     while True:
         try:
-            with socket.create_connection(("127.0.0.1", port), 0.2) as conn:
+            with socket.create_connection(("127.0.0.1", server.port), 0.2) as conn:
                 conn.sendall(b"PING\r\n")
                 if conn.recv(16).startswith(b"+PONG"):
                     return server
         except OSError:
             pass
-        if process.poll() is not None or time.monotonic() > deadline:
+        if server.process.poll() is not None or time.monotonic() > deadline:
             server.stop()
-            raise RuntimeError(f"redis-server did not start: {process.communicate()[1]}")
+            raise RuntimeError(f"redis-server did not start: {server.process.communicate()[1]}")
         time.sleep(0.02)

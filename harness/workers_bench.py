@@ -56,7 +56,7 @@ def host_cpu_seconds() -> tuple[float, float]:
     return (sum(ticks) - idle) / per_s, sum(ticks) / per_s
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     for line in Path("/proc/cpuinfo").read_text().splitlines():
         if line.startswith("model name"):
             return line.split(":", 1)[1].strip()
@@ -101,7 +101,7 @@ def worker_scaling(
         "tokens": sc.request.num_tokens,
         "seconds_per_phase": seconds,
         "cpus": os.cpu_count(),
-        "cpu_model": _cpu_model(),
+        "cpu_model": cpu_model(),
         "redis_version": version,
         "target_scaling": TARGET_SCALING,
         "phases": phases,

@@ -13,6 +13,7 @@ from prerequisites import require_binary, require_module
 from broker.cli import main
 from broker.planner import PairPlanner
 from broker.presets import resolve_model
+from harness.scale_bench import CALLS, lowest_of
 from harness.scenarios import build_scenario
 
 
@@ -137,6 +138,51 @@ def test_bench_control_plane_compares_worker_counts(capsys: pytest.CaptureFixtur
         full = 0.9e6 / p["redis_cpu_us_per_plan"]  # plans/s at 90% of a core
         assert abs(p["redis_saturated_per_s"] - full) <= 0.01 * full
         assert 0 < p["host_cpu_busy"] <= 1
+
+
+def test_bench_scale_sweeps_both_stores(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
+    """A tiny sweep on real brokers, in memory and on a private redis-server: every call of
+    every point measured, ratios of the last point over the first, the plot written."""
+    require_binary("redis-server", "bash scripts/test.sh installs it with apt-get")
+    flags = ("--engines", "2,4", "--held", "3,30", "--tp", "1,2", "--samples", "4")
+    timing = ("--expiries", "2", "--lease-ttl-ms", "1000", "--tokens", "2048")
+    result = run_json(capsys, "scale", *flags, *timing, "--out", str(tmp_path))["scale"]
+    points = result["points"]
+    assert [(p["store"], p["engines"], p["ranks"], p["held"]) for p in points] == [
+        (store, *shape)
+        for store in ("memory", "redis")
+        for shape in ((2, 2, 3), (4, 4, 3), (4, 4, 30))
+    ]
+    for p in points:
+        assert list(p["calls"]) == list(CALLS)
+        for call, c in p["calls"].items():
+            assert 0 < c["p50_ms"] <= c["p99_ms"] < 5_000, (call, c)
+            assert c["cpu_us"] > 0 or call == "lease expiry", (call, c)
+        assert 0 < p["longest_stall_ms"] < 5_000
+    assert points[-1]["redis_bytes_per_transfer_held"] > 100  # records, not noise, at 30 held
+    assert points[-1]["redis_bytes_per_rank"] > 1_000  # a registration, its regions, metadata
+    for row in result["ratios"]:
+        first, last = (
+            [p for p in points if p["store"] == row["store"]][i]["calls"].get(row["call"])
+            for i in (0, -1)
+        )
+        if first is not None:
+            assert row["p99_ratio"] == round(last["p99_ms"] / first["p99_ms"], 2), row
+    assert len(result["ratios"]) == 2 * (len(CALLS) + 1)
+    assert (tmp_path / "scale.png").stat().st_size > 0
+    assert json.loads((tmp_path / "scale.json").read_text())["scale"]["points"] == points
+
+
+def test_bench_scale_keeps_each_figure_lowest_of_its_trials() -> None:
+    runs = [
+        {"store": "redis", "held": 10, "calls": {"KeepAlive": {"p99_ms": 2.0, "cpu_us": 50.0}}},
+        {"store": "redis", "held": 10, "calls": {"KeepAlive": {"p99_ms": 1.5, "cpu_us": 70.0}}},
+    ]
+    assert lowest_of(runs) == {
+        "store": "redis",
+        "held": 10,
+        "calls": {"KeepAlive": {"p99_ms": 1.5, "cpu_us": 50.0}},
+    }
 
 
 def test_bench_bytes_plan_never_exceeds_naive(capsys: pytest.CaptureFixture[str], tmp_path) -> None:

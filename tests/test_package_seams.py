@@ -48,7 +48,8 @@ SHARED = {
 NOT_IN_BROKER = {"torch", "nixl", "vllm", "clients", "harness"}
 #: Broker commands that run the harness: they may import :data:`NOT_IN_BROKER` lazily.
 HARNESS_COMMANDS = {
-    f"broker.commands.{name}" for name in ("demo", "soak", "bench", "bench_control_plane", "plan")
+    f"broker.commands.{name}"
+    for name in ("demo", "soak", "bench", "bench_control_plane", "bench_scale", "plan")
 }
 #: The planner, and the only modules of ``broker`` it may import besides its own.
 PLANNER = {"broker.planner", "broker.plan_templates", "broker.compatibility"}

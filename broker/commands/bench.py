@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict
 
 from broker.commands.bench_control_plane import add_control_plane, run_control_plane
+from broker.commands.bench_scale import add_scale, run_scale_command
 from broker.commands.options import non_negative_int, positive_int
 from broker.console import Progress, quiet_libraries
 from broker.planner import PairPlanner
@@ -146,7 +147,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     transfer.set_defaults(run=_on_console(run_transfer))
     control = add_control_plane(kinds)
     control.set_defaults(run=_on_console(run_control_plane))
-    for kind in (planner, volume, descs, transfer, control):
+    scale = add_scale(kinds)
+    scale.set_defaults(run=_on_console(run_scale_command))
+    for kind in (planner, volume, descs, transfer, control, scale):
         kind.add_argument("--json", action="store_true", help="print one JSON object")
         kind.add_argument(
             "--out",

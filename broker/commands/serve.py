@@ -171,7 +171,7 @@ _INT_OPTIONS = (
         "--store-timeout-ms",
         "PDBROKER_STORE_TIMEOUT_MS",
         1_000,
-        "deadline of one Redis connect or reply; past it calls answer UNAVAILABLE",
+        "deadline of one Redis connect, and of all replies of one store call (UNAVAILABLE past it)",
     ),
     (
         "--workers",
@@ -224,7 +224,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--store",
         metavar="URL",
         help="memory, or redis://HOST:PORT/DB (rediss:// for TLS) for state shared by "
-        "replicas [PDBROKER_STORE, else memory]",
+        "replicas, or redis+sentinel://HOST:PORT[,HOST:PORT...]/PRIMARY[/DB] for the primary "
+        "Redis Sentinel names [PDBROKER_STORE, else memory]",
     )
     p.add_argument(
         "--log-level",
@@ -500,11 +501,13 @@ def _open_store(url: str, config: ServiceConfig, timeout_ms: int) -> tuple[State
     import redis
 
     from broker.store.redis import RedisStateStore
-    from broker.store.redis_link import redact_url
+    from broker.store.redis_link import SENTINEL_SCHEME, redact_url
 
     shown = redact_url(url)
-    if not url.startswith(("redis://", "rediss://", "unix://")):
-        raise UsageError("--store", f"{shown!r} is neither memory nor redis://")
+    if not url.startswith(("redis://", "rediss://", "unix://", SENTINEL_SCHEME)):
+        raise UsageError(
+            "--store", f"{shown!r} is neither memory nor redis:// nor {SENTINEL_SCHEME}"
+        )
     try:
         store = RedisStateStore.from_url(
             url,
@@ -515,7 +518,7 @@ def _open_store(url: str, config: ServiceConfig, timeout_ms: int) -> tuple[State
             + config.retention_ms
             + config.lease_ttl_ms,
         )
-    except ValueError as exc:  # redis-py's parse of the URL
+    except ValueError as exc:  # the URL's parse
         why = _without(str(exc), url)
         raise UsageError("--store", f"{shown}: {why}") from None
     try:

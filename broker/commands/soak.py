@@ -217,22 +217,17 @@ def _sample_rss(
     pid: int, started: float, end_at: float, progress: Progress
 ) -> list[tuple[float, int]]:
     """Broker RSS (seconds since ``started``, bytes) every ``RSS_SAMPLE_S`` until ``end_at``."""
+    from harness.bench_engines import rss_bytes
+
     samples = []
     while (now := time.monotonic()) < end_at:
         time.sleep(min(RSS_SAMPLE_S, end_at - now))
-        samples.append((time.monotonic() - started, _rss_bytes(pid)))
+        samples.append((time.monotonic() - started, rss_bytes(pid)))
         progress.update(
             f"load {samples[-1][0]:.0f}/{end_at - started:.0f} s, "
             f"broker RSS {samples[-1][1] / 2**20:.1f} MiB"
         )
     return samples
-
-
-def _rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmRSS for process {pid}")
 
 
 def _cpu_seconds(pid: int) -> float:

@@ -45,6 +45,10 @@ class StateStore(ABC):
     """Registrations, transfers (with their plans), agent contacts and release queues, with
     the indexes the broker looks them up by; see the module docstring."""
 
+    #: Whether calls wait on I/O (a server then makes them on a thread of their own, one at a
+    #: time, so that its event loop never waits for the store).
+    blocking: bool = False
+
     @abstractmethod
     def transact(self, operation: Callable[[], T]) -> T:
         """Run ``operation`` (one service call's reads and writes through this store) as one

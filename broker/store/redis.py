@@ -40,9 +40,14 @@ every broker dies, Redis forgets what nobody renews. Index entries whose record 
 way are skipped and removed when read.
 
 **Units of work.** :meth:`RedisStateStore.transact` is optimistic: its reads ``WATCH`` the
-keys they return, its writes are queued (the last write of a record replacing earlier ones)
-and applied in one ``MULTI``/``EXEC`` that fails if any watched key changed; the unit then
-runs again on fresh records. A unit that raises applies nothing. So two replicas never both
+keys they return (in the same round trip, on the connection units keep:
+:class:`~broker.store.redis_unit.UnitLink`), its writes are queued (the last write of a
+record replacing earlier ones) and applied in one ``MULTI``/``EXEC`` that fails if any
+watched key changed; the unit then runs again on fresh records. Scripts inside ``EXEC`` are
+sent whole (``EVAL``), so none is missing and no round trip checks; an engine's ranks are
+read with its set of ranks as last seen (one round trip unless that set changed). So a call
+makes a fixed few round trips, whatever the number of engines and transfers
+(``tests/test_redis_round_trips.py``). A unit that raises applies nothing. So two replicas never both
 claim a transfer, both count one report or both release a prefill rank. Release sequences
 are taken from ``P counter:release`` inside the commit (a Lua script), so they grow per stream
 in commit order and a cursor never skips an event; each commit publishes the rank on
@@ -53,9 +58,8 @@ in commit order and a cursor never skips an event; each commit publishes the ran
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable, Collection, Iterable, Iterator
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import redis
 
@@ -63,25 +67,25 @@ from broker.records import (
     RankKey,
     RankRecord,
     RankRegistration,
-    ReleaseEvent,
     TransferKey,
     TransferRecord,
 )
 from broker.store import codec
 from broker.store.contract import REDELIVER_MS, StateStore, held_block_ids
 from broker.store.redis_link import (
-    PROBE_INTERVAL_S,
     STORE_TIMEOUT_MS,
-    UNREACHABLE,
     Availability,
     client_for,
     fails_fast,
-    raise_if_broken,
 )
+from broker.store.redis_releases import RedisReleaseQueues
 from broker.store.redis_scripts import SCRIPTS
 from broker.store.redis_unit import (
+    Command,
     PlanBlobs,
     Unit,
+    UnitLink,
+    exchange,
     parse_rank,
     parse_transfer,
     rank_member,
@@ -99,7 +103,7 @@ class ConflictError(RuntimeError):
 
 
 @fails_fast
-class RedisStateStore(StateStore):
+class RedisStateStore(RedisReleaseQueues, StateStore):
     """Records in one Redis server (or primary); see the module docstring.
 
     ``rank_ttl_ms`` must exceed the service's lease TTL and ``transfer_ttl_ms`` the longest
@@ -107,6 +111,8 @@ class RedisStateStore(StateStore):
     Not thread-safe, like the service: use it from one thread (callbacks of
     :meth:`subscribe_releases` run on their own).
     """
+
+    blocking = True
 
     def __init__(
         self,
@@ -122,6 +128,9 @@ class RedisStateStore(StateStore):
         self.transfer_ttl_ms = transfer_ttl_ms
         self.link = Availability(client)
         self._unit: Unit | None = None
+        self._unit_link = UnitLink(client.connection_pool)
+        #: The tp ranks of each engine when last read in a unit of work.
+        self._engine_members: dict[str, tuple[int, ...]] = {}
         #: Decoded registrations by rank: (generation, registration).
         self._registrations: dict[RankKey, tuple[int, RankRegistration]] = {}
         #: Decoded plans by blob token.
@@ -150,40 +159,52 @@ class RedisStateStore(StateStore):
     def transact(self, operation: Callable[[], T], attempts: int = 32) -> T:
         if self._unit is not None:
             return operation()
+        link = self._unit_link
         for _ in range(attempts):
-            with self.client.pipeline(transaction=True) as pipe:
-                self._unit = unit = Unit(pipe)
-                try:
-                    try:
-                        result = operation()
-                    except redis.WatchError as exc:
-                        raise_if_broken(exc)
-                        raise
-                    if self.link.outage is not None:  # nothing can be committed
-                        if pipe.connection is not None:  # no UNWATCH to wait for
-                            pipe.connection.disconnect()
-                        raise self.link.unavailable()
-                    pipe.multi()
-                    for op in unit.ops.values():
-                        op(pipe)
-                    pipe.execute()
-                    for remember in unit.on_commit:
-                        remember()
-                except redis.WatchError as exc:
-                    raise_if_broken(exc)
-                    continue
-                finally:
-                    self._unit = None
+            self._unit = unit = Unit()
+            try:
+                result = operation()
+                if self.link.outage is not None:  # nothing can be committed
+                    link.drop()
+                    raise self.link.unavailable()
+                commands = self._queued(unit)
+                if (unit.watched or commands) and link.commit(commands) is None:
+                    continue  # another replica changed what this attempt read
+                for remember in unit.on_commit:
+                    remember()
+            except BaseException:
+                link.stale = link.stale or bool(unit.watched)
+                raise
+            finally:
+                self._unit = None
             return result
         raise ConflictError(f"gave up after {attempts} conflicting attempts")
 
-    def _watch(self, keys: Iterable[bytes]) -> None:
+    def _queued(self, unit: Unit) -> list[Command]:
+        """The commands of the unit's writes, in order."""
+        collector = self.client.pipeline(transaction=False)
+        for op in unit.ops.values():
+            op(collector)
+        return [args for args, _ in collector.command_stack]
+
+    def _fetch(self, watch: Iterable[bytes], commands: list[Command]) -> list[Any]:
+        """The raw replies to ``commands``, in one round trip; in a unit of work, on its link
+        after ``WATCH`` of the keys of ``watch`` it does not watch yet."""
         unit = self._unit
-        if unit is not None:
-            new = [k for k in keys if k not in unit.watched]
-            if new:
-                unit.pipe.watch(*new)
-                unit.watched.update(new)
+        if not commands:
+            return []
+        if unit is None:
+            pool = self.client.connection_pool
+            connection = pool.get_connection()
+            try:
+                return exchange(connection, commands)
+            finally:
+                pool.release(connection)
+        new = [k for k in dict.fromkeys(watch) if k not in unit.watched]
+        unit.watched.update(new)
+        if new:
+            return self._unit_link.exchange([("WATCH", *new), *commands])[1:]
+        return self._unit_link.exchange(commands)
 
     def _write(self, op: Callable[[Any], Any], record: object = None) -> None:
         """Apply ``op`` to the client now, or queue it for the unit's ``EXEC``."""
@@ -193,6 +214,10 @@ class RedisStateStore(StateStore):
             self._unit.queue(op, record)
 
     def _run(self, name: str, keys: list[bytes], args: list[Any], client: Any) -> Any:
+        """Script ``name`` now (by its digest), or queued for a unit's ``EXEC`` in full:
+        a script missing from Redis then fails nothing, and needs no round trip to check."""
+        if isinstance(client, redis.client.Pipeline):
+            return client.execute_command("EVAL", SCRIPTS[name], len(keys), *keys, *args)
         return self._scripts[name](keys=keys, args=args, client=client)
 
     def _key(self, *parts: str) -> bytes:
@@ -248,12 +273,11 @@ class RedisStateStore(StateStore):
 
     def _rank_at(self, index: bytes, matches: Callable[[RankRecord], bool]) -> RankRecord | None:
         """The rank an index key names, if it still ``matches`` (pending writes first)."""
-        self._watch([index])
+        (member,) = self._fetch([index], [("GET", index)])
         if self._unit is not None:
             for record in self._unit.ranks.values():
                 if record is not None and matches(record):
                     return record
-        member = self.client.get(index)
         if member is None:
             return None
         record = self.get_rank(parse_rank(member))
@@ -288,11 +312,24 @@ class RedisStateStore(StateStore):
             )
             records = (self._decode_rank((engine_id, int(tp)), row) for tp, *row in rows)
             return sorted((r for r in records if r is not None), key=lambda r: r.key[1])
-        self._watch([engine_key])
-        tp_ranks = {int(m) for m in self.client.smembers(engine_key)}
-        tp_ranks |= {k[1] for k in self._unit.ranks if k[0] == engine_id}
+        # The ranks it had when last read here are read (and watched) with its set: one
+        # round trip unless they changed.
+        guess = [(engine_id, tp) for tp in self._engine_members.get(engine_id, ())]
+        rank_keys = [self._key("rank", rank_member(k)) for k in guess]
+        members, *rows = self._fetch(
+            [engine_key, *rank_keys],
+            [("SMEMBERS", engine_key), *(("HMGET", k, *_RANK_FIELDS) for k in rank_keys)],
+        )
+        tp_ranks = {int(m) for m in members}
+        self._engine_members[engine_id] = tuple(sorted(tp_ranks))
+        pending = self._unit.ranks
+        tp_ranks |= {k[1] for k in pending if k[0] == engine_id}
         keys = [(engine_id, r) for r in sorted(tp_ranks)]
-        return [r for r in self._ranks(keys) if r is not None]
+        read = {k: row for k, row in zip(guess, rows) if k not in pending}
+        rest = [k for k in keys if k not in read]
+        found = dict(zip(rest, self._ranks(rest)))
+        records = (found[k] if k in found else self._decode_rank(k, read[k]) for k in keys)
+        return [r for r in records if r is not None]
 
     def count_ranks(self) -> int:
         """Registered ranks (in a unit of work, not counting its own writes)."""
@@ -335,12 +372,8 @@ class RedisStateStore(StateStore):
         pending = {} if self._unit is None else self._unit.ranks
         remote = [k for k in keys if k not in pending]
         rank_keys = [self._key("rank", rank_member(k)) for k in remote]
-        if watch:
-            self._watch(rank_keys)
-        with self.client.pipeline(transaction=False) as pipe:
-            for rank_key in rank_keys:
-                pipe.hmget(rank_key, _RANK_FIELDS)
-            rows = dict(zip(remote, pipe.execute()))
+        reads: list[Command] = [("HMGET", k, *_RANK_FIELDS) for k in rank_keys]
+        rows = dict(zip(remote, self._fetch(rank_keys if watch else [], reads)))
         return [pending[k] if k in pending else self._decode_rank(k, rows[k]) for k in keys]
 
     def _decode_rank(self, key: RankKey, row: list[bytes | None]) -> RankRecord | None:
@@ -402,8 +435,8 @@ class RedisStateStore(StateStore):
         self, index: bytes, belongs: Callable[[TransferRecord], bool]
     ) -> list[TransferKey]:
         """Transfer keys in set ``index``, with this unit's own writes (``belongs``)."""
-        self._watch([index])
-        keys = {parse_transfer(m) for m in self.client.smembers(index)}
+        (members,) = self._fetch([index], [("SMEMBERS", index)])
+        keys = {parse_transfer(m) for m in members}
         if self._unit is not None:
             for key, record in self._unit.transfers.items():
                 if record is None:
@@ -462,25 +495,19 @@ class RedisStateStore(StateStore):
         pending = {} if self._unit is None else self._unit.transfers
         remote = [k for k in keys if k not in pending]
         hash_keys = [self._key("transfer", transfer_member(k)) for k in remote]
-        if watch:
-            self._watch(hash_keys)
-        with self.client.pipeline(transaction=False) as pipe:
-            for hash_key in hash_keys:
-                pipe.hget(hash_key, "m")
-            metas = [None if raw is None else codec.plans_token_of(raw) for raw in pipe.execute()]
+        raws = self._fetch(hash_keys if watch else [], [("HGET", k, "m") for k in hash_keys])
+        metas = [None if raw is None else codec.plans_token_of(raw) for raw in raws]
         plans = {m[1]: self._plans.get(m[1]) for m in metas if m is not None}
         plans[""] = {}  # no plans yet
         misses = [i for i, m in enumerate(metas) if m is not None and plans[m[1]] is None]
         if misses:
-            with self.client.pipeline(transaction=False) as pipe:
-                for i in misses:
-                    pipe.hmget(hash_keys[i], ("m", "p"))
-                for i, (raw, blob) in zip(misses, pipe.execute()):
-                    # Read again with the blob: a writer may have replaced both meanwhile.
-                    metas[i] = meta = None if raw is None else codec.plans_token_of(raw)
-                    if meta is not None and plans.get(meta[1]) is None:
-                        plans[meta[1]] = decoded = codec.decode_plans(blob)
-                        self._plans.remember(meta[1], decoded)
+            reads: list[Command] = [("HMGET", hash_keys[i], "m", "p") for i in misses]
+            for i, (raw, blob) in zip(misses, self._fetch([], reads)):
+                # Read again with the blob: a writer may have replaced both meanwhile.
+                metas[i] = meta = None if raw is None else codec.plans_token_of(raw)
+                if meta is not None and plans.get(meta[1]) is None:
+                    plans[meta[1]] = decoded = codec.decode_plans(blob)
+                    self._plans.remember(meta[1], decoded)
         found = {
             k: None if m is None else codec.decode_transfer(m[0], plans[m[1]] or {})
             for k, m in zip(remote, metas)
@@ -497,8 +524,8 @@ class RedisStateStore(StateStore):
                 pipe.pexpire(key, self.rank_ttl_ms)
                 added, _ = pipe.execute()
             return bool(added)
-        self._watch([key])
-        if (decode, agent) in self._unit.contacts or self.client.sismember(key, agent):
+        (known,) = self._fetch([key], [("SISMEMBER", key, agent)])
+        if (decode, agent) in self._unit.contacts or known:
             return False
         self._unit.contacts.add((decode, agent))
         ttl = self.rank_ttl_ms
@@ -508,93 +535,3 @@ class RedisStateStore(StateStore):
     def drop_contacts(self, decode: RankKey) -> None:
         key = self._key("contacts", rank_member(decode))
         self._write(lambda c: c.delete(key))
-
-    # ------------------------------------------------------------------ release queues
-
-    def append_release(
-        self, key: RankKey, event: ReleaseEvent, rank_bytes: int, total_bytes: int
-    ) -> None:
-        """Queue ``event`` under a sequence taken when the write is applied (so sequences
-        grow in commit order across replicas); ``event.sequence`` is not used."""
-        member = rank_member(key)
-        keys = [
-            self._key("releases", member),
-            self._key("counter", "release"),
-            self._key("backlog", member),
-        ]
-        args = [
-            self.prefix,
-            codec.encode_release(event),
-            self._key("releases").decode(),
-            member,
-            self.rank_ttl_ms,
-            event.nbytes,
-            rank_bytes,
-            total_bytes,
-        ]
-        self._write(lambda c: self._run("append", keys, args, c))
-
-    def compacted_through(self, key: RankKey) -> int:
-        value = self.client.hget(self._key("backlog", rank_member(key)), "compacted")
-        return 0 if value is None else int(value)
-
-    def releases_after(self, key: RankKey, sequence: int) -> list[ReleaseEvent]:
-        stream = self._key("releases", rank_member(key))
-        # redis-py types XRANGE for clients of either decode_responses, with None for the
-        # deleted entries XCLAIM may return; this client answers bytes, and XRANGE never None
-        # (an empty list when there is no stream).
-        entries = cast(
-            "list[tuple[bytes, dict[bytes, bytes]]]",
-            self.client.xrange(stream, f"({sequence}-0", "+"),
-        )
-        return [
-            codec.decode_release(int(entry_id.split(b"-", 1)[0]), fields[b"e"])
-            for entry_id, fields in entries
-        ]
-
-    def mark_delivered(self, key: RankKey, sequence: int) -> None:
-        cursor, ttl = self._key("cursor", rank_member(key)), self.rank_ttl_ms
-        self._write(lambda c: self._run("mark", [cursor], [sequence, ttl], c))
-
-    def delivered(self, key: RankKey) -> int:
-        value = self.client.get(self._key("cursor", rank_member(key)))
-        return 0 if value is None else int(value)
-
-    def trim_releases(self, key: RankKey, keep_delivered: int) -> None:
-        member = rank_member(key)
-        keys = [self._key("releases", member), self._key("cursor", member)]
-        self._write(lambda c: self._run("trim", keys, [self.prefix, member, keep_delivered], c))
-
-    def drop_releases(self, key: RankKey) -> None:
-        member = rank_member(key)
-        keys = [
-            self._key("releases", member),
-            self._key("cursor", member),
-            self._key("backlog", member),
-        ]
-        args = [self.prefix, member, self._key("releases").decode()]
-        self._write(lambda c: self._run("drop", keys, args, c))
-
-    def subscribe_releases(self, callback: Callable[[RankKey], None]) -> Callable[[], None]:
-        """Call ``callback(key)`` on a background thread whenever any replica queues a
-        release for prefill rank ``key`` or drops its queue (so a local watcher wakes up);
-        returns the function that stops listening. Listening survives outages: the thread
-        subscribes again once Redis is back."""
-        pubsub = self.client.pubsub(ignore_subscribe_messages=True)
-        pubsub.subscribe(
-            **{self._key("releases").decode(): lambda m: callback(parse_rank(m["data"]))}
-        )
-
-        def keep_listening(exc: BaseException, *_: Any) -> None:
-            if not isinstance(exc, UNREACHABLE):
-                raise exc
-            time.sleep(PROBE_INTERVAL_S)
-
-        worker = pubsub.run_in_thread(sleep_time=1.0, daemon=True, exception_handler=keep_listening)
-
-        def stop() -> None:
-            worker.stop()
-            worker.join(5)
-            pubsub.close()
-
-        return stop

@@ -2,9 +2,10 @@
 and reply, outages noticed once and probed in the background, and names of the store that
 never carry its credentials.
 
-Every connect and every reply has a deadline (``timeout_ms``, no retries), so a stalled or
-dead Redis fails a call within it and never holds the caller (the server's event loop)
-longer. Such a failure raises :class:`~broker.errors.StoreUnavailableError` (gRPC
+Every connect has a deadline of ``timeout_ms`` (no retries), and so has every store call as
+a whole: each reply is awaited for what is left of its call's deadline
+(:class:`CallDeadline`), so a call of several round trips to a stalled or dead Redis fails
+within ``timeout_ms`` of its start, not once per round trip. Such a failure raises :class:`~broker.errors.StoreUnavailableError` (gRPC
 UNAVAILABLE) naming the store, and from then on every call fails at once, without touching
 Redis, until a background thread's ``PING`` is answered again (every
 :data:`PROBE_INTERVAL_S`): the event loop is blocked at most once per outage.
@@ -15,14 +16,17 @@ from __future__ import annotations
 import re
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable
 from functools import wraps
 from types import FunctionType
 from typing import Any, TypeVar
 
 import redis
+import redis.sentinel
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+from redis.utils import SENTINEL
 
 from broker.errors import StoreUnavailableError
 
@@ -52,24 +56,96 @@ def redact_url(url: str) -> str:
     return _PASSWORD_PARAM.sub(r"\g<key>***", _USERINFO.sub(userinfo, url, count=1))
 
 
+class CallDeadline(threading.local):
+    """The instant (``time.monotonic``) by which the store call running on this thread must
+    be answered (None: no call is running; replies then wait for the socket timeout)."""
+
+    at: float | None = None
+
+    def remaining(self, default: Any) -> Any:
+        """Seconds left to the running call (at least 1 ms, so a late reply fails as a
+        timeout), else ``default``."""
+        return default if self.at is None else max(self.at - time.monotonic(), 0.001)
+
+
+#: The deadline of the store call running on each thread.
+DEADLINE = CallDeadline()
+
+
+class _Deadlined:
+    """A connection whose replies wait no longer than their call's :data:`DEADLINE`."""
+
+    def read_response(self, *args: Any, timeout: Any = SENTINEL, **kwargs: Any) -> Any:
+        return super().read_response(  # type: ignore[misc]
+            *args, timeout=DEADLINE.remaining(timeout), **kwargs
+        )
+
+
 def client_for(url: str, timeout_ms: int = STORE_TIMEOUT_MS) -> redis.Redis:
-    """A client of ``redis://HOST:PORT/DB`` (``rediss://`` for TLS, ``unix://`` too) whose
-    connects and replies each time out after ``timeout_ms``, never retried (the caller gets
-    UNAVAILABLE and may go to another replica)."""
-    return redis.Redis.from_url(
-        url,
-        socket_timeout=timeout_ms / 1000,
-        socket_connect_timeout=timeout_ms / 1000,
-        retry=Retry(NoBackoff(), 0),
-        health_check_interval=30,
+    """A client of ``redis://HOST:PORT/DB`` (``rediss://`` for TLS, ``unix://`` too), or of
+    the primary that Redis Sentinel names (:data:`SENTINEL_URL`), whose connects time out
+    after ``timeout_ms`` and whose replies wait for what is left of their call's deadline
+    (:data:`DEADLINE`, else ``timeout_ms``), never retried (the caller gets UNAVAILABLE and
+    may go to another replica). ``ValueError`` says what is wrong with ``url``."""
+    options: dict[str, Any] = {
+        "socket_timeout": timeout_ms / 1000,
+        "socket_connect_timeout": timeout_ms / 1000,
+        "retry": Retry(NoBackoff(), 0),
+        "health_check_interval": 30,
+    }
+    if url.startswith(SENTINEL_SCHEME):
+        client = _sentinel_primary(url, options)
+    else:
+        client = redis.Redis.from_url(url, **options)
+    pool = client.connection_pool
+    pool.connection_class = type(
+        f"Deadlined{pool.connection_class.__name__}", (_Deadlined, pool.connection_class), {}
+    )
+    return client
+
+
+#: The scheme of a store found through Redis Sentinel, and the form of its URL.
+SENTINEL_SCHEME = "redis+sentinel://"
+SENTINEL_URL = f"{SENTINEL_SCHEME}[[USER]:PASSWORD@]HOST:PORT[,HOST:PORT...]/PRIMARY[/DB]"
+
+
+def _sentinel_primary(url: str, options: dict[str, Any]) -> redis.Redis:
+    """A client of the primary named ``PRIMARY`` by the sentinels of ``url``
+    (:data:`SENTINEL_URL`; the password is the primary's, the sentinels take none): each new
+    connection asks the sentinels where it is, so after a failover calls reach the new one."""
+    parts = urllib.parse.urlsplit(url)
+    userinfo, _, hosts = parts.netloc.rpartition("@")
+    user, _, password = (urllib.parse.unquote(p) for p in userinfo.partition(":"))
+    path = [p for p in parts.path.split("/") if p]
+    if not hosts or not 1 <= len(path) <= 2 or (len(path) == 2 and not path[1].isdigit()):
+        raise ValueError(f"expected {SENTINEL_URL}")
+    sentinels = []
+    for address in hosts.split(","):
+        host, colon, port = address.rpartition(":")
+        if not colon or not host or not port.isdigit():
+            raise ValueError(f"sentinel {address!r} is not HOST:PORT")
+        sentinels.append((host.strip("[]"), int(port)))
+    sentinel = redis.sentinel.Sentinel(sentinels, sentinel_kwargs=options)
+    return sentinel.master_for(
+        path[0],
+        db=int(path[1]) if len(path) == 2 else 0,
+        username=user or None,
+        password=password or None,
+        **options,
     )
 
 
 def store_name(client: redis.Redis) -> str:
-    """``redis://HOST:PORT/DB`` (or ``unix://PATH``) of ``client``'s server, without
-    credentials."""
+    """``redis://HOST:PORT/DB`` (or ``unix://PATH``, or the sentinels and primary of a
+    :data:`SENTINEL_URL`) of ``client``'s server, without credentials."""
     pool = client.connection_pool
     kwargs = pool.connection_kwargs
+    if isinstance(pool, redis.sentinel.SentinelConnectionPool):
+        hosts = ",".join(
+            f"{s.connection_pool.connection_kwargs['host']}:{s.connection_pool.connection_kwargs['port']}"
+            for s in pool.sentinel_manager.sentinels
+        )
+        return f"{SENTINEL_SCHEME}{hosts}/{pool.service_name}/{kwargs.get('db', 0)}"
     if "path" in kwargs:
         return f"unix://{kwargs['path']}"
     scheme = "rediss" if issubclass(pool.connection_class, redis.SSLConnection) else "redis"
@@ -84,6 +160,11 @@ class Availability:
         self.client = client
         #: How errors name the store: its address, never its credentials.
         self.name = store_name(client)
+        #: How long one store call may take (seconds): the client's reply timeout.
+        self.timeout_s: float = (
+            client.connection_pool.connection_kwargs.get("socket_timeout")
+            or STORE_TIMEOUT_MS / 1000
+        )
         #: Why the store is unavailable (None: it is not known to be); set by the call that
         #: could not reach it, cleared by the probe that got an answer.
         self.outage: str | None = None
@@ -119,7 +200,8 @@ class Availability:
 def fails_fast(cls: type[T]) -> type[T]:
     """Every public method of ``cls`` (which has an :class:`Availability` as ``link``):
     while the store is known to be unavailable, raise :class:`StoreUnavailableError` at
-    once; when Redis cannot be reached in time, raise it and start probing."""
+    once; when Redis cannot be reached in time, raise it and start probing. The outermost
+    such call on a thread sets its :data:`DEADLINE` (``link.timeout_s`` from its start)."""
 
     def guard(method: Callable[..., Any]) -> Callable[..., Any]:
         @wraps(method)
@@ -127,10 +209,16 @@ def fails_fast(cls: type[T]) -> type[T]:
             link: Availability = self.link
             if link.outage is not None:
                 raise link.unavailable()
+            outermost = DEADLINE.at is None
+            if outermost:
+                DEADLINE.at = time.monotonic() + link.timeout_s
             try:
                 return method(self, *args, **kwargs)
             except UNREACHABLE as exc:
                 raise link.lost(exc) from None
+            finally:
+                if outermost:
+                    DEADLINE.at = None
 
         return guarded
 
@@ -138,10 +226,3 @@ def fails_fast(cls: type[T]) -> type[T]:
         if isinstance(method, FunctionType) and not name.startswith("_"):
             setattr(cls, name, guard(method))
     return cls
-
-
-def raise_if_broken(exc: Exception) -> None:
-    """Raise the connection error behind a ``WatchError`` (redis-py's answer when a watching
-    connection breaks); a lost race is not one."""
-    if isinstance(exc, redis.WatchError) and isinstance(exc.__context__, UNREACHABLE):
-        raise exc.__context__ from None

@@ -1,6 +1,7 @@
 """What one unit of work of :class:`~broker.store.redis.RedisStateStore` holds (its pending
-writes, :class:`Unit`), how records are named in Redis keys, and the decoded plans kept
-across units (:class:`PlanBlobs`)."""
+writes, :class:`Unit`), the connection units watch and commit on (:class:`UnitLink`), how
+records are named in Redis keys, and the decoded plans kept across units
+(:class:`PlanBlobs`)."""
 
 from __future__ import annotations
 
@@ -14,14 +15,65 @@ from broker.planner import RankPlan
 from broker.records import RankKey, RankRecord, TransferKey, TransferRecord
 from broker.store import codec
 
+Command = tuple[Any, ...]
+
+
+def exchange(connection: Any, commands: list[Command]) -> list[Any]:
+    """The raw replies to ``commands``, sent on ``connection`` at once (one round trip). An
+    error reply, or no reply in time, raises and drops the connection (its other replies
+    unread)."""
+    connection.send_packed_command(connection.pack_commands(commands))
+    try:
+        return [connection.read_response() for _ in commands]
+    except BaseException:
+        connection.disconnect()
+        raise
+
+
+class UnitLink:
+    """The connection that units of work (one at a time) watch keys and commit on. Keys are
+    watched in the round trip that reads them (``WATCH`` first); a unit that ends without
+    ``EXEC`` leaves its watches to be cleared by ``UNWATCH`` sent ahead of the next unit's
+    first commands, not by a round trip of their own."""
+
+    def __init__(self, pool: redis.ConnectionPool) -> None:
+        self.pool = pool
+        self.connection: Any = None
+        #: Whether keys may still be watched from a unit that ended.
+        self.stale = False
+
+    def exchange(self, commands: list[Command]) -> list[Any]:
+        """:func:`exchange` on this link's connection."""
+        if self.connection is None:
+            self.connection = self.pool.get_connection()
+        if self.stale:
+            self.stale = False
+            return exchange(self.connection, [("UNWATCH",), *commands])[1:]
+        return exchange(self.connection, commands)
+
+    def commit(self, commands: list[Command]) -> list[Any] | None:
+        """``commands`` in ``MULTI``/``EXEC``: their replies, or None when a watched key
+        changed (nothing applied)."""
+        replies = self.exchange([("MULTI",), *commands, ("EXEC",)])[-1]
+        if replies is not None:
+            for reply in replies:
+                if isinstance(reply, redis.ResponseError):
+                    raise reply
+        return replies
+
+    def drop(self) -> None:
+        """Close the connection (its watches go with it)."""
+        if self.connection is not None:
+            self.connection.disconnect()
+        self.stale = False
+
 
 class Unit:
-    """One attempt of :meth:`RedisStateStore.transact`: the watching connection, the writes
+    """One attempt of :meth:`RedisStateStore.transact`: the keys it watched, the writes
     queued for ``EXEC`` (by record, so a record written twice is written once) and this
     attempt's own records, which its reads must see."""
 
-    def __init__(self, pipe: redis.client.Pipeline) -> None:
-        self.pipe = pipe
+    def __init__(self) -> None:
         self.watched: set[bytes] = set()
         self.ops: dict[object, Callable[[Any], Any]] = {}
         self.ranks: dict[RankKey, RankRecord | None] = {}
