@@ -43,6 +43,7 @@ from vllm_engines import (  # noqa: F401 - vllm_distributed: an autouse fixture
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.utils import clip_ssm_state_blocks
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
 from vllm.v1.kv_cache_interface import MambaSpec
 from vllm.v1.request import Request, RequestStatus
 
@@ -71,19 +72,22 @@ def make_engine(
     cache: dict[str, Any] | None = None,
     *,
     num_blocks: int = NUM_BLOCKS,
+    backend: type = FlashAttentionBackend,
     **extra: Any,
 ) -> Engine:
-    """An engine with this connector; ``cache``: ``CacheConfig`` fields (e.g. ``cache_dtype``),
-    ``extra``: more ``kv_connector_extra_config`` keys."""
+    """An engine with this connector on ``backend``'s cache layout; ``cache``: ``CacheConfig``
+    fields (e.g. ``cache_dtype``) and ``speculative``, ``extra``: more
+    ``kv_connector_extra_config`` keys."""
     config = engine_config(
         model_dir,
         tp,
+        backend=backend,
         role=role,
         engine_id=engine_id,
         extra={"broker": broker, "model_name": "test-model", **extra},
         **(cache or {}),
     )
-    return Engine(config, num_blocks, poison=role == "kv_consumer")
+    return Engine(config, num_blocks, backend, poison=role == "kv_consumer")
 
 
 # ------------------------------------------------------------------ driving requests

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from test_vllm_connector import decode, prefill, transfer_record
+from test_vllm_connector import make_engine as connector_engine
 from vllm_engines import (  # noqa: F401 - vllm_distributed: an autouse fixture
     POISON,
     Engine,
@@ -214,15 +215,9 @@ E2E_BLOCKS = 160
 def make_engine(
     model: Path, tp: int, role: str, engine_id: str, broker: str, cache_dtype: str
 ) -> Engine:
-    config = engine_config(
-        model,
-        tp,
-        role=role,
-        engine_id=engine_id,
-        extra={"broker": broker, "model_name": "test-model"},
-        cache_dtype=cache_dtype,
+    return connector_engine(
+        model, tp, role, engine_id, broker, {"cache_dtype": cache_dtype}, num_blocks=E2E_BLOCKS
     )
-    return Engine(config, E2E_BLOCKS, poison=role == "kv_consumer")
 
 
 def moved_blocks(engine: Engine, block_ids: tuple[list[int], ...]) -> list[list[int]]:

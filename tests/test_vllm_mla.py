@@ -23,6 +23,9 @@ from test_vllm_connector import (
     transfer_blocks,
     transfer_record,
 )
+from test_vllm_connector import (
+    make_engine as connector_engine,
+)
 from vllm_engines import (  # noqa: F401 - vllm_distributed: an autouse fixture
     Engine,
     engine_config,
@@ -49,16 +52,17 @@ LAYERS = 27
 def make_engine(
     model_dir: Path, tp: int, role: str, engine_id: str, broker: str, cache_dtype: str
 ) -> Engine:
-    config = engine_config(
+    cache = {"cache_dtype": cache_dtype}
+    return connector_engine(
         model_dir,
         tp,
+        role,
+        engine_id,
+        broker,
+        cache,
+        num_blocks=NUM_BLOCKS,
         backend=TritonMLABackend,
-        role=role,
-        engine_id=engine_id,
-        extra={"broker": broker, "model_name": "test-model"},
-        cache_dtype=cache_dtype,
     )
-    return Engine(config, NUM_BLOCKS, TritonMLABackend, poison=role == "kv_consumer")
 
 
 def source_rank(decode_rank: int, prefill_tp: int, decode_tp: int) -> int:

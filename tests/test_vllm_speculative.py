@@ -29,6 +29,9 @@ from test_vllm_connector import (
     transfer_record,
     transfer_state,
 )
+from test_vllm_connector import (
+    make_engine as connector_engine,
+)
 from vllm_engines import (  # noqa: F401 - vllm_distributed: an autouse fixture
     Engine,
     engine_config,
@@ -106,15 +109,8 @@ def eagle(method: str, head: Path, drafts: int) -> dict[str, Any]:
 def make_engine(
     model: Path, tp: int, role: str, engine_id: str, broker: str, speculative: Any
 ) -> Engine:
-    config = engine_config(
-        model,
-        tp,
-        role=role,
-        engine_id=engine_id,
-        extra={"broker": broker, "model_name": "test-model"},
-        speculative=speculative,
-    )
-    return Engine(config, NUM_BLOCKS, poison=role == "kv_consumer")
+    cache = {"speculative": speculative}
+    return connector_engine(model, tp, role, engine_id, broker, cache, num_blocks=NUM_BLOCKS)
 
 
 @pytest.mark.parametrize(("drafts", "decode_tp"), [(2, 1), (3, 2)])
