@@ -211,9 +211,9 @@ def _ids(groups: Sequence[Sequence[int]]) -> list[int] | np.ndarray:
     )
 
 
-#: Template-table columns the shapes a planner keeps hold in all (~50 bytes each): past it
-#: they are dropped, and a larger shape is gathered afresh per request.
-_SHAPE_COLUMNS = 1 << 16
+#: Bytes the request shapes a planner keeps hold in all: past it they are dropped, and a
+#: larger shape is gathered afresh per request.
+_SHAPE_BYTES = 4 << 20
 
 
 # --------------------------------------------------------------------------- pair planner
@@ -241,7 +241,7 @@ class PairPlanner:
     coalesce: bool = True
     _table: TemplateTable = field(default_factory=TemplateTable, init=False, repr=False)
     _shapes: dict[ShapeKey, RequestShape] = field(default_factory=dict, init=False, repr=False)
-    _shape_columns: int = field(default=0, init=False, repr=False)
+    _shape_bytes: int = field(default=0, init=False, repr=False)
     _attention_groups: list[int] = field(default_factory=list, init=False, repr=False)
     #: Page bytes of a decode rank (EngineLayout makes all ranks alike), and (decode,
     #: prefill) page bytes as a column.
@@ -272,8 +272,7 @@ class PairPlanner:
     @property
     def nbytes(self) -> int:
         """Bytes its cached templates (:attr:`TemplateTable.nbytes`) and request shapes hold."""
-        shapes = sum(shape.nbytes for shape in self._shapes.values())
-        return self._table.nbytes + shapes + sys.getsizeof(self._shapes)
+        return self._table.nbytes + self._shape_bytes + sys.getsizeof(self._shapes)
 
     def plan(self, request: TransferRequest) -> TransferPlan:
         """Plans of every decode rank, made together: one pass over all their runs."""
@@ -352,7 +351,7 @@ class PairPlanner:
             # Only between requests: the ids collected below index one table.
             table = self._table = TemplateTable()
             self._shapes.clear()
-            self._shape_columns = 0
+            self._shape_bytes = 0
         chunks, picks, naive_pages = self._block_pairs(key[1], key[2], key[3])
         slots = sum(count for _, _, count in chunks)
         tids: list[int] = []
@@ -361,7 +360,7 @@ class PairPlanner:
                 tids += [self._template_id(d, g, chunk)] * count
         naive_bytes = naive_pages * self._d_page
         if not slots:
-            return self._cached(key, RequestShape(picks, naive_bytes, [0] * len(ranks), []), 0)
+            return self._cached(key, RequestShape(picks, naive_bytes, [0] * len(ranks), []))
         start, size, units, starts_pages, ends_pages = table.meta.take(_large(tids), axis=1)
         ends = size.cumsum()
         rank_ends = ends[slots - 1 :: slots].tolist()
@@ -376,7 +375,7 @@ class PairPlanner:
         vllm_units = np.add.reduceat(units, per_rank).tolist()
         total = rank_ends[-1]
         if not total:
-            return self._cached(key, RequestShape(picks, naive_bytes, vllm_units, rank_ends), 0)
+            return self._cached(key, RequestShape(picks, naive_bytes, vllm_units, rank_ends))
         first_column = (start - ends + size).repeat(size)
         # A rank's runs merge only if one of its block pairs ends where another could start;
         # decided per rank, so that its plan is the same however many ranks are planned.
@@ -395,16 +394,17 @@ class PairPlanner:
             table.runs.take(np.arange(total, dtype=_I64) + first_column, axis=1),
             (np.arange(len(tids), dtype=_I64) % slots).repeat(size),
         )
-        return self._cached(key, shape, total)
+        return self._cached(key, shape)
 
-    def _cached(self, key: ShapeKey, shape: RequestShape, columns: int) -> RequestShape:
-        """``shape``, kept unless too large (see :data:`_SHAPE_COLUMNS`)."""
-        if columns <= _SHAPE_COLUMNS:
-            if self._shape_columns + columns > _SHAPE_COLUMNS:
+    def _cached(self, key: ShapeKey, shape: RequestShape) -> RequestShape:
+        """``shape``, kept unless too large (see :data:`_SHAPE_BYTES`)."""
+        size = shape.nbytes
+        if size <= _SHAPE_BYTES:
+            if self._shape_bytes + size > _SHAPE_BYTES:
                 self._shapes.clear()
-                self._shape_columns = 0
+                self._shape_bytes = 0
             self._shapes[key] = shape
-            self._shape_columns += columns
+            self._shape_bytes += size
         return shape
 
     def _split(
