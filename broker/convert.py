@@ -317,6 +317,11 @@ def batch_block_ids(entries: Sequence[pb.GetTransferPlanRequest]) -> list[int]:
     return counts
 
 
+#: Entries handed out in one unit of work at most: a batch of one transfer's entries holds
+#: the event loop for all of them (every decode rank of a TP32 engine fits).
+GROUP_ENTRIES = 32
+
+
 def alike_entries(
     entries: Sequence[pb.GetTransferPlanRequest],
     counts: list[int],
@@ -325,10 +330,11 @@ def alike_entries(
     most_block_ids: int,
 ) -> int:
     """The end of the entries from ``start`` on that name one transfer alike, for the call's
-    engine, each of at most ``most_block_ids`` block ids (at least ``start`` itself)."""
+    engine, each of at most ``most_block_ids`` block ids (at least ``start`` itself, at most
+    :data:`GROUP_ENTRIES`)."""
     first = entries[start]
-    end = start
-    while end < len(entries) and counts[end] <= most_block_ids:
+    end, last = start, min(len(entries), start + GROUP_ENTRIES)
+    while end < last and counts[end] <= most_block_ids:
         entry = entries[end]
         if (entry.transfer_id, entry.prefill_engine_id) != (
             first.transfer_id,

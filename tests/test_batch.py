@@ -23,7 +23,7 @@ from test_server import (  # noqa: F401 - broker: the live gRPC broker fixture
     register,
 )
 
-from broker import servicer
+from broker import convert, servicer
 from broker.limits import LIMITS
 from broker.v1 import broker_pb2 as pb
 from clients import protocol
@@ -161,6 +161,28 @@ def test_entries_of_one_transfer_asked_together_are_each_answered_as_alone(broke
     request = pb.ReportTransfersRequest(engine_id="D", reports=reports)
     outcomes = broker.stub.ReportTransfers(request, timeout=WAIT_S).results
     assert [r.code for r in outcomes] == [0] * 6
+
+
+def test_entries_grouped_for_one_unit_of_work() -> None:
+    """Runs of adjacent entries of one transfer (and publisher) for the call's engine, each
+    small, at most ``GROUP_ENTRIES``; an entry that is not alike starts the next group."""
+    names = ["a", "a", "b", "a", "a", "a", "c", "c"] + ["d"] * (convert.GROUP_ENTRIES + 1)
+    entries = [pb.GetTransferPlanRequest(transfer_id=n) for n in names]
+    entries[4].engine_id = "X"  # another engine than the call's
+    entries[5].prefill_engine_id = "P"
+    counts = [1] * len(entries)
+    counts[7] = 5  # too many block ids to plan in place
+
+    def groups() -> list[int]:
+        ends, start = [], 0
+        while start < len(entries):
+            start = convert.alike_entries(entries, counts, start, "D", 4)
+            ends.append(start)
+        return ends
+
+    assert groups() == [2, 3, 4, 5, 6, 7, 8, 8 + convert.GROUP_ENTRIES, len(entries)]
+    entries[4].engine_id = "D"  # naming the call's engine is alike
+    assert groups()[:3] == [2, 3, 5]
 
 
 def test_reports_are_recorded_each_on_its_own(broker: Broker) -> None:  # noqa: F811
