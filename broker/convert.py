@@ -196,6 +196,23 @@ def plan_query_from_proto(msg: pb.GetTransferPlanRequest) -> PlanQuery:
     )
 
 
+def plan_queries_alike(entries: Sequence[pb.GetTransferPlanRequest]) -> list[PlanQuery] | None:
+    """The queries of entries that name one transfer, engine and block ids alike (converted
+    once), or None when their block ids differ or one is refused (each then says why)."""
+    first = entries[0]
+    if any(e.block_ids != first.block_ids for e in entries[1:]):
+        return None
+    try:
+        q = plan_query_from_proto(first)
+    except PdbrokerError:
+        return None
+    return [q] + [
+        PlanQuery(q.transfer_id, q.engine_id, e.tp_rank, q.block_ids, e.want_agent_metadata,
+                  q.prefill_engine_id)
+        for e in entries[1:]
+    ]  # fmt: skip
+
+
 def plan_to_proto(
     plan: PlanResult,
     descriptors: int | None = None,
@@ -298,6 +315,34 @@ def batch_block_ids(entries: Sequence[pb.GetTransferPlanRequest]) -> list[int]:
             "entries", f"{total} block ids in all entries, at most {LIMITS.max_block_ids}"
         )
     return counts
+
+
+#: Entries handed out in one unit of work at most: a batch of one transfer's entries holds
+#: the event loop for all of them (every decode rank of a TP32 engine fits).
+GROUP_ENTRIES = 32
+
+
+def alike_entries(
+    entries: Sequence[pb.GetTransferPlanRequest],
+    counts: list[int],
+    start: int,
+    engine_id: str,
+    most_block_ids: int,
+) -> int:
+    """The end of the entries from ``start`` on that name one transfer alike, for the call's
+    engine, each of at most ``most_block_ids`` block ids (at least ``start`` itself, at most
+    :data:`GROUP_ENTRIES`)."""
+    first = entries[start]
+    end, last = start, min(len(entries), start + GROUP_ENTRIES)
+    while end < last and counts[end] <= most_block_ids:
+        entry = entries[end]
+        if (entry.transfer_id, entry.prefill_engine_id) != (
+            first.transfer_id,
+            first.prefill_engine_id,
+        ) or entry.engine_id not in ("", engine_id):
+            break
+        end += 1
+    return max(end, start + 1)
 
 
 def outcome_to_proto(

@@ -10,7 +10,8 @@ once: inside one page on both sides, no decode byte written twice, exactly the u
 
 :class:`TemplateTable` holds every template of a pair as the columns of one array (rows
 :data:`SOURCE` .. :data:`LENGTH`), which a request expands with one gather;
-:func:`coalesce_columns` and :func:`group_by_source` order and merge such a gather.
+:func:`coalesce_columns` and :func:`group_by_source` order and merge such a gather;
+a :class:`RequestShape` holds the gather for requests of one shape.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import pairwise
 
 import numpy as np
@@ -107,6 +108,42 @@ class TemplateTable:
         self.meta = np.append(self.meta, np.array(column, dtype=_I64)[:, None], axis=1)
         self.runs = np.concatenate([self.runs, added], axis=1)
         return tid
+
+
+#: Positions in one group's block id list: a slice, or one index per slot.
+Pick = slice | np.ndarray
+#: A group and the positions of each slot's prefill and decode block id in its lists.
+Picks = tuple[int, Pick, Pick]
+#: A request's shape: decode ranks planned, tokens, list lengths per group on each side.
+ShapeKey = tuple[tuple[int, ...], int, tuple[int, ...], tuple[int, ...]]
+
+
+@dataclass(frozen=True)
+class RequestShape:
+    """What planning a request takes that depends only on its shape (:data:`ShapeKey`), not
+    on its block ids: which list positions pair, the template-table columns of all planned
+    ranks gathered (``base``, None when there are none) and which slot's block offsets each
+    column adds (``column_slot``), and what each rank's plan counts without its runs."""
+
+    picks: tuple[Picks, ...]
+    naive_bytes: int
+    vllm_units: list[int]
+    rank_ends: list[int]
+    mergeable: list[bool] = field(default_factory=list)
+    base: np.ndarray | None = None
+    column_slot: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=_I64))
+
+    @property
+    def nbytes(self) -> int:
+        picks = [p for _, *sides in self.picks for p in sides if isinstance(p, np.ndarray)]
+        return sum(a.nbytes for a in (self.base, self.column_slot, *picks) if a is not None)
+
+
+def picked(ids: Sequence[int], pick: Pick) -> Sequence[int]:
+    """The block ids at ``pick``'s positions of one group's list."""
+    if isinstance(pick, slice):
+        return ids[pick]
+    return np.asarray(ids, dtype=_I64)[pick].tolist()
 
 
 # --------------------------------------------------------------------------- run emission

@@ -6,9 +6,10 @@ Which prefill rank serves a piece is decided by interval subtraction along the T
 preferring the ranks vLLM pairs with that decode rank (:meth:`PairPlanner.source_ranks`), so a
 replicated head is read once and a replicated segment (MLA's latent: no shard axis) whole from
 the first of them. Per (decode rank, group, chunk shape) the runs relative to the
-page starts form a cached template (:mod:`broker.plan_templates`); a request only adds block
-offsets with numpy and coalesces runs that continue each other on both sides, for all its
-decode ranks in one pass. A pair of layouts is checked once (:mod:`broker.compatibility`).
+page starts form a cached template (:mod:`broker.plan_templates`), and per request shape
+(tokens and list lengths) the templates of all its slots are gathered once; a request only
+adds block offsets with numpy and coalesces runs that continue each other on both sides, for
+all its decode ranks in one pass. A pair of layouts is checked once (:mod:`broker.compatibility`).
 
 This module holds the request and plan value types and :class:`PairPlanner`, which splits a
 request into block pairs, checks its block ids and expands the templates over them.
@@ -20,6 +21,7 @@ bytes equal the unpadded state the decode rank needs. Pure: no I/O, no clocks, n
 
 from __future__ import annotations
 
+import sys
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -39,10 +41,15 @@ from broker.plan_templates import (
     REMOTE,
     SOURCE,
     Chunk,
+    Pick,
+    Picks,
+    RequestShape,
+    ShapeKey,
     TemplateTable,
     build_template,
     coalesce_columns,
     group_by_source,
+    picked,
 )
 
 _I64 = np.int64
@@ -204,6 +211,11 @@ def _ids(groups: Sequence[Sequence[int]]) -> list[int] | np.ndarray:
     )
 
 
+#: Bytes the request shapes a planner keeps hold in all: past it they are dropped, and a
+#: larger shape is gathered afresh per request.
+_SHAPE_BYTES = 4 << 20
+
+
 # --------------------------------------------------------------------------- pair planner
 
 
@@ -228,6 +240,8 @@ class PairPlanner:
     #: benchmarks use it to compare against vLLM's descriptor scheme.
     coalesce: bool = True
     _table: TemplateTable = field(default_factory=TemplateTable, init=False, repr=False)
+    _shapes: dict[ShapeKey, RequestShape] = field(default_factory=dict, init=False, repr=False)
+    _shape_bytes: int = field(default=0, init=False, repr=False)
     _attention_groups: list[int] = field(default_factory=list, init=False, repr=False)
     #: Page bytes of a decode rank (EngineLayout makes all ranks alike), and (decode,
     #: prefill) page bytes as a column.
@@ -257,8 +271,8 @@ class PairPlanner:
 
     @property
     def nbytes(self) -> int:
-        """Bytes its cached templates hold (:attr:`TemplateTable.nbytes`)."""
-        return self._table.nbytes
+        """Bytes its cached templates (:attr:`TemplateTable.nbytes`) and request shapes hold."""
+        return self._table.nbytes + self._shape_bytes + sys.getsizeof(self._shapes)
 
     def plan(self, request: TransferRequest) -> TransferPlan:
         """Plans of every decode rank, made together: one pass over all their runs."""
@@ -284,9 +298,51 @@ class PairPlanner:
 
     def _plan_ranks(self, ranks: Sequence[int], request: TransferRequest) -> tuple[RankPlan, ...]:
         """The plans of ``ranks``. The request's block pairs (the same for every decode rank)
-        map to each rank's templates; one gather expands them all, block offsets are added,
-        runs that continue each other merge, and the runs split by decode and prefill rank."""
+        map to each rank's templates, gathered once per request shape (:class:`RequestShape`);
+        block offsets are added, runs that continue each other merge, and the runs split by
+        decode and prefill rank."""
         self._check_request(request)
+        shape = self._shape(tuple(ranks), request)
+        if shape.base is None:
+            return tuple(
+                RankPlan(d, (), shape.naive_bytes, n) for d, n in zip(ranks, shape.vllm_units)
+            )
+        slot_p: list[int] = []
+        slot_d: list[int] = []
+        for g, p_pick, d_pick in shape.picks:
+            slot_p += picked(request.prefill_block_ids[g], p_pick)
+            slot_d += picked(request.decode_block_ids[g], d_pick)
+        block_offsets = np.array([_large(slot_d), _large(slot_p)], dtype=_I64)
+        block_offsets *= self._page_column
+        runs = shape.base.copy()
+        runs[LOCAL : REMOTE + 1] += block_offsets.take(shape.column_slot, axis=1)
+        mergeable = shape.mergeable
+        if all(mergeable):
+            runs = coalesce_columns(runs, self._local_bits)
+        elif not any(mergeable):
+            runs = group_by_source(runs)
+        else:  # gathered runs are rank after rank
+            runs = np.concatenate(
+                [
+                    coalesce_columns(part, self._local_bits) if merge else group_by_source(part)
+                    for part, merge in zip(np.split(runs, shape.rank_ends[:-1], axis=1), mergeable)
+                ],
+                axis=1,
+            )
+        return self._split(ranks, runs, shape.naive_bytes, shape.vllm_units)
+
+    def _shape(self, ranks: tuple[int, ...], request: TransferRequest) -> RequestShape:
+        """The :class:`RequestShape` of ``request`` for ``ranks``, cached while the template table
+        lasts (raises as :meth:`_plan_ranks` for a shape past the limits, caching nothing)."""
+        key = (
+            ranks,
+            request.num_tokens,
+            tuple(map(len, request.prefill_block_ids)),
+            tuple(map(len, request.decode_block_ids)),
+        )
+        shape = self._shapes.get(key)
+        if shape is not None:
+            return shape
         tp = self.decode.tp_size
         table = self._table
         if len(table.ids) >= self.max_templates * tp or (
@@ -294,14 +350,17 @@ class PairPlanner:
         ):
             # Only between requests: the ids collected below index one table.
             table = self._table = TemplateTable()
-        chunks, slot_p, slot_d, naive_pages = self._block_pairs(request)
-        slots = len(slot_p)
+            self._shapes.clear()
+            self._shape_bytes = 0
+        chunks, picks, naive_pages = self._block_pairs(key[1], key[2], key[3])
+        slots = sum(count for _, _, count in chunks)
         tids: list[int] = []
         for d in ranks:
             for g, chunk, count in chunks:
                 tids += [self._template_id(d, g, chunk)] * count
+        naive_bytes = naive_pages * self._d_page
         if not slots:
-            return tuple(RankPlan(d, (), naive_pages * self._d_page, 0) for d in ranks)
+            return self._cached(key, RequestShape(picks, naive_bytes, [0] * len(ranks), []))
         start, size, units, starts_pages, ends_pages = table.meta.take(_large(tids), axis=1)
         ends = size.cumsum()
         rank_ends = ends[slots - 1 :: slots].tolist()
@@ -316,20 +375,8 @@ class PairPlanner:
         vllm_units = np.add.reduceat(units, per_rank).tolist()
         total = rank_ends[-1]
         if not total:
-            return tuple(
-                RankPlan(d, (), naive_pages * self._d_page, n) for d, n in zip(ranks, vllm_units)
-            )
-        runs = table.runs.take(
-            np.arange(total, dtype=_I64) + (start - ends + size).repeat(size), axis=1
-        )
-        block_offsets = np.array(
-            [np.tile(_large(side), len(ranks)) for side in (slot_d, slot_p)]
-            if len(slot_p) > _VALUES_PER_STEP
-            else (slot_d * len(ranks), slot_p * len(ranks)),
-            dtype=_I64,
-        )
-        block_offsets *= self._page_column
-        runs[LOCAL : REMOTE + 1] += block_offsets.repeat(size, axis=1)
+            return self._cached(key, RequestShape(picks, naive_bytes, vllm_units, rank_ends))
+        first_column = (start - ends + size).repeat(size)
         # A rank's runs merge only if one of its block pairs ends where another could start;
         # decided per rank, so that its plan is the same however many ranks are planned.
         mergeable = [False] * len(ranks)
@@ -338,22 +385,30 @@ class PairPlanner:
                 np.logical_or.reduceat(starts_pages, per_rank)
                 & np.logical_or.reduceat(ends_pages, per_rank)
             ).tolist()
-        if all(mergeable):
-            runs = coalesce_columns(runs, self._local_bits)
-        elif not any(mergeable):
-            runs = group_by_source(runs)
-        else:  # gathered runs are rank after rank
-            runs = np.concatenate(
-                [
-                    coalesce_columns(part, self._local_bits) if merge else group_by_source(part)
-                    for part, merge in zip(np.split(runs, rank_ends[:-1], axis=1), mergeable)
-                ],
-                axis=1,
-            )
-        return self._split(ranks, runs, naive_pages, vllm_units)
+        shape = RequestShape(
+            picks,
+            naive_bytes,
+            vllm_units,
+            rank_ends,
+            mergeable,
+            table.runs.take(np.arange(total, dtype=_I64) + first_column, axis=1),
+            (np.arange(len(tids), dtype=_I64) % slots).repeat(size),
+        )
+        return self._cached(key, shape)
+
+    def _cached(self, key: ShapeKey, shape: RequestShape) -> RequestShape:
+        """``shape``, kept unless too large (see :data:`_SHAPE_BYTES`)."""
+        size = shape.nbytes
+        if size <= _SHAPE_BYTES:
+            if self._shape_bytes + size > _SHAPE_BYTES:
+                self._shapes.clear()
+                self._shape_bytes = 0
+            self._shapes[key] = shape
+            self._shape_bytes += size
+        return shape
 
     def _split(
-        self, ranks: Sequence[int], runs: np.ndarray, naive_pages: int, vllm_units: list[int]
+        self, ranks: Sequence[int], runs: np.ndarray, naive_bytes: int, vllm_units: list[int]
     ) -> tuple[RankPlan, ...]:
         """Runs ordered by source, as one :class:`RankPlan` per decode rank."""
         source = runs[SOURCE]
@@ -374,39 +429,33 @@ class PairPlanner:
                 )
             )
         return tuple(
-            RankPlan(d, tuple(by_rank[d]), naive_pages * self._d_page, units)
+            RankPlan(d, tuple(by_rank[d]), naive_bytes, units)
             for d, units in zip(ranks, vllm_units)
         )
 
     def _block_pairs(
-        self,
-        request: TransferRequest,
-    ) -> tuple[list[tuple[int, Chunk | None, int]], list[int], list[int], int]:
-        """The request's block pairs, the same for every decode rank: runs of ``(group,
-        chunk, count)`` (template keys, in slot order), the prefill and decode block id of
-        each slot, and the number of decode pages written (over all layers)."""
+        self, num_tokens: int, p_lengths: tuple[int, ...], d_lengths: tuple[int, ...]
+    ) -> tuple[list[tuple[int, Chunk | None, int]], tuple[Picks, ...], int]:
+        """The block pairs of a request of ``num_tokens`` with lists of these lengths, the
+        same for every decode rank: runs of ``(group, chunk, count)`` (template keys, in slot
+        order), per group the positions in its prefill and decode lists of each slot's block
+        id, and the number of decode pages written (over all layers)."""
         chunks: list[tuple[int, Chunk | None, int]] = []
-        slot_p: list[int] = []
-        slot_d: list[int] = []
-        p_sel: Sequence[int]  # a group's prefill and decode block id per slot
-        d_sel: Sequence[int]
+        picks: list[Picks] = []
         naive_pages = 0
         for g, d_group in enumerate(self.decode.groups):
-            p_ids, d_ids = request.prefill_block_ids[g], request.decode_block_ids[g]
+            p_len, d_len = p_lengths[g], d_lengths[g]
             if d_group.is_attention:
-                shapes, p_sel, d_sel, pages = self._attention_chunks(
-                    g, request.num_tokens, p_ids, d_ids
-                )
+                shapes, p_pick, d_pick, pages = self._attention_chunks(g, num_tokens, p_len, d_len)
                 chunks += [(g, shape, count) for shape, count in shapes]
             else:
-                n = min(len(p_ids), len(d_ids))
+                n = min(p_len, d_len)
                 if n:
                     chunks.append((g, None, n))
-                p_sel, d_sel, pages = p_ids[len(p_ids) - n :], d_ids[:n], n
-            slot_p += p_sel
-            slot_d += d_sel
+                p_pick, d_pick, pages = slice(p_len - n, p_len), slice(0, n), n
+            picks.append((g, p_pick, d_pick))
             naive_pages += pages * len(d_group.layers)
-        return chunks, slot_p, slot_d, naive_pages
+        return chunks, tuple(picks), naive_pages
 
     # ---- request handling
 
@@ -440,27 +489,24 @@ class PairPlanner:
                 raise RequestError(f"prefill_block_ids[{g}]", shortfall)
 
     def _attention_chunks(
-        self,
-        g: int,
-        num_tokens: int,
-        p_ids: Sequence[int],
-        d_ids: Sequence[int],
-    ) -> tuple[list[tuple[Chunk, int]], list[int], list[int], int]:
+        self, g: int, num_tokens: int, p_len: int, d_len: int
+    ) -> tuple[list[tuple[Chunk, int]], Pick, Pick, int]:
         """Split the tokens decode is missing into chunks that lie in one prefill and one
         decode page; returns the chunk shapes (with how many consecutive chunks have each),
-        both block ids per chunk, and the number of decode pages written."""
+        the positions in the prefill and decode lists of each chunk's block id, and the
+        number of decode pages written."""
         p_group, d_group = self.prefill.groups[g], self.decode.groups[g]
         p_bs, d_bs = p_group.block_size, d_group.block_size
         # Both lists hold the request's last blocks: decode's a shorter list when it already
         # holds a prefix (or keeps only a window), prefill's when it keeps only a window.
-        d_first = tail_start(num_tokens, len(d_ids), d_bs)
-        p_first = tail_start(num_tokens, len(p_ids), p_bs)
+        d_first = tail_start(num_tokens, d_len, d_bs)
+        p_first = tail_start(num_tokens, p_len, p_bs)
         first = max(d_first, p_first)
         # Decode kernel blocks holding a token below num_tokens arrive whole (as vLLM moves
         # them), as far as prefill's pages reach.
-        last = min(_round_up(num_tokens, d_group.kernel_block_size), p_first + len(p_ids) * p_bs)
-        if last <= first or not d_ids:
-            return [], [], [], 0
+        last = min(_round_up(num_tokens, d_group.kernel_block_size), p_first + p_len * p_bs)
+        if last <= first or not d_len:
+            return [], slice(0), slice(0), 0
         if p_bs == d_bs:  # chunks are whole pages but the last
             count = -(-(last - first) // d_bs)
             tail = last - first - (count - 1) * d_bs
@@ -468,12 +514,7 @@ class PairPlanner:
                 [((0, 0, d_bs), count - 1), ((0, 0, tail), 1)] if count > 1 else [((0, 0, tail), 1)]
             )
             p_at, d_at = (first - p_first) // p_bs, (first - d_first) // d_bs
-            return (
-                shapes,
-                list(p_ids[p_at : p_at + count]),
-                list(d_ids[d_at : d_at + count]),
-                count,
-            )
+            return shapes, slice(p_at, p_at + count), slice(d_at, d_at + count), count
         starts = np.union1d(
             np.arange(_round_up(first, d_bs), last, d_bs, dtype=_I64),
             np.arange(_round_up(first, p_bs), last, p_bs, dtype=_I64),
@@ -487,13 +528,8 @@ class PairPlanner:
             (starts % d_bs).tolist(),
             (ends - starts).tolist(),
         )
-        d_sel = np.asarray(d_ids, dtype=_I64)[d_index]
-        return (
-            [(span, 1) for span in spans],
-            np.asarray(p_ids, dtype=_I64)[p_index].tolist(),
-            d_sel.tolist(),
-            int(np.unique(d_sel).size),
-        )
+        # Decode block ids are distinct (checked per request): as many pages as positions.
+        return [(span, 1) for span in spans], p_index, d_index, int(np.unique(d_index).size)
 
     # ---- templates
 

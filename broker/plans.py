@@ -18,10 +18,12 @@ import numpy as np
 
 from broker.api import PlanResult, SourceDescriptors
 from broker.descriptors import descriptor_pair
-from broker.engines import PairPlanning
-from broker.errors import PdbrokerError, PreconditionError, RequestError
+from broker.engines import Engine, PairPlanning
+from broker.errors import LimitExceededError, PdbrokerError, PreconditionError, RequestError
+from broker.limits import LIMITS
 from broker.planner import RankPlan, TransferRequest
-from broker.wire import MemoryKind
+from broker.records import PlanRecord
+from broker.wire import DESCRIPTOR_BYTES, MemoryKind
 
 
 @dataclass(frozen=True)
@@ -150,3 +152,31 @@ def _planning_error(exc: RequestError) -> PdbrokerError:
     if exc.field.startswith("decode_block_ids"):
         return RequestError("block_ids" + exc.field.removeprefix("decode_block_ids"), exc.detail)
     return PreconditionError("transfer_id", f"published request cannot be planned: {exc}")
+
+
+def answer_size(plan: PlanRecord, prefill: Engine) -> int:
+    """What ``plan`` answered in one message counts against a limit: its descriptors on both
+    sides and its sources' agent metadata."""
+    return 2 * DESCRIPTOR_BYTES * plan.rank_plan.num_descriptors + sum(
+        len(prefill.ranks[p].registration.agent_metadata) for p in plan.prefill_ranks
+    )
+
+
+def answer_bound(plan: PlanRecord, prefill: Engine) -> int:
+    """At least the serialized size of ``plan``'s answer: :func:`answer_size` and, per
+    message and per source, room for its ids (UTF-8), counts and tags."""
+    per_id = 4 * LIMITS.max_id_chars + 8
+    sources = len(plan.prefill_ranks)
+    return answer_size(plan, prefill) + 4 * per_id + 256 + sources * (5 * per_id + 128)
+
+
+def check_answer_size(plan: PlanRecord, prefill: Engine, limit: int) -> None:
+    """RESOURCE_EXHAUSTED naming ``plan`` when ``plan`` answered in one message could pass
+    ``limit`` bytes (:func:`answer_size`)."""
+    size = answer_size(plan, prefill)
+    if size > limit:
+        raise LimitExceededError(
+            "plan",
+            f"the plan of decode rank {plan.decode_rank} is {size} bytes, more than one "
+            f"answer carries ({limit}): ask StreamTransferPlan for it",
+        )

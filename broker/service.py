@@ -63,7 +63,14 @@ from broker.errors import (
 from broker.layout import EngineLayout
 from broker.observer import ServiceObserver
 from broker.planner import TransferRequest
-from broker.plans import Planned, PlanTicket, PlanWork, SourceAgent
+from broker.plans import (
+    Planned,
+    PlanTicket,
+    PlanWork,
+    SourceAgent,
+    answer_bound,
+    check_answer_size,
+)
 from broker.records import (
     PlanRecord,
     RankKey,
@@ -75,7 +82,7 @@ from broker.registry import RankLimits, Registry
 from broker.releases import ReleaseFeeds
 from broker.store.contract import StateStore
 from broker.store.memory import InMemoryStateStore
-from broker.wire import DESCRIPTOR_BYTES, TransferState
+from broker.wire import TransferState
 
 
 class BrokerService:
@@ -213,25 +220,8 @@ class BrokerService:
         and call again with its result. A plan whose answer would exceed ``answer_bytes`` is
         refused (RESOURCE_EXHAUSTED naming ``plan``) before it is handed out."""
         started = planned.work.started if planned is not None else time.perf_counter()
-        now, store = self.clock.now_ms(), self.store
-        t = self._find(query.transfer_id, query.prefill_engine_id, query.engine_id)
-        t = self._settle_time(t, now)
-        if t.state.terminal:
-            raise Refusal(_ended(t))
-        decode = self.engines.engine(store, query.engine_id)
-        if not decode.role.reads:
-            raise PreconditionError("engine_id", f"engine {query.engine_id!r} is a prefill engine")
-        if not 0 <= query.tp_rank < decode.layout.tp_size:
-            raise RequestError("tp_rank", f"{query.tp_rank} outside [0, {decode.layout.tp_size})")
-        if t.decode_engine_id and t.decode_engine_id != query.engine_id:
-            raise PreconditionError(
-                "transfer_id", f"transfer {t.transfer_id!r} was claimed by another decode engine"
-            )
-        prefill = self.engines.engine(store, t.prefill_engine_id, "transfer_id")
-        if prefill.generation != t.prefill_generation:
-            raise PreconditionError(
-                "transfer_id", "the prefill engine re-registered since publishing"
-            )
+        now = self.clock.now_ms()
+        t, prefill, decode = self._plan_parties(query, (query.tp_rank,), now)
         pair, cache_hit = self.engines.pair(prefill, decode)
         cache_hit = cache_hit and (planned is None or planned.work.cache_hit)
         basis = (t.key, prefill.generation, decode.engine_id, decode.generation, query.block_ids)
@@ -255,13 +245,8 @@ class BrokerService:
             made = plans_for(None)
             if isinstance(made, PlanWork):
                 return made
-            claim_id = secrets.token_hex(10)  # plan ids: unguessable, unique per claim and rank
-            plans = tuple(
-                PlanRecord(f"{claim_id}-{p.decode_rank}", p.decode_rank, query.block_ids, p)
-                for p in made.plans
-            )
-            claim = (transfers.Claim(decode.engine_id, decode.generation, plans),)
-            plan = plans[rank]
+            claim = (self._claim(decode, query, made),)
+            plan = claim[0].plans[rank]
         else:
             if t.plans[rank].block_ids != query.block_ids and not t.plans[rank].handed_out:
                 made = plans_for(rank)
@@ -271,14 +256,122 @@ class BrokerService:
                 t = self.effects.decide(t, replan, now)
             plan = t.plans[rank]
         if answer_bytes is not None:
-            _check_answer_size(plan, prefill, answer_bytes)
+            check_answer_size(plan, prefill, answer_bytes)
+        first = not plan.handed_out
+        events: tuple[transfers.Event, ...] = (*claim, transfers.HandOut(rank, query.block_ids))
+        t, ticket = self._hand_out(t, events, now, query, prefill, decode, cache_hit)
+        if first:
+            seconds = time.perf_counter() - started
+            self.effects.later(self.observer.plan_handed_out, seconds, ticket.rank_plan, cache_hit)
+        return ticket
+
+    @atomic
+    def plan_group(
+        self, queries: Sequence[PlanQuery], answer_bytes: int, in_place: int
+    ) -> list[PlanTicket] | None:
+        """:meth:`plan_step` of several asks for one transfer with the same block ids (ranks
+        of one decode engine, in order, a rank maybe twice) as one unit of work: one lookup,
+        one state-machine step and one store write for all, the same tickets and hand-outs.
+        None, having decided nothing, when an ask would fare otherwise than being handed its
+        plan (refused, replanned, planned elsewhere, its answer near ``answer_bytes``, which
+        the tickets' answers share): ask them one by one then (an expiry noticed is stored)."""
+        started, now, query = time.perf_counter(), self.clock.now_ms(), queries[0]
+        if any(q.block_ids != query.block_ids for q in queries):
+            return None
+        try:
+            t, prefill, decode = self._plan_parties(query, [q.tp_rank for q in queries], now)
+            pair, cache_hit = self.engines.pair(prefill, decode)
+            claim: tuple[transfers.Claim, ...] = ()
+            if t.state is TransferState.PUBLISHED:
+                request = TransferRequest(t.num_tokens, t.block_ids, query.block_ids)
+                work = PlanWork(pair, request, None, None, started, cache_hit)
+                made = work.run_if_free() if work.block_ids <= in_place else None
+                if made is None:
+                    return None
+                claim = (self._claim(decode, query, made),)
+        except (PdbrokerError, Refusal):
+            return None
+        plans = claim[0].plans if claim else t.plans
+        answers = 0  # each answer's most bytes, in order: what every check below passes
+        for q in queries:
+            answers += answer_bound(plans[q.tp_rank], prefill)
+            if plans[q.tp_rank].block_ids != query.block_ids or answers > answer_bytes:
+                return None
+        handed = {plan.decode_rank for plan in plans if plan.handed_out}
+        events: tuple[transfers.Event, ...] = (
+            *claim,
+            *(transfers.HandOut(q.tp_rank, q.block_ids) for q in queries),
+        )
+        tickets = []
+        for q in queries:
+            t, ticket = self._hand_out(t, events, now, q, prefill, decode, cache_hit)
+            events = ()
+            if q.tp_rank not in handed:
+                handed.add(q.tp_rank)
+                seconds = time.perf_counter() - started
+                self.effects.later(
+                    self.observer.plan_handed_out, seconds, ticket.rank_plan, cache_hit
+                )
+            tickets.append(ticket)
+        return tickets
+
+    def _plan_parties(
+        self, query: PlanQuery, ranks: Sequence[int], now: int
+    ) -> tuple[TransferRecord, Engine, Engine]:
+        """The transfer ``query`` names (what time did to it stored), its prefill and decode
+        engine, once the decode engine's ``ranks`` may be handed plans of it."""
+        store = self.store
+        t = self._find(query.transfer_id, query.prefill_engine_id, query.engine_id)
+        t = self._settle_time(t, now)
+        if t.state.terminal:
+            raise Refusal(_ended(t))
+        decode = self.engines.engine(store, query.engine_id)
+        if not decode.role.reads:
+            raise PreconditionError("engine_id", f"engine {query.engine_id!r} is a prefill engine")
+        for rank in ranks:
+            if not 0 <= rank < decode.layout.tp_size:
+                raise RequestError("tp_rank", f"{rank} outside [0, {decode.layout.tp_size})")
+        if t.decode_engine_id and t.decode_engine_id != query.engine_id:
+            raise PreconditionError(
+                "transfer_id", f"transfer {t.transfer_id!r} was claimed by another decode engine"
+            )
+        prefill = self.engines.engine(store, t.prefill_engine_id, "transfer_id")
+        if prefill.generation != t.prefill_generation:
+            raise PreconditionError(
+                "transfer_id", "the prefill engine re-registered since publishing"
+            )
+        return t, prefill, decode
+
+    @staticmethod
+    def _claim(decode: Engine, query: PlanQuery, made: Planned) -> transfers.Claim:
+        """The decode engine's claim of a transfer with every rank's plan in ``made``."""
+        claim_id = secrets.token_hex(10)  # plan ids: unguessable, unique per claim and rank
+        plans = tuple(
+            PlanRecord(f"{claim_id}-{p.decode_rank}", p.decode_rank, query.block_ids, p)
+            for p in made.plans
+        )
+        return transfers.Claim(decode.engine_id, decode.generation, plans)
+
+    def _hand_out(
+        self,
+        t: TransferRecord,
+        events: tuple[transfers.Event, ...],
+        now: int,
+        query: PlanQuery,
+        prefill: Engine,
+        decode: Engine,
+        cache_hit: bool,
+    ) -> tuple[TransferRecord, PlanTicket]:
+        """Decide ``events`` (none: decided already) in the ``broker.plan`` span of
+        ``query``'s rank, and its ticket."""
+        rank = query.tp_rank
         with tracing.span(
             "broker.plan",
             t.traceparent,
             {"pdbroker.transfer_id": t.transfer_id, "pdbroker.decode_rank": rank},
         ) as span:
-            first = not plan.handed_out
-            t = self.effects.decide(t, (*claim, transfers.HandOut(rank, query.block_ids)), now)
+            if events:
+                t = self.effects.decide(t, events, now)
             traceparent = tracing.span_traceparent(span) or t.traceparent
             ticket = self._ticket(t, t.plans[rank], prefill, decode, query, traceparent)
             if span is not None:
@@ -290,10 +383,7 @@ class BrokerService:
                         "pdbroker.cache_hit": cache_hit,
                     }
                 )
-        if first:
-            seconds = time.perf_counter() - started
-            self.effects.later(self.observer.plan_handed_out, seconds, ticket.rank_plan, cache_hit)
-        return ticket
+        return t, ticket
 
     def _ticket(
         self,
@@ -500,20 +590,6 @@ class BrokerService:
                 f"engine {pub.engine_id!r} holds {held} block ids; {asked} more would pass its "
                 f"quota of {self.config.max_block_ids_per_engine} (--max-block-ids-per-engine)",
             )
-
-
-def _check_answer_size(plan: PlanRecord, prefill: Engine, limit: int) -> None:
-    """RESOURCE_EXHAUSTED naming ``plan`` when ``plan`` answered in one message could pass
-    ``limit`` bytes (its descriptors on both sides and its sources' agent metadata)."""
-    size = 2 * DESCRIPTOR_BYTES * plan.rank_plan.num_descriptors + sum(
-        len(prefill.ranks[p].registration.agent_metadata) for p in plan.prefill_ranks
-    )
-    if size > limit:
-        raise LimitExceededError(
-            "plan",
-            f"the plan of decode rank {plan.decode_rank} is {size} bytes, more than one "
-            f"answer carries ({limit}): ask StreamTransferPlan for it",
-        )
 
 
 def _ended(t: TransferRecord) -> PreconditionError:

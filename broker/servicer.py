@@ -28,7 +28,7 @@ import contextvars
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial, wraps
 from typing import Any, NoReturn, TypeVar
@@ -365,7 +365,9 @@ class BrokerServicer(pb_grpc.BrokerServicer):
 
     async def GetTransferPlans(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         """Each entry is planned as :meth:`GetTransferPlan` plans one, in order, and answered
-        on its own; the answer's plans share one ``max_unary_plan_bytes`` budget."""
+        on its own; the answer's plans share one ``max_unary_plan_bytes`` budget. Adjacent
+        entries of one transfer asked alike are handed out in one unit of work
+        (:meth:`BrokerService.plan_group`)."""
         try:
             request = await self.parsed(request)
             await self.authorized(context, _as_engine, request)
@@ -375,19 +377,43 @@ class BrokerServicer(pb_grpc.BrokerServicer):
             await abort(context, exc)
         budget = LIMITS.max_unary_plan_bytes
         response = pb.GetTransferPlansResponse()
-        slice_start = time.perf_counter()
-        for i, (entry, block_ids) in enumerate(zip(request.entries, counts)):
-            result = response.results.add()
+        entries, start, slice_start = request.entries, 0, time.perf_counter()
+        while start < len(entries):
+            end = convert.alike_entries(entries, counts, start, engine_id, OFFLOAD_BLOCK_IDS)
             try:
-                convert.check_entry_engine(entry, engine_id)
-                entry.engine_id = engine_id
-                plan = await self._planned(entry, budget, block_ids)
-                budget -= convert.plan_to_proto(plan, into=result.plan).ByteSize()
-            except Exception as exc:  # noqa: BLE001 - an entry's failure is its answer
-                result.ClearField("plan")
-                result.code, result.message = await _entry_refusal(context, exc, "entries", i)
-            slice_start = await _yield_when_due(slice_start)
+                group = entries[start:end]
+                tickets = await self._planned_group(group, engine_id, budget) if group[1:] else None
+            except Exception as exc:  # noqa: BLE001 - every failure becomes a status
+                await abort(context, exc)
+            for i in range(start, end):
+                entry, result = entries[i], response.results.add()
+                try:
+                    if tickets is None:
+                        convert.check_entry_engine(entry, engine_id)
+                        entry.engine_id = engine_id
+                        plan = await self._planned(entry, budget, counts[i])
+                    else:
+                        ticket = tickets[i - start]
+                        heavy = ticket.num_descriptors > OFFLOAD_DESCRIPTORS
+                        plan = await self.pure(heavy, ticket.result)
+                    budget -= convert.plan_to_proto(plan, into=result.plan).ByteSize()
+                except Exception as exc:  # noqa: BLE001 - an entry's failure is its answer
+                    result.ClearField("plan")
+                    result.code, result.message = await _entry_refusal(context, exc, "entries", i)
+                slice_start = await _yield_when_due(slice_start)
+            start = end
         return response
+
+    async def _planned_group(
+        self, entries: Sequence[pb.GetTransferPlanRequest], engine_id: str, budget: int
+    ) -> list[PlanTicket] | None:
+        """Entries of one transfer asked alike handed out together, or None: each alone."""
+        for entry in entries:
+            entry.engine_id = engine_id
+        queries = convert.plan_queries_alike(entries)
+        if queries is None:
+            return None
+        return await self.stored(self.service.plan_group, queries, budget, OFFLOAD_BLOCK_IDS)
 
     async def ReportTransfers(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         """Each report is recorded as :meth:`ReportTransfer` records one, in order, and

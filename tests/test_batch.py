@@ -23,7 +23,7 @@ from test_server import (  # noqa: F401 - broker: the live gRPC broker fixture
     register,
 )
 
-from broker import servicer
+from broker import convert, servicer
 from broker.limits import LIMITS
 from broker.v1 import broker_pb2 as pb
 from clients import protocol
@@ -120,6 +120,69 @@ def test_each_entry_is_answered_alone_and_as_the_unary_call_answers_it(broker: B
     assert plans(broker, entry("t2", 0, sc))[0].plan == unary
     for plan in (first, second, unary):
         assert plan.total_bytes > 0 and plan.sources and plan.traceparent == ""
+
+
+def test_entries_of_one_transfer_asked_together_are_each_answered_as_alone(broker: Broker) -> None:  # noqa: F811
+    """Adjacent entries of one transfer (handed out in one unit of work) among entries of
+    others: each answered as on its own, a rank twice, a refused entry inside the group."""
+    sc = two_by_two(broker, "a", "b", "c")
+    results = plans(
+        broker,
+        entry("a", 0, sc),
+        entry("a", 1, sc),
+        entry("a", 1, sc),  # a duplicate inside the group
+        entry("b", 1, sc),  # another transfer, ranks in reverse
+        entry("b", 0, sc),
+        entry("c", 0, sc),
+        entry("c", 5, sc),  # refused, between two entries of its transfer
+        entry("c", 1, sc),
+    )
+    assert [r.code for r in results] == [0, 0, 0, 0, 0, 0, CODE["INVALID_ARGUMENT"], 0]
+    assert results[6].message.startswith("entries[6].tp_rank: ")
+    a0, a1, a1_again, b1, b0, c0, _, c1 = (r.plan for r in results)
+    # One claim per transfer: its ranks' plan ids share it; metadata with first contacts only.
+    assert a0.plan_id.rsplit("-", 1)[0] == a1.plan_id.rsplit("-", 1)[0] != b0.plan_id[:-2]
+    assert all(s.remote_agent_metadata for p in (a0, a1) for s in p.sources)
+    assert a1_again == without_metadata(a1)
+    assert not any(s.remote_agent_metadata for p in (b0, b1, c0, c1) for s in p.sources)
+    # Every plan was handed out by the batch, and can be reported.
+    for transfer_id in "abc":
+        state = broker.stub.GetTransfer(
+            pb.GetTransferRequest(transfer_id=transfer_id), timeout=WAIT_S
+        )
+        assert [p.handed_out for p in state.plans] == [True, True]
+    # Each plan is the one the unary call answers for that transfer and rank.
+    for transfer_id, rank, plan in (("a", 0, a0), ("a", 1, a1), ("b", 0, b0), ("b", 1, b1)):
+        unary = broker.stub.GetTransferPlan(
+            plan_request(transfer_id, rank, sc.request), timeout=WAIT_S
+        )
+        assert unary == without_metadata(plan) and unary.total_bytes > 0
+    reports = [done(p, rank) for p, rank in ((a0, 0), (a1, 1), (b1, 1), (b0, 0), (c0, 0), (c1, 1))]
+    request = pb.ReportTransfersRequest(engine_id="D", reports=reports)
+    outcomes = broker.stub.ReportTransfers(request, timeout=WAIT_S).results
+    assert [r.code for r in outcomes] == [0] * 6
+
+
+def test_entries_grouped_for_one_unit_of_work() -> None:
+    """Runs of adjacent entries of one transfer (and publisher) for the call's engine, each
+    small, at most ``GROUP_ENTRIES``; an entry that is not alike starts the next group."""
+    names = ["a", "a", "b", "a", "a", "a", "c", "c"] + ["d"] * (convert.GROUP_ENTRIES + 1)
+    entries = [pb.GetTransferPlanRequest(transfer_id=n) for n in names]
+    entries[4].engine_id = "X"  # another engine than the call's
+    entries[5].prefill_engine_id = "P"
+    counts = [1] * len(entries)
+    counts[7] = 5  # too many block ids to plan in place
+
+    def groups() -> list[int]:
+        ends, start = [], 0
+        while start < len(entries):
+            start = convert.alike_entries(entries, counts, start, "D", 4)
+            ends.append(start)
+        return ends
+
+    assert groups() == [2, 3, 4, 5, 6, 7, 8, 8 + convert.GROUP_ENTRIES, len(entries)]
+    entries[4].engine_id = "D"  # naming the call's engine is alike
+    assert groups()[:3] == [2, 3, 5]
 
 
 def test_reports_are_recorded_each_on_its_own(broker: Broker) -> None:  # noqa: F811

@@ -124,6 +124,56 @@ def test_prefix_hit_moves_only_the_missing_tail() -> None:
     assert full.nbytes - partial.nbytes == pages_skipped * attention_page * 2  # two layers
 
 
+def _same_shape(request: TransferRequest, shift: int) -> list[TransferRequest]:
+    """``request``, its block ids moved by ``shift``, and both with each decode list
+    reversed: one shape (tokens, list lengths), other pages paired, contiguous or not."""
+    moved = TransferRequest.of(
+        request.num_tokens,
+        [[b + shift for b in g] for g in request.prefill_block_ids],
+        [[b + shift for b in g] for g in request.decode_block_ids],
+    )
+    return [
+        r
+        for base in (request, moved)
+        for r in (
+            base,
+            TransferRequest.of(
+                base.num_tokens,
+                base.prefill_block_ids,
+                [g[::-1] for g in base.decode_block_ids],
+            ),
+        )
+    ]
+
+
+@pytest.mark.parametrize("same_block_size", [True, False])
+def test_requests_of_one_shape_are_planned_from_their_own_block_ids(same_block_size: bool) -> None:
+    """A planner reuses what a request's shape fixes (which list positions pair, the templates
+    gathered), never its block ids: each request of one shape, planned after the others (all
+    ranks, then one), equals its plan by a fresh planner."""
+    if same_block_size:
+        sc = build_scenario(hybrid(), 2, 2, 100, stride=2, prefill_offset=1, decode_offset=1)
+        prefill, decode, request = sc.prefill, sc.decode, sc.request
+    else:
+        model = hybrid()
+        prefill = build_engine_layout(model, 2, 40, block_size=48, kernel_block_size=16)
+        decode = build_engine_layout(model, 2, 40, block_size=80, kernel_block_size=40)
+        request = TransferRequest.of(150, [[1], [5, 7, 9, 11], [3]], [[3], [13, 15], [5]])
+    requests = _same_shape(request, -1)
+    reused = PairPlanner(prefill, decode)
+    for _ in range(2):
+        for r in requests:
+            fresh = PairPlanner(prefill, decode)
+            assert (reused.plan(r).rows() == fresh.plan(r).rows()).all()
+            one, alone = reused.plan_rank(1, r), fresh.plan_rank(1, r)
+            assert [s.prefill_rank for s in one.sources] == [s.prefill_rank for s in alone.sources]
+            for a, b in zip(one.sources, alone.sources):
+                assert (a.local_offset == b.local_offset).all()
+                assert (a.remote_offset == b.remote_offset).all()
+                assert (a.length == b.length).all()
+    assert len({reused.plan(r).rows().tobytes() for r in requests}) == len(requests)
+
+
 def test_fp8_kv_and_separate_k_v_planes_are_declarations_only() -> None:
     # Older vLLM splits a kernel block into a K plane and a V plane: declare it, plan it.
     def planes(rank: RankLayout) -> RankLayout:
