@@ -1,9 +1,18 @@
 """The broker's rules for ranks: registration under a lease, renewal, and what a rank's
-departure does to the transfers it takes part in (:class:`Registry`)."""
+departure does to the transfers it takes part in (:class:`Registry`).
+
+A departure fails the unfinished transfers of the rank's engine a slice at a time: the unit
+of work that removes the rank tells the first :data:`TRANSFERS_PER_UNIT` of them and, when
+more are left, stores the departure (a :class:`~broker.records.RankLoss`) for the reaper to
+go on with, a slice per unit (:meth:`Registry.tell_losses`). Until then a call that changes
+one of those transfers tells it first (:meth:`Registry.settle`): each fails the moment its
+rank is gone, whichever comes first, and a crash mid-way leaves the stored departure to the
+next reaper, of any replica."""
 
 from __future__ import annotations
 
 import secrets
+import time
 from dataclasses import dataclass, replace
 
 from broker import transfers
@@ -12,10 +21,12 @@ from broker.clock import Clock
 from broker.effects import Effects, Refusal, atomic
 from broker.engines import EngineCatalog, assemble_layout, check_regions
 from broker.errors import AlreadyExistsError, LimitExceededError, NotFoundError, PreconditionError
-from broker.records import RankKey, RankRecord, RankRegistration
+from broker.records import RankKey, RankLoss, RankRecord, RankRegistration, TransferRecord
 from broker.wire import Role
 
 LEASE_EXPIRED = "lease expired"
+#: Transfers one unit of work tells of a rank's departure, at most.
+TRANSFERS_PER_UNIT = 64
 
 
 @dataclass(frozen=True)
@@ -146,20 +157,65 @@ class Registry:
 
     def remove(self, record: RankRecord, why: str) -> None:
         """Forget a rank (inside a unit of work) and fail the unfinished transfers it takes
-        part in."""
-        now = self.clock.now_ms()
+        part in (the first slice of them now, see the module docstring)."""
         effects, store, key = self.effects, self.store, record.key
         store.delete_rank(key)
         effects.later(effects.observer.rank_removed, record.registration.role, why == LEASE_EXPIRED)
         store.drop_releases(key)
         store.drop_contacts(key)
         self.engines.forget(key[0])
-        lost = transfers.LoseRank(key[0], key[1], record.generation, why)
-        for transfer_key in store.transfers_of(key[0]):
-            t = store.get_transfer(transfer_key)
-            if t is not None:
-                effects.decide(t, lost, now)
+        self._tell(RankLoss(key[0], key[1], record.generation, why), stored=False)
         effects.notify(key)
+
+    def _tell(self, loss: RankLoss, stored: bool) -> bool:
+        """Fail the next :data:`TRANSFERS_PER_UNIT` transfers of ``loss``'s engine (those
+        after ``done_through``, by key), then store how far it got, or forget the loss
+        (``stored``) once none is left; returns whether some are."""
+        store, event, now = self.store, _event(loss), self.clock.now_ms()
+        keys = [k for k in store.transfers_of(loss.engine_id) if k > loss.done_through]
+        for key in keys[:TRANSFERS_PER_UNIT]:
+            t = store.get_transfer(key)
+            if t is not None:
+                self.effects.decide(t, event, now)
+        if len(keys) > TRANSFERS_PER_UNIT:
+            store.put_loss(replace(loss, done_through=keys[TRANSFERS_PER_UNIT - 1]))
+            return True
+        if stored:
+            store.delete_loss(loss)
+        return False
+
+    def tell_losses(self, until: float) -> bool:
+        """Go on with the stored departures, a slice per unit of work, until
+        ``time.perf_counter()`` reaches ``until``; returns whether some are left."""
+        for loss in self.store.losses():
+            while True:
+                if time.perf_counter() >= until:
+                    return True
+                if not self._tell_next(loss.key):
+                    break
+        return False
+
+    @atomic
+    def _tell_next(self, key: tuple[str, int, int]) -> bool:
+        loss = next((x for x in self.store.losses((key[0],)) if x.key == key), None)
+        return loss is not None and self._tell(loss, stored=True)
+
+    def settle(self, t: TransferRecord) -> TransferRecord:
+        """``t`` (inside a unit of work) told of the departures of its engines' ranks that
+        no slice told it yet."""
+        engines = (
+            (t.prefill_engine_id, t.decode_engine_id)
+            if t.decode_engine_id
+            else (t.prefill_engine_id,)
+        )
+        losses = self.store.losses(engines)
+        if not losses:
+            return t
+        return self.effects.decide(t, tuple(map(_event, losses)), self.clock.now_ms())
+
+
+def _event(loss: RankLoss) -> transfers.LoseRank:
+    return transfers.LoseRank(loss.engine_id, loss.tp_rank, loss.generation, loss.why)
 
 
 def _show(value: object) -> str:

@@ -77,6 +77,9 @@ from broker.store.contract import StateStore
 from broker.store.memory import InMemoryStateStore
 from broker.wire import DESCRIPTOR_BYTES, TransferState
 
+#: How long one :meth:`BrokerService.reap` starts units of work for (seconds).
+REAP_SLICE_S = 0.002
+
 
 class BrokerService:
     """Registrations, publications, plans, reports and releases; see the module docstring."""
@@ -338,6 +341,7 @@ class BrokerService:
         while the rank read is recorded, then answered with :class:`AbortedError`."""
         key = self.store.transfer_of_plan(report.plan_id)
         t = None if key is None else self.store.get_transfer(key)
+        t = None if t is None else self.registry.settle(t)
         plan = None if t is None else t.plan_by_id(report.plan_id)
         if t is None or plan is None or not plan.handed_out:
             raise NotFoundError("plan_id", f"no plan {report.plan_id!r}")
@@ -435,20 +439,27 @@ class BrokerService:
 
     # ------------------------------------------------------------------ time
 
-    def reap(self) -> None:
+    def reap(self) -> bool:
         """Expire leases and transfers that are due, end live plans of ended transfers past
-        ``max_read_ms``, forget finished transfers after the retention period. Called
-        periodically by the server; each item is its own unit of work."""
+        ``max_read_ms``, forget finished transfers after the retention period, go on failing
+        the transfers of ranks that went away (:meth:`Registry.tell_losses`). Called
+        periodically by the server; each item is its own unit of work, and none is started
+        once :data:`REAP_SLICE_S` passed: returns whether work is left (call again soon)."""
+        until = time.perf_counter() + REAP_SLICE_S
         now = self.clock.now_ms()
         for rank in self.store.due_leases(now):
+            if time.perf_counter() >= until:
+                return True
             self.registry.expire_lease(rank)
         for transfer in self.store.due_transfers(now):
             self._reap_transfer(transfer)
+        return self.registry.tell_losses(until)
 
     @atomic
     def _reap_transfer(self, key: TransferKey) -> None:
         t = self.store.get_transfer(key)
         if t is not None:
+            t = self.registry.settle(t)
             self.effects.decide(t, transfers.Tick(), self.clock.now_ms())
 
     # ------------------------------------------------------------------ internals
@@ -475,7 +486,7 @@ class BrokerService:
                 f"{len(found)} prefill engines published transfer {transfer_id!r}: "
                 "name the one you mean",
             )
-        return found[0]
+        return self.registry.settle(found[0])
 
     def _settle_time(self, t: TransferRecord, now: int) -> TransferRecord:
         """``t`` with what time did to it (an expiry the reaper has not seen yet)."""

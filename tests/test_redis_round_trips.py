@@ -38,8 +38,8 @@ PINNED = {
     "ReportTransfer": 5,
     "ReportTransfer (last: releases)": 5,
     "Deregister": 4,
-    "reap (one lease expires)": 7,
-    "reap (nothing due)": 2,
+    "reap (one lease expires)": 8,
+    "reap (nothing due)": 3,
 }
 
 
