@@ -3,7 +3,8 @@ of work (:data:`~broker.registry.TRANSFERS_PER_UNIT`), on both stores: no unit c
 yet each transfer fails the moment the rank is gone for every call that touches it (a DONE
 report of a plan that read it is refused), the reaper of another broker on the same store
 (a replica, or this one restarted) finishes what a removal left, every transfer ends FAILED
-and the surviving prefill rank is released once per transfer. In memory, a broker whose
+and the surviving prefill rank is released once per transfer; on Redis a replica whose unit
+read a transfer before another removed its rank runs again and sees it. In memory, a broker whose
 rank's lease expires under 3,000 transfers never holds its event loop for more than a few ms
 of CPU (its wall-clock gaps are printed: on a shared host they are the host's too)."""
 
@@ -18,10 +19,12 @@ from typing import Any
 
 import pytest
 from broker_helpers import FakeClock, hybrid, register_engine
+from conftest import RedisServer
 
 from broker.api import PlanQuery, Publication, Report
 from broker.config import ServiceConfig
 from broker.errors import AbortedError
+from broker.records import TransferKey, TransferRecord
 from broker.registry import TRANSFERS_PER_UNIT
 from broker.server import BrokerServer
 from broker.service import BrokerService
@@ -87,8 +90,8 @@ def test_a_departure_fails_its_engines_transfers_a_slice_per_unit() -> None:
     service.deregister(leases[0].lease_id)
     assert service.store.losses(), "the removal told every transfer in one unit"
     with pytest.raises(AbortedError):  # its prefill rank is gone: the data is invalid
-        service.report(Report(plan.plan_id, "D", 0, ReportStatus.DONE, 0, 10))
-    assert service.get_transfer("t0190").state is TransferState.FAILED
+        replica.report(Report(plan.plan_id, "D", 0, ReportStatus.DONE, 0, 10))
+    assert replica.get_transfer("t0190").state is TransferState.FAILED
     for _ in range(10 * HELD):
         if not replica.reap():
             break
@@ -106,6 +109,34 @@ def test_a_departure_fails_its_engines_transfers_a_slice_per_unit() -> None:
     )
     assert {e.reason for e in released} == {ReleaseReason.ABORTED}
     assert replica.store.releases_after(("P", 0), 0) == []  # the departed rank's queue went
+
+
+def test_a_departure_committed_while_a_replica_reports_makes_it_look_again(
+    redis_server: RedisServer,
+) -> None:
+    """On Redis: replica B reads a transfer for a DONE report, replica A removes its prefill
+    rank before B commits; B's commit fails (it read the departures) and its second attempt
+    sees the departure: the report is refused, the transfer FAILED."""
+    a = BrokerService(redis_server.store(), FakeClock(), CONFIG)
+    leases = register_engine(a, SC.prefill, "P", Role.PREFILL, 0)
+    register_engine(a, SC.decode, "D", Role.DECODE, 1)
+    for i in range(TRANSFERS_PER_UNIT):
+        _publish(a, f"t{i:04d}")
+    _publish(a, "zz")  # beyond the removal's own slice
+    plan = a.get_plan(PlanQuery("zz", "D", 0, SC.request.decode_block_ids))
+    b = _replica(a)
+    read = b.store.get_transfer
+
+    def read_then_lose_the_rank(key: TransferKey) -> TransferRecord | None:
+        found = read(key)
+        if key == ("P", "zz") and a.store.get_rank(("P", 0)) is not None:
+            a.deregister(leases[0].lease_id)  # committed between B's read and its commit
+        return found
+
+    b.store.get_transfer = read_then_lose_the_rank  # type: ignore[method-assign]
+    with pytest.raises(AbortedError):
+        b.report(Report(plan.plan_id, "D", 0, ReportStatus.DONE, 0, 10))
+    assert a.get_transfer("zz").state is TransferState.FAILED
 
 
 async def _longest_gap(stop: asyncio.Event) -> float:
