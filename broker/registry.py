@@ -11,6 +11,7 @@ next reaper, of any replica."""
 
 from __future__ import annotations
 
+import bisect
 import secrets
 import time
 from dataclasses import dataclass, replace
@@ -21,7 +22,14 @@ from broker.clock import Clock
 from broker.effects import Effects, Refusal, atomic
 from broker.engines import EngineCatalog, assemble_layout, check_regions
 from broker.errors import AlreadyExistsError, LimitExceededError, NotFoundError, PreconditionError
-from broker.records import RankKey, RankLoss, RankRecord, RankRegistration, TransferRecord
+from broker.records import (
+    RankKey,
+    RankLoss,
+    RankRecord,
+    RankRegistration,
+    TransferKey,
+    TransferRecord,
+)
 from broker.wire import Role
 
 LEASE_EXPIRED = "lease expired"
@@ -50,6 +58,9 @@ class Registry:
         self.clock = clock
         self.engines = engines
         self.limits = limits
+        #: Each departure's transfer keys as first read here, sorted: a slice finds its own
+        #: by bisection instead of reading and sorting all of them again.
+        self._loss_keys: dict[tuple[str, int, int], list[TransferKey]] = {}
 
     @atomic
     def register(self, reg: RankRegistration) -> Lease:
@@ -172,14 +183,18 @@ class Registry:
         after ``done_through``, by key), then store how far it got, or forget the loss
         (``stored``) once none is left; returns whether some are."""
         store, event, now = self.store, _event(loss), self.clock.now_ms()
-        keys = [k for k in store.transfers_of(loss.engine_id) if k > loss.done_through]
-        for key in keys[:TRANSFERS_PER_UNIT]:
+        keys = self._loss_keys.get(loss.key)
+        if keys is None:  # the transfers published or claimed later are not of this rank
+            keys = self._loss_keys[loss.key] = sorted(store.transfers_of(loss.engine_id))
+        start = bisect.bisect_right(keys, loss.done_through)
+        for key in keys[start : start + TRANSFERS_PER_UNIT]:
             t = store.get_transfer(key)
             if t is not None:
                 self.effects.decide(t, event, now)
-        if len(keys) > TRANSFERS_PER_UNIT:
-            store.put_loss(replace(loss, done_through=keys[TRANSFERS_PER_UNIT - 1]))
+        if start + TRANSFERS_PER_UNIT < len(keys):
+            store.put_loss(replace(loss, done_through=keys[start + TRANSFERS_PER_UNIT - 1]))
             return True
+        del self._loss_keys[loss.key]
         if stored:
             store.delete_loss(loss)
         return False
@@ -187,7 +202,10 @@ class Registry:
     def tell_losses(self, until: float) -> bool:
         """Go on with the stored departures, a slice per unit of work, until
         ``time.perf_counter()`` reaches ``until``; returns whether some are left."""
-        for loss in self.store.losses():
+        losses = self.store.losses()
+        for key in self._loss_keys.keys() - {loss.key for loss in losses}:
+            del self._loss_keys[key]  # finished elsewhere, or its unit did not commit
+        for loss in losses:
             while True:
                 if time.perf_counter() >= until:
                     return True
