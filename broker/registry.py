@@ -35,6 +35,8 @@ from broker.wire import Role
 LEASE_EXPIRED = "lease expired"
 #: Transfers one unit of work tells of a rank's departure, at most.
 TRANSFERS_PER_UNIT = 64
+#: How long one reaper pass starts units of work for (seconds).
+REAP_SLICE_S = 0.002
 
 
 @dataclass(frozen=True)
@@ -132,6 +134,16 @@ class Registry:
     def deregister(self, lease_id: str) -> None:
         self.remove(self.lease(lease_id), "deregistered")
 
+    def expire_due(self, now: int, until: float) -> bool:
+        """Remove the ranks whose lease expired by ``now``, each in a unit of work of its own,
+        none started once ``time.perf_counter()`` reached ``until``; returns whether some are
+        left."""
+        for key in self.store.due_leases(now):
+            if time.perf_counter() >= until:
+                return True
+            self.expire_lease(key)
+        return False
+
     @atomic
     def expire_lease(self, key: RankKey) -> None:
         """Remove the rank if its lease is still expired (its own unit of work)."""
@@ -217,6 +229,12 @@ class Registry:
     def _tell_next(self, key: tuple[str, int, int]) -> bool:
         loss = next((x for x in self.store.losses((key[0],)) if x.key == key), None)
         return loss is not None and self._tell(loss, stored=True)
+
+    def transfer(self, key: TransferKey | None) -> TransferRecord | None:
+        """The transfer at ``key`` (None: none), inside a unit of work, settled
+        (:meth:`settle`)."""
+        t = None if key is None else self.store.get_transfer(key)
+        return None if t is None else self.settle(t)
 
     def settle(self, t: TransferRecord) -> TransferRecord:
         """``t`` (inside a unit of work) told of the departures of its engines' ranks that

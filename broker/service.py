@@ -71,14 +71,11 @@ from broker.records import (
     TransferKey,
     TransferRecord,
 )
-from broker.registry import RankLimits, Registry
+from broker.registry import REAP_SLICE_S, RankLimits, Registry
 from broker.releases import ReleaseFeeds
 from broker.store.contract import StateStore
 from broker.store.memory import InMemoryStateStore
 from broker.wire import DESCRIPTOR_BYTES, TransferState
-
-#: How long one :meth:`BrokerService.reap` starts units of work for (seconds).
-REAP_SLICE_S = 0.002
 
 
 class BrokerService:
@@ -339,9 +336,7 @@ class BrokerService:
         """Record a decode rank's outcome (the first report of a plan wins) and release the
         prefill ranks it settles. A DONE report (or its repetition) for a transfer that ended
         while the rank read is recorded, then answered with :class:`AbortedError`."""
-        key = self.store.transfer_of_plan(report.plan_id)
-        t = None if key is None else self.store.get_transfer(key)
-        t = None if t is None else self.registry.settle(t)
+        t = self.registry.transfer(self.store.transfer_of_plan(report.plan_id))
         plan = None if t is None else t.plan_by_id(report.plan_id)
         if t is None or plan is None or not plan.handed_out:
             raise NotFoundError("plan_id", f"no plan {report.plan_id!r}")
@@ -440,26 +435,20 @@ class BrokerService:
     # ------------------------------------------------------------------ time
 
     def reap(self) -> bool:
-        """Expire leases and transfers that are due, end live plans of ended transfers past
-        ``max_read_ms``, forget finished transfers after the retention period, go on failing
-        the transfers of ranks that went away (:meth:`Registry.tell_losses`). Called
-        periodically by the server; each item is its own unit of work, and none is started
-        once :data:`REAP_SLICE_S` passed: returns whether work is left (call again soon)."""
-        until = time.perf_counter() + REAP_SLICE_S
-        now = self.clock.now_ms()
-        for rank in self.store.due_leases(now):
-            if time.perf_counter() >= until:
-                return True
-            self.registry.expire_lease(rank)
+        """Expire what is due (leases, transfers, live plans past ``max_read_ms``, finished
+        transfers past retention), go on failing departed ranks' transfers: each its own
+        unit of work, none started after ``REAP_SLICE_S``. Returns whether work is left."""
+        now, until = self.clock.now_ms(), time.perf_counter() + REAP_SLICE_S
+        if self.registry.expire_due(now, until):
+            return True
         for transfer in self.store.due_transfers(now):
             self._reap_transfer(transfer)
         return self.registry.tell_losses(until)
 
     @atomic
     def _reap_transfer(self, key: TransferKey) -> None:
-        t = self.store.get_transfer(key)
+        t = self.registry.transfer(key)
         if t is not None:
-            t = self.registry.settle(t)
             self.effects.decide(t, transfers.Tick(), self.clock.now_ms())
 
     # ------------------------------------------------------------------ internals
