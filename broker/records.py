@@ -93,6 +93,23 @@ class RankRecord:
 
 
 @dataclass(frozen=True)
+class RankLoss:
+    """A rank's departure (``why``: deregistered, lease expired, re-registered) not yet told
+    to every transfer of its engine: those after ``done_through`` (by key) still wait for it,
+    a slice of them per unit of work."""
+
+    engine_id: str
+    tp_rank: int
+    generation: int
+    why: str
+    done_through: TransferKey = ("", "")
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        return self.engine_id, self.tp_rank, self.generation
+
+
+@dataclass(frozen=True)
 class TimelineEntry:
     at_ms: int
     event: str

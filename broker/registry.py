@@ -1,9 +1,19 @@
 """The broker's rules for ranks: registration under a lease, renewal, and what a rank's
-departure does to the transfers it takes part in (:class:`Registry`)."""
+departure does to the transfers it takes part in (:class:`Registry`).
+
+A departure fails the unfinished transfers of the rank's engine a slice at a time: the unit
+of work that removes the rank tells the first :data:`TRANSFERS_PER_UNIT` of them and, when
+more are left, stores the departure (a :class:`~broker.records.RankLoss`) for the reaper to
+go on with, a slice per unit (:meth:`Registry.tell_losses`). Until then a call that changes
+one of those transfers tells it first (:meth:`Registry.settle`): each fails the moment its
+rank is gone, whichever comes first, and a crash mid-way leaves the stored departure to the
+next reaper, of any replica."""
 
 from __future__ import annotations
 
+import bisect
 import secrets
+import time
 from dataclasses import dataclass, replace
 
 from broker import transfers
@@ -12,10 +22,21 @@ from broker.clock import Clock
 from broker.effects import Effects, Refusal, atomic
 from broker.engines import EngineCatalog, assemble_layout, check_regions
 from broker.errors import AlreadyExistsError, LimitExceededError, NotFoundError, PreconditionError
-from broker.records import RankKey, RankRecord, RankRegistration
+from broker.records import (
+    RankKey,
+    RankLoss,
+    RankRecord,
+    RankRegistration,
+    TransferKey,
+    TransferRecord,
+)
 from broker.wire import Role
 
 LEASE_EXPIRED = "lease expired"
+#: Transfers one unit of work tells of a rank's departure, at most.
+TRANSFERS_PER_UNIT = 64
+#: How long one reaper pass starts units of work for (seconds).
+REAP_SLICE_S = 0.002
 
 
 @dataclass(frozen=True)
@@ -39,6 +60,9 @@ class Registry:
         self.clock = clock
         self.engines = engines
         self.limits = limits
+        #: Each departure's transfer keys as first read here, sorted: a slice finds its own
+        #: by bisection instead of reading and sorting all of them again.
+        self._loss_keys: dict[tuple[str, int, int], list[TransferKey]] = {}
 
     @atomic
     def register(self, reg: RankRegistration) -> Lease:
@@ -110,6 +134,16 @@ class Registry:
     def deregister(self, lease_id: str) -> None:
         self.remove(self.lease(lease_id), "deregistered")
 
+    def expire_due(self, now: int, until: float) -> bool:
+        """Remove the ranks whose lease expired by ``now``, each in a unit of work of its own,
+        none started once ``time.perf_counter()`` reached ``until``; returns whether some are
+        left."""
+        for key in self.store.due_leases(now):
+            if time.perf_counter() >= until:
+                return True
+            self.expire_lease(key)
+        return False
+
     @atomic
     def expire_lease(self, key: RankKey) -> None:
         """Remove the rank if its lease is still expired (its own unit of work)."""
@@ -146,20 +180,78 @@ class Registry:
 
     def remove(self, record: RankRecord, why: str) -> None:
         """Forget a rank (inside a unit of work) and fail the unfinished transfers it takes
-        part in."""
-        now = self.clock.now_ms()
+        part in (the first slice of them now, see the module docstring)."""
         effects, store, key = self.effects, self.store, record.key
         store.delete_rank(key)
         effects.later(effects.observer.rank_removed, record.registration.role, why == LEASE_EXPIRED)
         store.drop_releases(key)
         store.drop_contacts(key)
         self.engines.forget(key[0])
-        lost = transfers.LoseRank(key[0], key[1], record.generation, why)
-        for transfer_key in store.transfers_of(key[0]):
-            t = store.get_transfer(transfer_key)
-            if t is not None:
-                effects.decide(t, lost, now)
+        self._tell(RankLoss(key[0], key[1], record.generation, why), stored=False)
         effects.notify(key)
+
+    def _tell(self, loss: RankLoss, stored: bool) -> bool:
+        """Fail the next :data:`TRANSFERS_PER_UNIT` transfers of ``loss``'s engine (those
+        after ``done_through``, by key), then store how far it got, or forget the loss
+        (``stored``) once none is left; returns whether some are."""
+        store, event, now = self.store, _event(loss), self.clock.now_ms()
+        keys = self._loss_keys.get(loss.key)
+        if keys is None:  # the transfers published or claimed later are not of this rank
+            keys = self._loss_keys[loss.key] = sorted(store.transfers_of(loss.engine_id))
+        start = bisect.bisect_right(keys, loss.done_through)
+        for key in keys[start : start + TRANSFERS_PER_UNIT]:
+            t = store.get_transfer(key)
+            if t is not None:
+                self.effects.decide(t, event, now)
+        if start + TRANSFERS_PER_UNIT < len(keys):
+            store.put_loss(replace(loss, done_through=keys[start + TRANSFERS_PER_UNIT - 1]))
+            return True
+        del self._loss_keys[loss.key]
+        if stored:
+            store.delete_loss(loss)
+        return False
+
+    def tell_losses(self, until: float) -> bool:
+        """Go on with the stored departures, a slice per unit of work, until
+        ``time.perf_counter()`` reaches ``until``; returns whether some are left."""
+        losses = self.store.losses()
+        for key in self._loss_keys.keys() - {loss.key for loss in losses}:
+            del self._loss_keys[key]  # finished elsewhere, or its unit did not commit
+        for loss in losses:
+            while True:
+                if time.perf_counter() >= until:
+                    return True
+                if not self._tell_next(loss.key):
+                    break
+        return False
+
+    @atomic
+    def _tell_next(self, key: tuple[str, int, int]) -> bool:
+        loss = next((x for x in self.store.losses((key[0],)) if x.key == key), None)
+        return loss is not None and self._tell(loss, stored=True)
+
+    def transfer(self, key: TransferKey | None) -> TransferRecord | None:
+        """The transfer at ``key`` (None: none), inside a unit of work, settled
+        (:meth:`settle`)."""
+        t = None if key is None else self.store.get_transfer(key)
+        return None if t is None else self.settle(t)
+
+    def settle(self, t: TransferRecord) -> TransferRecord:
+        """``t`` (inside a unit of work) told of the departures of its engines' ranks that
+        no slice told it yet."""
+        engines = (
+            (t.prefill_engine_id, t.decode_engine_id)
+            if t.decode_engine_id
+            else (t.prefill_engine_id,)
+        )
+        losses = self.store.losses(engines)
+        if not losses:
+            return t
+        return self.effects.decide(t, tuple(map(_event, losses)), self.clock.now_ms())
+
+
+def _event(loss: RankLoss) -> transfers.LoseRank:
+    return transfers.LoseRank(loss.engine_id, loss.tp_rank, loss.generation, loss.why)
 
 
 def _show(value: object) -> str:

@@ -414,17 +414,19 @@ class BrokerServer:
 
     async def _reap_forever(self) -> None:
         """Reap every ``reap_interval_ms`` (where store calls run:
-        :meth:`~broker.servicer.BrokerServicer.stored`); while the store fails, report
+        :meth:`~broker.servicer.BrokerServicer.stored`), and again once other tasks ran while
+        a reap left work; while the store fails, report
         NOT_SERVING (a replica that cannot reach Redis leaves its load balancer) and log
         once."""
-        serving = True
+        serving, more = True, False
         servicer = self._servicer
         assert servicer is not None
         while True:
-            await asyncio.sleep(self.reap_interval_ms / 1000)
+            await asyncio.sleep(0 if more else self.reap_interval_ms / 1000)
             try:
-                await servicer.stored(self.service.reap)
+                more = await servicer.stored(self.service.reap)
             except Exception as exc:
+                more = False
                 if serving:
                     if isinstance(exc, StoreUnavailableError):
                         log.warning("%s; reporting NOT_SERVING until it is back", exc.detail)

@@ -78,7 +78,7 @@ from broker.records import (
     TransferKey,
     TransferRecord,
 )
-from broker.registry import RankLimits, Registry
+from broker.registry import REAP_SLICE_S, RankLimits, Registry
 from broker.releases import ReleaseFeeds
 from broker.store.contract import StateStore
 from broker.store.memory import InMemoryStateStore
@@ -426,8 +426,7 @@ class BrokerService:
         """Record a decode rank's outcome (the first report of a plan wins) and release the
         prefill ranks it settles. A DONE report (or its repetition) for a transfer that ended
         while the rank read is recorded, then answered with :class:`AbortedError`."""
-        key = self.store.transfer_of_plan(report.plan_id)
-        t = None if key is None else self.store.get_transfer(key)
+        t = self.registry.transfer(self.store.transfer_of_plan(report.plan_id))
         plan = None if t is None else t.plan_by_id(report.plan_id)
         if t is None or plan is None or not plan.handed_out:
             raise NotFoundError("plan_id", f"no plan {report.plan_id!r}")
@@ -525,19 +524,20 @@ class BrokerService:
 
     # ------------------------------------------------------------------ time
 
-    def reap(self) -> None:
-        """Expire leases and transfers that are due, end live plans of ended transfers past
-        ``max_read_ms``, forget finished transfers after the retention period. Called
-        periodically by the server; each item is its own unit of work."""
-        now = self.clock.now_ms()
-        for rank in self.store.due_leases(now):
-            self.registry.expire_lease(rank)
+    def reap(self) -> bool:
+        """Expire what is due (leases, transfers, live plans past ``max_read_ms``, finished
+        transfers past retention), go on failing departed ranks' transfers: each its own
+        unit of work, none started after ``REAP_SLICE_S``. Returns whether work is left."""
+        now, until = self.clock.now_ms(), time.perf_counter() + REAP_SLICE_S
+        if self.registry.expire_due(now, until):
+            return True
         for transfer in self.store.due_transfers(now):
             self._reap_transfer(transfer)
+        return self.registry.tell_losses(until)
 
     @atomic
     def _reap_transfer(self, key: TransferKey) -> None:
-        t = self.store.get_transfer(key)
+        t = self.registry.transfer(key)
         if t is not None:
             self.effects.decide(t, transfers.Tick(), self.clock.now_ms())
 
@@ -565,7 +565,7 @@ class BrokerService:
                 f"{len(found)} prefill engines published transfer {transfer_id!r}: "
                 "name the one you mean",
             )
-        return found[0]
+        return self.registry.settle(found[0])
 
     def _settle_time(self, t: TransferRecord, now: int) -> TransferRecord:
         """``t`` with what time did to it (an expiry the reaper has not seen yet)."""

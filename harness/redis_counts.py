@@ -1,7 +1,9 @@
 """What a broker call costs Redis: the round trips of a
 :class:`~broker.store.redis.RedisStateStore`'s client (each send of one or more commands,
-counted by its connections) and the commands the server ran (``INFO commandstats``, those
-run by scripts included), for the tests that pin them and the benchmarks that report them."""
+counted by its connections), the values its replies carried (each string, number or nil,
+however nested: what a read of N records or members grows with) and the commands the server
+ran (``INFO commandstats``, those run by scripts included), for the tests that pin them and
+the benchmarks that report them."""
 
 from __future__ import annotations
 
@@ -20,10 +22,12 @@ _OWN_COMMANDS = frozenset({"info", "config|resetstat"})
 
 @dataclass(frozen=True)
 class RedisCost:
-    """Round trips of the client and commands of the server, by command name."""
+    """Round trips of the client, values in its replies and commands of the server, by
+    command name."""
 
     round_trips: int
     commands: dict[str, int]
+    reply_values: int = 0
 
     @property
     def total_commands(self) -> int:
@@ -38,6 +42,7 @@ class RedisCounter:
     def __init__(self, store: RedisStateStore) -> None:
         self.store = store
         self.round_trips = 0
+        self.reply_values = 0
         pool = store.client.connection_pool
         counter = self
 
@@ -45,6 +50,11 @@ class RedisCounter:
             def send_packed_command(self, command: Any, check_health: bool = True) -> None:
                 counter.round_trips += 1
                 super().send_packed_command(command, check_health)
+
+            def read_response(self, *args: Any, **kwargs: Any) -> Any:
+                response = super().read_response(*args, **kwargs)
+                counter.reply_values += _values(response)
+                return response
 
         pool.connection_class = Counted
 
@@ -58,7 +68,16 @@ class RedisCounter:
         """``call()``'s result and what it cost Redis (nothing else may use the server
         meanwhile)."""
         self.store.client.config_resetstat()
-        before = self.round_trips
+        before, values = self.round_trips, self.reply_values
         result = call()
-        trips = self.round_trips - before
-        return result, RedisCost(trips, self.server_commands())
+        trips, values = self.round_trips - before, self.reply_values - values
+        return result, RedisCost(trips, self.server_commands(), values)
+
+
+def _values(reply: Any) -> int:
+    """Strings, numbers and nils in ``reply``, however nested."""
+    if isinstance(reply, (list, tuple, set)):
+        return sum(_values(value) for value in reply)
+    if isinstance(reply, dict):
+        return sum(_values(key) + _values(value) for key, value in reply.items())
+    return 1

@@ -1,9 +1,10 @@
 """Round trips to Redis per broker call, pinned: each call of a transfer's life (and a
 rank's) costs the same few round trips in a cluster of one pair as in one of ten engines
 holding 40 other transfers, and no more than :data:`PINNED` (a change that adds one fails
-here; one that removes some lowers the pin). Counted on the store's connections against a
-real ``redis-server`` (:mod:`harness.redis_counts`), in the steady state: a first cycle
-loads the scripts and this replica's caches, the second is measured."""
+here; one that removes some lowers the pin); and the same commands and values read, there
+and among 2,048 registered ranks. Counted on the store's connections against a real
+``redis-server`` (:mod:`harness.redis_counts`), in the steady state: a first cycle loads the
+scripts and this replica's caches, the second is measured."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from broker.records import RankRecord
 from broker.service import BrokerService
 from broker.store.redis import RedisStateStore
 from broker.wire import ReportStatus, Role
-from harness.redis_counts import RedisCounter
+from harness.redis_counts import RedisCost, RedisCounter
 from harness.scenarios import Scenario, build_scenario
 
 CONFIG = ServiceConfig(default_ttl_ms=600_000, lease_ttl_ms=60_000)
@@ -38,8 +39,8 @@ PINNED = {
     "ReportTransfer": 5,
     "ReportTransfer (last: releases)": 5,
     "Deregister": 4,
-    "reap (one lease expires)": 7,
-    "reap (nothing due)": 2,
+    "reap (one lease expires)": 8,
+    "reap (nothing due)": 3,
 }
 
 
@@ -75,11 +76,11 @@ class Cluster:
     def cycle(self) -> dict[str, int]:
         """Round trips of each call of one transfer's and one engine's life."""
         trips: dict[str, int] = {}
-        self.commands: dict[str, int] = {}
+        self.costs: dict[str, RedisCost] = {}
 
         def measured(name: str, call: object) -> object:
             result, cost = self.counter.measure(call)  # type: ignore[arg-type]
-            trips[name], self.commands[name] = cost.round_trips, cost.total_commands
+            trips[name], self.costs[name] = cost.round_trips, cost
             return result
 
         n, service, sc = next(self.ids), self.service, self.sc
@@ -125,11 +126,27 @@ def test_round_trips_per_call_are_few_and_fixed(redis_server: RedisServer) -> No
     for cluster in (small, large):
         cluster.cycle()  # scripts loaded, this replica's caches filled
     trips = {"one pair": small.cycle(), "ten engines": large.cycle()}
-    print("\ncall: round trips, commands (one pair; ten engines, 40 transfers held)")
+    print("\ncall: round trips, commands, values read (one pair; ten engines, 40 held)")
     for name, n in trips["one pair"].items():
-        print(f"{name:40s} {n:3d} {small.commands[name]:4d}   {large.commands[name]:4d}")
+        ours, theirs = small.costs[name], large.costs[name]
+        print(
+            f"{name:40s} {n:3d} {ours.total_commands:4d} {ours.reply_values:4d}   "
+            f"{theirs.total_commands:4d} {theirs.reply_values:4d}"
+        )
     assert trips == {"one pair": PINNED, "ten engines": PINNED}
-    assert small.commands == large.commands
+    assert small.costs == large.costs
+
+
+def test_a_call_costs_the_same_among_2048_ranks(redis_server: RedisServer) -> None:
+    """No call reads what grows with the registered ranks: RegisterRank, an expiry and every
+    other call send the same commands and read the same number of values with one engine
+    pair registered as with 1,024 engines (2,048 ranks)."""
+    few, many = Cluster(redis_server.store(), 2, 0), Cluster(redis_server.store(), 1_024, 0)
+    for cluster in (few, many):
+        cluster.cycle()  # scripts loaded, this replica's caches filled
+        cluster.cycle()
+    assert many.service.store.count_ranks() == 2_048
+    assert few.costs == many.costs
 
 
 def _rank(engine_id: str) -> RankRecord:

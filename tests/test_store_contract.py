@@ -14,7 +14,7 @@ from broker_helpers import FakeClock, hybrid, register_engine, registration
 
 from broker.api import PlanQuery, Publication, Report
 from broker.config import ServiceConfig
-from broker.records import RankRecord, ReleaseEvent, TransferRecord
+from broker.records import RankLoss, RankRecord, ReleaseEvent, TransferRecord
 from broker.service import BrokerService
 from broker.store.contract import REDELIVER_MS, StateStore
 from broker.store.memory import InMemoryStateStore
@@ -82,6 +82,7 @@ def snapshot(store: StateStore) -> tuple:
         [store.engine_usage(engine) for engine in ("P", "Q")],
         [[(e.transfer_id, e.block_ids) for e in store.releases_after(k, 0)] for k in keys],
         [(store.delivered(k), store.compacted_through(k)) for k in keys],
+        store.losses(),
     )
 
 
@@ -130,6 +131,7 @@ def _fill(store: StateStore) -> None:
     store.put_transfer(transfer("Q", "t1", decode_engine_id="D"))
     store.append_release(("P", 0), event("t0"), *UNBOUNDED)
     store.mark_delivered(("P", 0), 1)
+    store.put_loss(RankLoss("P", 2, 1, "deregistered"))
 
 
 #: Writes of every kind a unit of work may make before it fails.
@@ -154,6 +156,9 @@ WRITES: dict[str, Callable[[StateStore], object]] = {
     "mark delivered": lambda s: s.mark_delivered(("P", 0), 7),
     "trim releases": lambda s: s.trim_releases(("P", 0), 0),
     "drop releases": lambda s: s.drop_releases(("P", 0)),
+    "put loss": lambda s: s.put_loss(RankLoss("D", 0, 3, "lease expired")),
+    "move loss on": lambda s: s.put_loss(RankLoss("P", 2, 1, "deregistered", ("P", "t1"))),
+    "delete loss": lambda s: s.delete_loss(RankLoss("P", 2, 1, "deregistered")),
 }
 
 
@@ -174,6 +179,25 @@ def test_a_unit_that_raises_midway_commits_nothing(store: StateStore, failing_af
     # The deadlines index was undone too: both transfers come due at their own deadline.
     assert store.due_transfers(4_999) == []
     assert sorted(store.due_transfers(5_000)) == [("P", "t1"), ("Q", "t1")]
+
+
+def test_losses_are_kept_by_rank_and_generation_and_read_by_engine(store: StateStore) -> None:
+    first, again = RankLoss("P", 0, 1, "deregistered"), RankLoss("P", 0, 4, "lease expired")
+    other = RankLoss("D", 1, 2, "re-registered")
+
+    def work() -> list:
+        store.put_transfer(transfer("P", "t1"))
+        store.get_transfer(("P", "t1"))  # a Redis unit reads the losses with it
+        for loss in (first, again, other):
+            store.put_loss(loss)
+        store.put_loss(dataclasses.replace(first, done_through=("P", "t1")))
+        return [store.losses(("P",)), store.losses(("D", "Q")), len(store.losses())]
+
+    moved = dataclasses.replace(first, done_through=("P", "t1"))
+    assert store.transact(work) == [[moved, again], [other], 3]
+    assert store.losses() == [other, moved, again]
+    store.delete_loss(first)
+    assert store.transact(lambda: store.losses(("P",))) == [again]
 
 
 def test_indexes_answer_from_the_records_put(store: StateStore) -> None:

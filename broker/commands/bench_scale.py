@@ -76,7 +76,7 @@ def run_scale_command(args: argparse.Namespace, progress: Progress) -> int:
 
     stores = [s.strip() for s in args.store.split(",") if s.strip()]
     if not stores or any(s not in STORES for s in stores):
-        raise UsageError("--store", f"{args.store!r}: name memory, redis or both")
+        raise UsageError("--store", f"{args.store!r}: name memory, redis or memory,redis")
     if any(tp not in (1, 2, 4, 8) for tp in args.tp):
         raise UsageError("--tp", f"{args.tp}: each TP size must be 1, 2, 4 or 8")
     options = ScaleOptions(

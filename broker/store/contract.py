@@ -14,9 +14,9 @@ Storage only: no business rules, no clocks. What both stores promise, and
   units and take effect at once.
 - **Indexes for every lookup a call makes.** A call touches the records it names and those
   the indexes point it to (transfers by engine, by bare id, by plan id, by deadline; ranks
-  by engine, data-parallel deployment, lease, agent name and lease deadline), never a scan
-  of all of them; only the operator listings (:meth:`~StateStore.ranks`,
-  :meth:`~StateStore.transfers`) read all.
+  by engine, data-parallel deployment, lease, agent name and lease deadline; the losses of
+  ranks by engine), never a scan of all of them; only the operator listings
+  (:meth:`~StateStore.ranks`, :meth:`~StateStore.transfers`) read all.
 - Getters return ``None`` for missing keys, deletes of missing keys do nothing.
 """
 
@@ -26,7 +26,14 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Iterator
 from typing import TypeVar
 
-from broker.records import RankKey, RankRecord, ReleaseEvent, TransferKey, TransferRecord
+from broker.records import (
+    RankKey,
+    RankLoss,
+    RankRecord,
+    ReleaseEvent,
+    TransferKey,
+    TransferRecord,
+)
 
 T = TypeVar("T")
 
@@ -112,6 +119,20 @@ class StateStore(ABC):
     @abstractmethod
     def ranks(self) -> list[RankRecord]:
         """Every registered rank, by (engine id, tp rank) (operator listings)."""
+
+    # ---- departures of ranks not yet told to all their engine's transfers
+
+    @abstractmethod
+    def put_loss(self, loss: RankLoss) -> None:
+        """Insert or replace the loss at ``loss.key``."""
+
+    @abstractmethod
+    def delete_loss(self, loss: RankLoss) -> None: ...
+
+    @abstractmethod
+    def losses(self, engine_ids: Collection[str] | None = None) -> list[RankLoss]:
+        """The losses of ranks of ``engine_ids`` (None: of every engine), by key. Cheap when
+        there are none: every call that changes a transfer reads those of its engines."""
 
     # ---- transfers
 

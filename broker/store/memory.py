@@ -16,7 +16,14 @@ from dataclasses import replace
 from operator import attrgetter
 from typing import Any, TypeVar
 
-from broker.records import RankKey, RankRecord, ReleaseEvent, TransferKey, TransferRecord
+from broker.records import (
+    RankKey,
+    RankLoss,
+    RankRecord,
+    ReleaseEvent,
+    TransferKey,
+    TransferRecord,
+)
 from broker.store.contract import REDELIVER_MS, StateStore, held_block_ids
 from broker.wire import data_parallel_deployment
 
@@ -66,6 +73,7 @@ class InMemoryStateStore(StateStore):
         self._release_bytes: dict[RankKey, int] = {}  # kept events' nbytes, by rank
         self._totals: dict[str, int] = {"release_bytes": 0}
         self._compacted: dict[RankKey, int] = {}
+        self._losses: dict[tuple[str, int, int], RankLoss] = {}
         self._journal: _Journal | None = None
 
     # ------------------------------------------------------------------ units of work
@@ -211,6 +219,23 @@ class InMemoryStateStore(StateStore):
 
     def ranks(self) -> list[RankRecord]:
         return [self._ranks[k] for k in sorted(self._ranks)]
+
+    # ------------------------------------------------------------------ rank losses
+
+    def put_loss(self, loss: RankLoss) -> None:
+        self._set(self._losses, loss.key, loss)
+
+    def delete_loss(self, loss: RankLoss) -> None:
+        self._pop(self._losses, loss.key)
+
+    def losses(self, engine_ids: Collection[str] | None = None) -> list[RankLoss]:
+        if not self._losses:
+            return []
+        return [
+            loss
+            for key, loss in sorted(self._losses.items())
+            if engine_ids is None or loss.engine_id in engine_ids
+        ]
 
     # ------------------------------------------------------------------ transfers
 

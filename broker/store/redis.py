@@ -16,6 +16,8 @@ Keys (``P`` is the prefix, ``R`` a rank ``"{tp_rank}:{engine_id}"``, ``T`` a tra
                            ``parties``; sets ``P transfers``, ``P named:ID`` (by bare id),
                            ``P party:ENGINE`` (by engine it concerns)
 ``P deadlines``            sorted set: transfers by deadline (ms)
+``P losses``               hash: rank losses not yet told to every transfer, field
+                           ``GENERATION:R``, value JSON (read with the transfers a unit reads)
 ``P usage:ENGINE``         hash: ``t`` transfers and ``i`` block ids a prefill engine's
                            transfers hold (each transfer's own share in its field ``q``)
 ``P plan:PLAN``            ``T`` of a plan
@@ -65,6 +67,7 @@ import redis
 
 from broker.records import (
     RankKey,
+    RankLoss,
     RankRecord,
     RankRegistration,
     TransferKey,
@@ -492,17 +495,27 @@ class RedisStateStore(RedisReleaseQueues, StateStore):
     ) -> list[TransferRecord | None]:
         """The records of ``keys`` (``None`` where missing) in one round trip, plus one for
         the plans blobs whose token is not cached here."""
-        pending = {} if self._unit is None else self._unit.transfers
+        unit = self._unit
+        pending = {} if unit is None else unit.transfers
         remote = [k for k in keys if k not in pending]
         hash_keys = [self._key("transfer", transfer_member(k)) for k in remote]
-        raws = self._fetch(hash_keys if watch else [], [("HGET", k, "m") for k in hash_keys])
+        reads: list[Command] = [("HGET", k, "m") for k in hash_keys]
+        watched = hash_keys if watch else []
+        with_losses = bool(remote) and watch and unit is not None and unit.losses_read is None
+        if with_losses:  # the rank losses a change to these records must see, same round trip
+            losses = self._key("losses")
+            watched, reads = [*watched, losses], [*reads, ("HGETALL", losses)]
+        raws = self._fetch(watched, reads)
+        if with_losses:
+            assert unit is not None
+            unit.losses_read = _decode_losses(raws.pop())
         metas = [None if raw is None else codec.plans_token_of(raw) for raw in raws]
         plans = {m[1]: self._plans.get(m[1]) for m in metas if m is not None}
         plans[""] = {}  # no plans yet
         misses = [i for i, m in enumerate(metas) if m is not None and plans[m[1]] is None]
         if misses:
-            reads: list[Command] = [("HMGET", hash_keys[i], "m", "p") for i in misses]
-            for i, (raw, blob) in zip(misses, self._fetch([], reads)):
+            blobs: list[Command] = [("HMGET", hash_keys[i], "m", "p") for i in misses]
+            for i, (raw, blob) in zip(misses, self._fetch([], blobs)):
                 # Read again with the blob: a writer may have replaced both meanwhile.
                 metas[i] = meta = None if raw is None else codec.plans_token_of(raw)
                 if meta is not None and plans.get(meta[1]) is None:
@@ -513,6 +526,39 @@ class RedisStateStore(RedisReleaseQueues, StateStore):
             for k, m in zip(remote, metas)
         }
         return [pending[k] if k in pending else found[k] for k in keys]
+
+    # ------------------------------------------------------------------ rank losses
+
+    def put_loss(self, loss: RankLoss) -> None:
+        key, field = self._key("losses"), _loss_field(loss)
+        value, ttl = json.dumps([*loss.key, loss.why, *loss.done_through]), self.transfer_ttl_ms
+        if self._unit is not None:
+            self._unit.loss_writes[loss.key] = loss
+        self._write(lambda c: (c.hset(key, field, value), c.pexpire(key, ttl)), ("loss", loss.key))
+
+    def delete_loss(self, loss: RankLoss) -> None:
+        key, field = self._key("losses"), _loss_field(loss)
+        if self._unit is not None:
+            self._unit.loss_writes[loss.key] = None
+        self._write(lambda c: c.hdel(key, field), ("loss", loss.key))
+
+    def losses(self, engine_ids: Collection[str] | None = None) -> list[RankLoss]:
+        unit = self._unit
+        read = None if unit is None else unit.losses_read
+        if read is None:
+            key = self._key("losses")
+            (raw,) = self._fetch([key], [("HGETALL", key)])
+            read = _decode_losses(raw)
+            if unit is not None:
+                unit.losses_read = read
+        found: dict[tuple[str, int, int], RankLoss | None] = dict(read)
+        if unit is not None:
+            found.update(unit.loss_writes)
+        return [
+            loss
+            for _, loss in sorted(found.items())
+            if loss is not None and (engine_ids is None or loss.engine_id in engine_ids)
+        ]
 
     # ------------------------------------------------------------------ agent contacts
 
@@ -535,3 +581,14 @@ class RedisStateStore(RedisReleaseQueues, StateStore):
     def drop_contacts(self, decode: RankKey) -> None:
         key = self._key("contacts", rank_member(decode))
         self._write(lambda c: c.delete(key))
+
+
+def _loss_field(loss: RankLoss) -> str:
+    return f"{loss.generation}:{rank_member((loss.engine_id, loss.tp_rank))}"
+
+
+def _decode_losses(raw: Any) -> dict[tuple[str, int, int], RankLoss]:
+    """``HGETALL`` of ``P losses`` (fields and values, flat or as a map) by loss key."""
+    values = [json.loads(value) for value in (raw.values() if isinstance(raw, dict) else raw[1::2])]
+    losses = [RankLoss(e, int(tp), int(gen), why, (pe, pt)) for e, tp, gen, why, pe, pt in values]
+    return {loss.key: loss for loss in losses}

@@ -12,7 +12,7 @@ from typing import Any
 import redis
 
 from broker.planner import RankPlan
-from broker.records import RankKey, RankRecord, TransferKey, TransferRecord
+from broker.records import RankKey, RankLoss, RankRecord, TransferKey, TransferRecord
 from broker.store import codec
 
 Command = tuple[Any, ...]
@@ -78,6 +78,9 @@ class Unit:
         self.ops: dict[object, Callable[[Any], Any]] = {}
         self.ranks: dict[RankKey, RankRecord | None] = {}
         self.transfers: dict[TransferKey, TransferRecord | None] = {}
+        #: The rank losses as read in this attempt (None: not read yet) and its own writes.
+        self.losses_read: dict[tuple[str, int, int], RankLoss] | None = None
+        self.loss_writes: dict[tuple[str, int, int], RankLoss | None] = {}
         self.contacts: set[tuple[RankKey, str]] = set()
         #: Plans blobs this unit writes, by plan object id, and what to remember of them
         #: once it committed.
