@@ -3,6 +3,9 @@ regions and registrations built from :mod:`broker.models` layouts."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import numpy as np
 
 from broker.api import Lease, PlanResult
@@ -163,3 +166,13 @@ def assert_inside_regions(descriptors: np.ndarray, regions: tuple[MemoryRegion, 
 
 def plan_bytes(result: PlanResult) -> int:
     return sum(int(s.local[:, 1].sum()) for s in result.sources)
+
+
+async def longest_loop_gap(stop: asyncio.Event, tick_s: float) -> float:
+    """The longest the event loop left a ticker of ``tick_s`` waiting (seconds) until ``stop``."""
+    longest, last = 0.0, time.perf_counter()
+    while not stop.is_set():
+        await asyncio.sleep(tick_s)
+        now = time.perf_counter()
+        longest, last = max(longest, now - last), now
+    return longest

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from broker_helpers import FakeClock, hybrid, register_engine
+from broker_helpers import FakeClock, hybrid, longest_loop_gap, register_engine
 from conftest import RedisServer
 
 from broker.api import PlanQuery, Publication, Report
@@ -139,16 +139,6 @@ def test_a_departure_committed_while_a_replica_reports_makes_it_look_again(
     assert a.get_transfer("zz").state is TransferState.FAILED
 
 
-async def _longest_gap(stop: asyncio.Event) -> float:
-    """The longest the event loop left a 1 ms ticker waiting (seconds) until ``stop``."""
-    longest, last = 0.0, time.perf_counter()
-    while not stop.is_set():
-        await asyncio.sleep(0.001)
-        now = time.perf_counter()
-        longest, last = max(longest, now - last), now
-    return longest
-
-
 def test_an_expiry_under_many_transfers_keeps_the_loop_answering(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -178,7 +168,7 @@ def test_an_expiry_under_many_transfers_keeps_the_loop_answering(
         await server.start()
         try:
             stop = asyncio.Event()
-            ticker = asyncio.create_task(_longest_gap(stop))
+            ticker = asyncio.create_task(longest_loop_gap(stop, 0.001))
             await asyncio.sleep(0.05)
             clock.advance(CONFIG.lease_ttl_ms)  # both ranks' leases expire
             deadline = time.monotonic() + 30

@@ -18,7 +18,7 @@ from prerequisites import require_module
 
 redis = require_module("redis", "dev")
 
-from broker_helpers import hybrid, register_request
+from broker_helpers import hybrid, longest_loop_gap, register_request
 from conftest import RedisServer
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -35,16 +35,6 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 #: The store's deadline per call, and how long Redis stays paused.
 TIMEOUT_MS = 300
 PAUSE_MS = 1_500
-
-
-async def _longest_gap(stop: asyncio.Event) -> float:
-    """The longest the event loop left a 2 ms ticker waiting (seconds) until ``stop``."""
-    longest, last = 0.0, time.perf_counter()
-    while not stop.is_set():
-        await asyncio.sleep(0.002)
-        now = time.perf_counter()
-        longest, last = max(longest, now - last), now
-    return longest
 
 
 def test_a_paused_redis_holds_only_the_calls_that_wait_for_it(redis_server: RedisServer) -> None:
@@ -68,7 +58,7 @@ def test_a_paused_redis_holds_only_the_calls_that_wait_for_it(redis_server: Redi
                 watch = health.Watch(health_pb2.HealthCheckRequest())
                 assert (await watch.read()).status == SERVING
                 stop = asyncio.Event()
-                ticker = asyncio.create_task(_longest_gap(stop))
+                ticker = asyncio.create_task(longest_loop_gap(stop, 0.002))
                 await asyncio.sleep(0.05)
                 pauser = redis.Redis.from_url(redis_server.url)
                 pauser.execute_command("CLIENT", "PAUSE", PAUSE_MS, "ALL")
