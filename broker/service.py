@@ -313,6 +313,7 @@ class BrokerService:
                     self.observer.plan_handed_out, seconds, ticket.rank_plan, cache_hit
                 )
             tickets.append(ticket)
+            cache_hit = True  # the group's first plan built the pair's planner, if any did
         return tickets
 
     def _plan_parties(
