@@ -32,6 +32,13 @@ class OwnConnections(ChannelSecurity):
 OWN_CONNECTIONS = OwnConnections()
 
 
+def serve_command(*flags: str, listen: str = "127.0.0.1:0") -> list[str]:
+    """``pdbroker serve`` run by this Python on ``listen`` with ``flags``, plaintext
+    (``--insecure``) unless the flags name ``--tls-cert``."""
+    plaintext = () if "--tls-cert" in flags else ("--insecure",)
+    return [sys.executable, "-m", "broker.cli", "serve", "--listen", listen, *plaintext, *flags]
+
+
 class BrokerProcess:
     """``pdbroker serve`` on an ephemeral loopback port; ``flags`` are more ``serve`` options
     (``--metrics-port 0`` sets :attr:`metrics_url`); without ``--tls-cert`` among them it
@@ -41,20 +48,8 @@ class BrokerProcess:
 
     def __init__(self, *flags: str, security: ChannelSecurity = PLAINTEXT) -> None:
         self.security = security
-        plaintext = () if "--tls-cert" in flags else ("--insecure",)
         self.process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "broker.cli",
-                "serve",
-                "--listen",
-                "127.0.0.1:0",
-                "--log-level",
-                "WARNING",
-                *plaintext,
-                *flags,
-            ],
+            serve_command("--log-level", "WARNING", *flags),
             stdout=subprocess.PIPE,
             text=True,
         )

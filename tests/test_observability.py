@@ -36,7 +36,7 @@ from broker.tracing import context_from_traceparent, trace_id_of
 from broker.v1 import broker_pb2 as pb
 from broker.v1 import broker_pb2_grpc as pb_grpc
 from broker.wire import ReportStatus, Role
-from harness.brokers import BrokerProcess
+from harness.brokers import BrokerProcess, serve_command
 from harness.fleet import FleetReport, PairSpec, run_fleet
 from harness.scenarios import build_scenario
 from harness.trace_receiver import ReceivedSpan, TraceReceiver, span_tree
@@ -381,19 +381,7 @@ def test_status_and_transfer_commands_against_a_live_broker(tmp_path: Path) -> N
     log_path = tmp_path / "broker.log"
     with log_path.open("w") as log_file:
         serve = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "broker.cli",
-                "serve",
-                "--insecure",
-                "--listen",
-                "127.0.0.1:0",
-                "--log-level",
-                "DEBUG",
-                "--log-format",
-                "json",
-            ],
+            serve_command("--log-level", "DEBUG", "--log-format", "json"),
             stdout=subprocess.PIPE,
             stderr=log_file,
             text=True,

@@ -12,7 +12,6 @@ import os
 import queue
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 
@@ -34,6 +33,7 @@ from broker.store.redis import RedisStateStore
 from broker.v1 import broker_pb2 as pb
 from broker.v1 import broker_pb2_grpc as pb_grpc
 from broker.wire import ReleaseReason, ReportStatus, Role
+from harness.brokers import serve_command
 from harness.scenarios import Scenario, build_scenario
 
 #: The transfer every fleet publishes: id t1 of prefill engine P.
@@ -347,16 +347,7 @@ def test_releases_wake_watchers_on_other_replicas(redis_server: RedisServer) -> 
 
 def serve(*flags: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "broker.cli",
-            "serve",
-            "--insecure",
-            "--listen",
-            "127.0.0.1:0",
-            *flags,
-        ],
+        serve_command(*flags),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

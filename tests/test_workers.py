@@ -19,7 +19,6 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
 from collections import Counter
@@ -45,7 +44,7 @@ from clients.prefill import AsyncPrefillClient, Release
 from clients.protocol import call
 from clients.session import AsyncEngineClient
 from clients.transport import NoMemoryTransport, fake_memory
-from harness.brokers import OWN_CONNECTIONS, BrokerProcess
+from harness.brokers import OWN_CONNECTIONS, BrokerProcess, serve_command
 from harness.scenarios import build_scenario
 
 SC = build_scenario(hybrid(), 2, 2, 100)
@@ -293,16 +292,7 @@ def test_a_worker_that_keeps_dying_stops_the_broker(redis_server: RedisServer) -
 
 def serve(*flags: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "broker.cli",
-            "serve",
-            "--insecure",
-            "--listen",
-            "127.0.0.1:0",
-            *flags,
-        ],
+        serve_command(*flags),
         capture_output=True,
         text=True,
         timeout=60,
