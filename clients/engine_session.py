@@ -1,9 +1,10 @@
 """The client side of ``EngineSession``: a decode engine's ``GetTransferPlans`` and
 ``ReportTransfers`` as messages on one open stream (an exchange costs both sides less than a
 call), for :class:`~clients.protocol.FailoverStub`. The stream is opened on the replica calls
-go to when first needed and carries one exchange at a time. When it cannot carry one (it
-broke, the broker refused it, or the broker predates it: UNIMPLEMENTED, after which this
-client makes the unary calls for good) the exchange is made as the unary call instead; both
+go to when first needed and carries one exchange at a time (one made meanwhile is made as
+the unary call). When it cannot carry one (it broke, the broker refused it, or the broker
+predates it: UNIMPLEMENTED, after which this client makes the unary calls for good) the
+exchange is made as the unary call instead; both
 are safe to repeat after an unknown outcome (a plan asked again is the plan handed out
 before, a report again is answered ``duplicate``)."""
 
@@ -43,63 +44,80 @@ class EngineSession:
         metadata: Iterable[tuple[str, str]] | None,
     ) -> Any:
         """The response of ``method`` (one of :data:`SESSION_CALLS`) to ``request``, asked
-        on the stream to ``stub``'s replica (the stream on another replica is closed first),
-        waiting for an earlier exchange and the answer within ``timeout`` seconds; None when
-        the stream cannot carry it (make the unary call). A message the broker refused
-        raises the status the call would have ended with (:class:`grpc.aio.AioRpcError`), as
-        does an exchange that takes too long (DEADLINE_EXCEEDED: the stream is closed)."""
-        if not self.enabled:
+        on the stream to ``stub``'s replica (the stream on another replica is closed first)
+        and answered within ``timeout`` seconds; None when the stream cannot carry it (make
+        the unary call): it broke, the broker lacks it, or another exchange holds it. A
+        message the broker refused raises the status the call would have ended with
+        (:class:`grpc.aio.AioRpcError`), as does an exchange that takes too long
+        (DEADLINE_EXCEEDED: the stream is closed)."""
+        if not self.enabled or self._lock.locked():
             return None
-        try:
-            return await asyncio.wait_for(
-                self._exchange(stub, SESSION_CALLS[method], request, metadata), timeout
-            )
-        except asyncio.TimeoutError:
-            raise _status(grpc.StatusCode.DEADLINE_EXCEEDED, "EngineSession: deadline") from None
-
-    async def _exchange(
-        self,
-        stub: pb_grpc.BrokerStub,
-        field: str,
-        request: Any,
-        metadata: Iterable[tuple[str, str]] | None,
-    ) -> Any:
         async with self._lock:
             if self._stub is not stub:
                 self.close()
                 self._stub, self._call = stub, stub.EngineSession()
-            self._sequence += 1
-            message = pb.EngineSessionRequest(
-                sequence=self._sequence,
-                traceparent=dict(metadata or ()).get("traceparent", ""),
-                **{field: request},
-            )
+            call, expired = self._call, asyncio.Event()
+
+            def expire() -> None:
+                expired.set()
+                call.cancel()
+
+            loop = asyncio.get_running_loop()
+            timer = None if timeout is None else loop.call_later(timeout, expire)
             try:
-                await self._call.write(message)
-                answer = await self._call.read()
-            except grpc.aio.AioRpcError as exc:  # the stream ended with a status
-                self.close()
-                self.enabled = exc.code() is not grpc.StatusCode.UNIMPLEMENTED
-                return None
-            except Exception:  # noqa: BLE001 - the stream is unusable: the call goes unary
-                self.close()
-                return None
-            except BaseException:  # cancelled (the deadline): the answer may come later
-                self.close()
+                return await self._exchange(call, SESSION_CALLS[method], request, metadata)
+            except asyncio.CancelledError:
+                self.close()  # the answer may still come: not on this stream
+                if expired.is_set():
+                    raise _status(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline") from None
                 raise
-            if answer is grpc.aio.EOF or answer.sequence != self._sequence:
-                self.close()
-                return None
-            if answer.WhichOneof("response") == "error":
-                code = _STATUS_BY_CODE.get(answer.error.code, grpc.StatusCode.UNKNOWN)
-                raise _status(code, answer.error.message)
-            return getattr(answer, field)
+            finally:
+                if timer is not None:
+                    timer.cancel()
+
+    async def _exchange(
+        self,
+        call: Any,
+        field: str,
+        request: Any,
+        metadata: Iterable[tuple[str, str]] | None,
+    ) -> Any:
+        self._sequence += 1
+        message = pb.EngineSessionRequest(
+            sequence=self._sequence,
+            traceparent=dict(metadata or ()).get("traceparent", ""),
+            **{field: request},
+        )
+        try:
+            await call.write(message)
+            answer = await call.read()
+        except grpc.aio.AioRpcError as exc:  # the stream ended with a status
+            self.close()
+            self.enabled = exc.code() is not grpc.StatusCode.UNIMPLEMENTED
+            return None
+        except Exception:  # noqa: BLE001 - the stream is unusable: the call goes unary
+            self.close()
+            return None
+        if answer is grpc.aio.EOF or answer.sequence != self._sequence:
+            self.close()
+            return None
+        if answer.WhichOneof("response") == "error":
+            code = _STATUS_BY_CODE.get(answer.error.code, grpc.StatusCode.UNKNOWN)
+            raise _status(code, answer.error.message)
+        return getattr(answer, field)
 
     def close(self) -> None:
         """Close the stream (the next exchange opens another)."""
         call, self._call, self._stub = self._call, None, None
         if call is not None:
             call.cancel()
+
+    async def aclose(self) -> None:
+        """Close the stream and wait until gRPC has ended it (before its channel closes)."""
+        call = self._call
+        self.close()
+        if call is not None:
+            await call.code()
 
 
 def _status(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:

@@ -242,7 +242,7 @@ class FailoverStub:
 
     async def close(self) -> None:
         if self._session is not None:
-            self._session.close()
+            await self._session.aclose()
         stubs, self._stubs = self._stubs, {}
         await asyncio.gather(*(channel.close() for channel, _ in stubs.values()))
 

@@ -372,6 +372,33 @@ class _Calls(grpc.aio.ServerInterceptor):
         return await continuation(details)
 
 
+@contextlib.asynccontextmanager
+async def unary_only(
+    servicer: BrokerServicer, calls: _Calls, **more: grpc.RpcMethodHandler
+) -> AsyncIterator[str]:
+    """A server of ``servicer``'s unary calls (and the ``more`` handlers by method) on this
+    event loop, recording every call in ``calls``; yields its address."""
+    server = grpc.aio.server(interceptors=(calls,))
+    handlers = {
+        m.name: grpc.unary_unary_rpc_method_handler(
+            getattr(servicer, m.name),
+            request_deserializer=getattr(pb, m.input_type.name).FromString,
+            response_serializer=getattr(pb, m.output_type.name).SerializeToString,
+        )
+        for m in pb.DESCRIPTOR.services_by_name["Broker"].methods
+        if not (m.client_streaming or m.server_streaming)
+    }
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("pdbroker.v1.Broker", handlers | more),)
+    )
+    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    await server.start()
+    try:
+        yield address
+    finally:
+        await server.stop(0)
+
+
 def test_a_broker_without_the_stream_is_asked_with_unary_calls() -> None:
     """A broker serving the unary calls only (the servicer of this one, without the stream)
     answers the stream UNIMPLEMENTED: the exchange is made as the unary call, and every
@@ -380,23 +407,11 @@ def test_a_broker_without_the_stream_is_asked_with_unary_calls() -> None:
     async def scenario() -> list[str]:
         calls = _Calls()
         servicer = BrokerServicer(BrokerService())
-        older = grpc.aio.server(interceptors=(calls,))
-        handlers = {
-            m.name: grpc.unary_unary_rpc_method_handler(
-                getattr(servicer, m.name),
-                request_deserializer=getattr(pb, m.input_type.name).FromString,
-                response_serializer=getattr(pb, m.output_type.name).SerializeToString,
-            )
-            for m in pb.DESCRIPTOR.services_by_name["Broker"].methods
-            if not (m.client_streaming or m.server_streaming)
-        }
-        older.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler("pdbroker.v1.Broker", handlers),)
-        )
-        address = f"127.0.0.1:{older.add_insecure_port('127.0.0.1:0')}"
-        await older.start()
         try:
-            async with engines(address) as (prefill, decode):
+            async with (
+                unary_only(servicer, calls) as address,
+                engines(address) as (prefill, decode),
+            ):
                 await published(prefill, "t1", "t2")
                 for transfer_id in ("t1", "t2"):
                     plans = await decode.plans(asks(transfer_id))
@@ -406,7 +421,6 @@ def test_a_broker_without_the_stream_is_asked_with_unary_calls() -> None:
                     )
                     assert all(o.intact for o in outcomes)  # type: ignore[union-attr]
         finally:
-            await older.stop(0)
             servicer.close()
         return calls.methods
 
@@ -459,3 +473,42 @@ def test_a_replica_killed_mid_session_loses_nothing(redis_server) -> None:  # ty
         a.stop()
         b.stop()
     assert states == [pb.TRANSFER_STATE_COMPLETED] * 3
+
+
+def test_a_stream_that_does_not_answer_in_time_is_left_for_the_next_replica() -> None:
+    """Replica A's stream takes every message and answers none; B serves the same store.
+    The exchange gets A its share of the call's timeout, then the client moves on to B
+    (DEADLINE_EXCEEDED, as a unary call to a hung replica does) and its plans come from B."""
+
+    async def scenario() -> tuple[float, list[str]]:
+        calls = _Calls()
+
+        async def hung(requests: AsyncIterator[pb.EngineSessionRequest], context: object):  # type: ignore[no-untyped-def]
+            async for _ in requests:
+                await asyncio.sleep(3600)
+            yield pb.EngineSessionResponse()  # pragma: no cover - never reached
+
+        held = grpc.stream_stream_rpc_method_handler(
+            hung,
+            request_deserializer=pb.EngineSessionRequest.FromString,
+            response_serializer=pb.EngineSessionResponse.SerializeToString,
+        )
+        async with serving() as b:
+            servicer = b._servicer
+            assert isinstance(servicer, BrokerServicer)
+            async with (
+                unary_only(servicer, calls, EngineSession=held) as a,
+                engines(f"{a},{b.address}") as (prefill, decode),
+            ):
+                decode.call_timeout_s = 1.0
+                await published(prefill, "t1")
+                started = asyncio.get_running_loop().time()
+                plans = await decode.plans(asks("t1"))
+                took = asyncio.get_running_loop().time() - started
+                assert not any(isinstance(p, BrokerCallError) for p in plans)
+                assert decode.stub.address == b.address
+        return took, calls.methods
+
+    took, methods = asyncio.run(scenario())
+    assert 0.5 <= took < 1.0  # A's share (half of the timeout with two replicas), then B
+    assert [m for m in methods if m in ("EngineSession", "GetTransferPlans")] == ["EngineSession"]
