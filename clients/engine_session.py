@@ -22,6 +22,8 @@ from broker.v1 import broker_pb2_grpc as pb_grpc
 #: The calls a session carries, by the name of their field in a session message.
 SESSION_CALLS = {"GetTransferPlans": "get_transfer_plans", "ReportTransfers": "report_transfers"}
 _STATUS_BY_CODE = {code.value[0]: code for code in grpc.StatusCode}
+#: How long closing a client waits for the broker to end its stream (seconds).
+CLOSE_WAIT_S = 1.0
 
 
 class EngineSession:
@@ -113,11 +115,17 @@ class EngineSession:
             call.cancel()
 
     async def aclose(self) -> None:
-        """Close the stream and wait until gRPC has ended it (before its channel closes)."""
-        call = self._call
-        self.close()
-        if call is not None:
-            await call.code()
+        """End the stream as a client done with it (the broker ends it in turn) and wait
+        for its status, at most :data:`CLOSE_WAIT_S` (then cancel it): before its channel
+        closes."""
+        call, self._call, self._stub = self._call, None, None
+        if call is None:
+            return
+        try:
+            await call.done_writing()
+            await asyncio.wait_for(call.code(), CLOSE_WAIT_S)
+        except (asyncio.TimeoutError, grpc.aio.AioRpcError, grpc.aio.UsageError):
+            call.cancel()
 
 
 def _status(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
