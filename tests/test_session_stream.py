@@ -15,6 +15,8 @@ from collections.abc import AsyncIterator, Sequence
 import grpc
 import pytest
 from broker_helpers import hybrid
+from conftest import RedisServer
+from prerequisites import require_module
 from test_security import (  # noqa: F401 - pki, mtls_broker: the mutual-TLS broker fixtures
     DENIED,
     NOT_FOUND,
@@ -367,7 +369,7 @@ class _Calls(grpc.aio.ServerInterceptor):
     def __init__(self) -> None:
         self.methods: list[str] = []
 
-    async def intercept_service(self, continuation, details):  # type: ignore[no-untyped-def]
+    async def intercept_service(self, continuation, details):
         self.methods.append(details.method.rsplit("/", 1)[-1])
         return await continuation(details)
 
@@ -419,7 +421,7 @@ def test_a_broker_without_the_stream_is_asked_with_unary_calls() -> None:
                     outcomes = await decode.report_many(
                         [PlanReport(r, p.plan_id, p.total_bytes) for r, p in enumerate(plans)]
                     )
-                    assert all(o.intact for o in outcomes)  # type: ignore[union-attr]
+                    assert all(o.intact for o in outcomes)
         finally:
             servicer.close()
         return calls.methods
@@ -435,13 +437,12 @@ def test_a_broker_without_the_stream_is_asked_with_unary_calls() -> None:
     ]
 
 
-def test_a_replica_killed_mid_session_loses_nothing(redis_server) -> None:  # type: ignore[no-untyped-def]
+def test_a_replica_killed_mid_session_loses_nothing(redis_server: RedisServer) -> None:
     """Two replicas on one Redis; the decode client's stream is open on A when A is killed:
     its next reports and plans go through B (the stream reopened there), every plan is
     recorded intact and every transfer completes."""
+    redis = require_module("redis", "dev")
     url = redis_server.url.rsplit("/", 1)[0] + "/6"  # a database of its own
-    import redis
-
     redis.Redis.from_url(url).flushdb()
     a = BrokerProcess("--store", url, "--lease-ttl-ms", "60000")
     b = BrokerProcess("--store", url, "--lease-ttl-ms", "60000")
@@ -464,7 +465,7 @@ def test_a_replica_killed_mid_session_loses_nothing(redis_server) -> None:  # ty
                 (await decode.stub.GetTransfer(pb.GetTransferRequest(transfer_id=t))).state
                 for t in ("t1", "t2", "t3")
             ]
-            assert all(o.intact for o in outcomes)  # type: ignore[union-attr]
+            assert all(o.intact for o in outcomes)
             return states
 
     try:
@@ -483,7 +484,7 @@ def test_a_stream_that_does_not_answer_in_time_is_left_for_the_next_replica() ->
     async def scenario() -> tuple[float, list[str]]:
         calls = _Calls()
 
-        async def hung(requests: AsyncIterator[pb.EngineSessionRequest], context: object):  # type: ignore[no-untyped-def]
+        async def hung(requests: AsyncIterator[pb.EngineSessionRequest], context: object):
             async for _ in requests:
                 await asyncio.sleep(3600)
             yield pb.EngineSessionResponse()  # pragma: no cover - never reached
