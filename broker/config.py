@@ -37,3 +37,5 @@ class ServiceConfig:
     #: How long a live plan (handed out, not reported) may hold its prefill ranks after its
     #: transfer ended; then it counts as failed and they are released.
     max_read_ms: int = 60_000
+    #: EngineSession streams open at once on one broker process (a decode client holds one).
+    max_session_streams: int = 4096

@@ -98,4 +98,7 @@ def max_request_bytes_of(method: str, limits: Limits = LIMITS) -> int:
         # traceparent (55 characters) an entry
         per_entry = 2 * 4 * limits.max_id_chars + 4 * limits.max_text_chars + 128
         return limits.max_batch_entries * per_entry + MAX_SMALL_REQUEST_BYTES
+    if method == "EngineSession":  # either call's request, a sequence and a traceparent
+        calls = ("GetTransferPlans", "ReportTransfers")
+        return max(max_request_bytes_of(call, limits) for call in calls) + 1024
     return MAX_SMALL_REQUEST_BYTES

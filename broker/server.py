@@ -36,6 +36,7 @@ from grpc_reflection.v1alpha import reflection
 
 from broker import tracing
 from broker.auth import Authenticator
+from broker.calls import OFFLOAD_REQUEST_BYTES, Refused, abort
 from broker.errors import (
     StoreUnavailableError,
 )
@@ -43,13 +44,7 @@ from broker.limits import LIMITS, max_request_bytes_of
 from broker.records import RankKey
 from broker.server_security import ServerSecurity
 from broker.service import BrokerService
-from broker.servicer import (
-    OFFLOAD_REQUEST_BYTES,
-    BrokerServicer,
-    Refused,
-    Unparsed,
-    abort,
-)
+from broker.servicer import BrokerServicer, Unparsed
 from broker.v1 import broker_pb2 as pb
 
 if TYPE_CHECKING:  # prometheus_client: only where metrics are served
@@ -195,6 +190,13 @@ class _Started:
         self.ended(_status_of(exc, context, time.perf_counter() - self._at))
 
 
+def _observed_message(
+    metrics: dict[str, MethodMetrics] | None, traced: bool, method: str
+) -> _Started:
+    """An EngineSession message carrying a call of ``method``, observed as that call."""
+    return _Started(None if metrics is None else metrics[method], method if traced else "")
+
+
 def _method_metrics(metrics: BrokerMetrics) -> dict[str, MethodMetrics]:
     """The series of each Broker method, by name."""
     types = {(False, False): "unary", (False, True): "server_stream",
@@ -220,7 +222,9 @@ def _add_broker(
         request_type = getattr(pb, method.input_type.name)
         response_type = getattr(pb, method.output_type.name)
         make = (
-            grpc.unary_stream_rpc_method_handler
+            grpc.stream_stream_rpc_method_handler
+            if method.client_streaming
+            else grpc.unary_stream_rpc_method_handler
             if method.server_streaming
             else grpc.unary_unary_rpc_method_handler
         )
@@ -379,6 +383,8 @@ class BrokerServer:
         )
         servicer = self._servicer = BrokerServicer(self.service, self._guard)
         _add_broker(servicer, server, counted, servicer.traced)
+        if counted is not None or servicer.traced:
+            servicer.observe_message = partial(_observed_message, counted, servicer.traced)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(

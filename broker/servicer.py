@@ -1,7 +1,9 @@
 """The ``pdbroker.v1.Broker`` servicer: each method authorizes its caller, translates
 protobuf to service values (:mod:`broker.convert`), calls :class:`~broker.service.BrokerService`
 and maps its typed errors to status codes; the message of every error starts with the
-offending field's path. Any bad input fails that one call; the server keeps serving.
+offending field's path (:mod:`broker.calls`). Any bad input fails that one call; the server
+keeps serving. The batched calls and the ``EngineSession`` stream are
+:class:`~broker.batched.BatchedCalls`.
 
 Translating is pure, and for a registration (its layout's validation) or a request of many
 block ids it is the costly part of a call: those run on a worker thread
@@ -27,32 +29,31 @@ import asyncio
 import contextvars
 import logging
 import threading
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial, wraps
-from typing import Any, NoReturn, TypeVar
+from typing import Any, TypeVar
 
 import grpc
 
 from broker import convert, tracing
-from broker.api import PlanResult, Report, ReportOutcome
+from broker.api import PlanResult
 from broker.auth import AccessGuard, Identity
-from broker.engines import check_published_blocks
-from broker.errors import (
-    COMPACTED_THROUGH_KEY,
-    AbortedError,
-    AlreadyExistsError,
-    CompactedError,
-    IncompatibleLayoutsError,
-    LimitExceededError,
-    NotFoundError,
-    PdbrokerError,
-    PermissionDeniedError,
-    PreconditionError,
-    StoreUnavailableError,
-    UnauthenticatedError,
+from broker.batched import BatchedCalls
+from broker.calls import (
+    OFFLOAD_BLOCK_IDS,
+    OFFLOAD_DESCRIPTORS,
+    Rule,
+    abort,
+    as_engine,
+    lease_holder,
+    operator,
+    plan_holder,
+    registrant,
+    status_code,
+    transfer_party,
 )
+from broker.engines import check_published_blocks
 from broker.limits import LIMITS
 from broker.plans import Planned, PlanTicket
 from broker.records import RankKey
@@ -63,93 +64,12 @@ from broker.wire import count_block_ids, ident, optional_ident, text
 
 log = logging.getLogger(__name__)
 
-#: Work that grows with a request runs on the worker thread past these sizes (smaller work
-#: takes less than a thread hand-off): requests are parsed there past OFFLOAD_REQUEST_BYTES,
-#: translated, checked and planned past OFFLOAD_BLOCK_IDS block ids, and plans turned into
-#: descriptors and serialized past OFFLOAD_DESCRIPTORS descriptors.
-OFFLOAD_REQUEST_BYTES = 256 << 10
-OFFLOAD_BLOCK_IDS = 16_384
-OFFLOAD_DESCRIPTORS = 32_768
-#: A batched call gives the event loop back between entries after holding it this long.
-BATCH_SLICE_S = 0.002
-
-#: First matching class wins; any other :class:`PdbrokerError` is INVALID_ARGUMENT.
-_STATUS_BY_ERROR: tuple[tuple[type[PdbrokerError], grpc.StatusCode], ...] = (
-    (NotFoundError, grpc.StatusCode.NOT_FOUND),
-    (PreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
-    (IncompatibleLayoutsError, grpc.StatusCode.FAILED_PRECONDITION),
-    (AlreadyExistsError, grpc.StatusCode.ALREADY_EXISTS),
-    (PermissionDeniedError, grpc.StatusCode.PERMISSION_DENIED),
-    (LimitExceededError, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (UnauthenticatedError, grpc.StatusCode.UNAUTHENTICATED),
-    (AbortedError, grpc.StatusCode.ABORTED),
-    (StoreUnavailableError, grpc.StatusCode.UNAVAILABLE),  # another replica may serve it
-    (CompactedError, grpc.StatusCode.OUT_OF_RANGE),
-)
-
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
 T = TypeVar("T")
 
-
-def status_code(exc: PdbrokerError) -> grpc.StatusCode:
-    for cls, code in _STATUS_BY_ERROR:
-        if isinstance(exc, cls):
-            return code
-    return grpc.StatusCode.INVALID_ARGUMENT
-
-
-async def abort(context: grpc.aio.ServicerContext, exc: Exception) -> NoReturn:
-    """End the call with the status of ``exc`` (INTERNAL for anything but our errors)."""
-    if isinstance(exc, Refused):
-        await context.abort(exc.code, f"request: {exc.detail}")
-    if isinstance(exc, CompactedError):
-        await context.abort(
-            status_code(exc),
-            str(exc),
-            trailing_metadata=((COMPACTED_THROUGH_KEY, str(exc.through)),),
-        )
-    if isinstance(exc, PdbrokerError):
-        await context.abort(status_code(exc), str(exc))
-    log.exception("internal error", exc_info=exc)
-    await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
-
-
 Method = Callable[[Any, Req], Resp]
 Handler = Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]
-#: An RPC's authorization: raises unless the identified caller may make this request.
-Rule = Callable[[AccessGuard, Identity, Any], object]
-
-
-def _as_engine(guard: AccessGuard, who: Identity, request: Any) -> None:
-    guard.act_as(who, request.engine_id)
-
-
-def _registrant(guard: AccessGuard, who: Identity, request: Any) -> None:
-    guard.register(who, request.engine_id, request.tp_rank)
-
-
-def _lease_holder(guard: AccessGuard, who: Identity, request: Any) -> None:
-    guard.hold_lease(who, request.lease_id)
-
-
-def _plan_holder(guard: AccessGuard, who: Identity, request: Any) -> None:
-    guard.act_as(who, request.engine_id)
-    guard.report_plan(who, request.plan_id)
-
-
-def _transfer_party(guard: AccessGuard, who: Identity, request: Any) -> str:
-    return guard.see_transfer(who, request.transfer_id, request.prefill_engine_id)
-
-
-def _caller(guard: AccessGuard, who: Identity, request: Any) -> Identity:
-    """As :func:`_as_engine`, returning the caller for the checks of each entry."""
-    guard.act_as(who, request.engine_id)
-    return who
-
-
-def _operator(guard: AccessGuard, who: Identity, request: Any) -> None:
-    guard.administer(who)
 
 
 def _unary(rule: Rule) -> Callable[[Method], Handler]:
@@ -171,7 +91,7 @@ def _handler(method: Method, rule: Rule) -> Handler:
     return handler
 
 
-class BrokerServicer(pb_grpc.BrokerServicer):
+class BrokerServicer(BatchedCalls, pb_grpc.BrokerServicer):
     """``pdbroker.v1.Broker`` over one :class:`BrokerService`; ``guard`` authorizes every
     call (None: callers are not identified, anyone may call anything)."""
 
@@ -243,9 +163,13 @@ class BrokerServicer(pb_grpc.BrokerServicer):
 
     async def authorized(self, context: grpc.aio.ServicerContext, rule: Rule, request: Any) -> Any:
         """:meth:`authorize` of the caller of ``context``, where store calls run."""
+        return await self.authorized_as(self.identify(context), rule, request)
+
+    async def authorized_as(self, who: Identity | None, rule: Rule, request: Any) -> Any:
+        """:meth:`authorize` of ``who``, where store calls run."""
         if self.guard is None:
             return None
-        return await self.stored(self.authorize, self.identify(context), rule, request)
+        return await self.stored(self.authorize, who, rule, request)
 
     def authorized_call(
         self, who: Identity | None, rule: Rule, request: Any, method: Method, metadata: Any
@@ -272,19 +196,19 @@ class BrokerServicer(pb_grpc.BrokerServicer):
     ) -> pb.RegisterRankResponse:
         try:
             request = await self.parsed(request)
-            await self.authorized(context, _registrant, request)
+            await self.authorized(context, registrant, request)
             registration = await self.offload(convert.registration_from_proto, request)
             lease = await self.in_context(context, self.service.register_rank, registration)
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status
             await abort(context, exc)
         return convert.lease_to_proto(lease)
 
-    @_unary(_lease_holder)
+    @_unary(lease_holder)
     def KeepAlive(self, request: pb.KeepAliveRequest) -> pb.KeepAliveResponse:
         lease_id = ident(request.lease_id, "lease_id")
         return pb.KeepAliveResponse(ttl_ms=self.service.keep_alive(lease_id))
 
-    @_unary(_lease_holder)
+    @_unary(lease_holder)
     def Deregister(self, request: pb.DeregisterRequest) -> pb.DeregisterResponse:
         self.service.deregister(ident(request.lease_id, "lease_id"))
         return pb.DeregisterResponse()
@@ -295,7 +219,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         traceparent = tracing.traceparent_from_metadata(context.invocation_metadata())
         try:
             request = await self.parsed(request)
-            await self.authorized(context, _as_engine, request)
+            await self.authorized(context, as_engine, request)
             heavy = count_block_ids(request.block_ids) > OFFLOAD_BLOCK_IDS
             pub = await self.pure(heavy, convert.publication_from_proto, request, traceparent)
             checked = None
@@ -339,10 +263,10 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         self, request: Any, context: grpc.aio.ServicerContext, answer_bytes: int | None
     ) -> PlanResult:
         request = await self.parsed(request)
-        await self.authorized(context, _as_engine, request)
-        return await self._planned(request, answer_bytes, count_block_ids(request.block_ids))
+        await self.authorized(context, as_engine, request)
+        return await self.planned(request, answer_bytes, count_block_ids(request.block_ids))
 
-    async def _planned(
+    async def planned(
         self, request: pb.GetTransferPlanRequest, answer_bytes: int | None, block_ids: int
     ) -> PlanResult:
         """The decode rank's plan (its request holding ``block_ids`` block ids); the
@@ -359,107 +283,15 @@ class BrokerServicer(pb_grpc.BrokerServicer):
                 return await self.pure(step.num_descriptors > OFFLOAD_DESCRIPTORS, step.result)
             planned = await self.offload(step.run)  # large, or the planner is busy there
 
-    @_unary(_plan_holder)
+    @_unary(plan_holder)
     def ReportTransfer(self, request: pb.ReportTransferRequest) -> pb.ReportTransferResponse:
         return convert.outcome_to_proto(self.service.report(convert.report_from_proto(request)))
-
-    async def GetTransferPlans(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        """Each entry is planned as :meth:`GetTransferPlan` plans one, in order, and answered
-        on its own; the answer's plans share one ``max_unary_plan_bytes`` budget. Adjacent
-        entries of one transfer asked alike are handed out in one unit of work
-        (:meth:`BrokerService.plan_group`)."""
-        try:
-            request = await self.parsed(request)
-            await self.authorized(context, _as_engine, request)
-            engine_id = convert.batch_engine(request, request.entries, "entries")
-            counts = convert.batch_block_ids(request.entries)
-        except Exception as exc:  # noqa: BLE001 - every failure becomes a status
-            await abort(context, exc)
-        budget = LIMITS.max_unary_plan_bytes
-        response = pb.GetTransferPlansResponse()
-        entries, start, slice_start = request.entries, 0, time.perf_counter()
-        while start < len(entries):
-            end = convert.alike_entries(entries, counts, start, engine_id, OFFLOAD_BLOCK_IDS)
-            try:
-                group = entries[start:end]
-                tickets = await self._planned_group(group, engine_id, budget) if group[1:] else None
-            except Exception as exc:  # noqa: BLE001 - every failure becomes a status
-                await abort(context, exc)
-            for i in range(start, end):
-                entry, result = entries[i], response.results.add()
-                try:
-                    if tickets is None:
-                        convert.check_entry_engine(entry, engine_id)
-                        entry.engine_id = engine_id
-                        plan = await self._planned(entry, budget, counts[i])
-                    else:
-                        ticket = tickets[i - start]
-                        heavy = ticket.num_descriptors > OFFLOAD_DESCRIPTORS
-                        plan = await self.pure(heavy, ticket.result)
-                    budget -= convert.plan_to_proto(plan, into=result.plan).ByteSize()
-                except Exception as exc:  # noqa: BLE001 - an entry's failure is its answer
-                    result.ClearField("plan")
-                    result.code, result.message = await _entry_refusal(context, exc, "entries", i)
-                slice_start = await _yield_when_due(slice_start)
-            start = end
-        return response
-
-    async def _planned_group(
-        self, entries: Sequence[pb.GetTransferPlanRequest], engine_id: str, budget: int
-    ) -> list[PlanTicket] | None:
-        """Entries of one transfer asked alike handed out together, or None: each alone."""
-        for entry in entries:
-            entry.engine_id = engine_id
-        queries = convert.plan_queries_alike(entries)
-        if queries is None:
-            return None
-        return await self.stored(self.service.plan_group, queries, budget, OFFLOAD_BLOCK_IDS)
-
-    async def ReportTransfers(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        """Each report is recorded as :meth:`ReportTransfer` records one, in order, and
-        answered on its own; in the trace context of its ``traceparent`` (the reporting
-        rank's span) when it names one, else of the call."""
-        try:
-            request = await self.parsed(request)
-            who = await self.authorized(context, _caller, request)
-            engine_id = convert.batch_engine(request, request.reports, "reports")
-        except Exception as exc:  # noqa: BLE001 - every failure becomes a status
-            await abort(context, exc)
-        response = pb.ReportTransfersResponse()
-        slice_start = time.perf_counter()
-        for i, entry in enumerate(request.reports):
-            result = response.results.add()
-            try:
-                convert.check_entry_engine(entry, engine_id)
-                entry.engine_id = engine_id
-                report = convert.report_from_proto(entry)
-                if self.traced and entry.traceparent:  # the reporting rank's span
-                    traced = tracing.context_from_traceparent(entry.traceparent)
-                    outcome = await self.stored(self._report, who, report, traced)
-                else:
-                    outcome = await self.in_context(context, self._report, who, report)
-                convert.outcome_to_proto(outcome, into=result.outcome)
-            except Exception as exc:  # noqa: BLE001 - an entry's failure is its answer
-                result.code, result.message = await _entry_refusal(context, exc, "reports", i)
-            slice_start = await _yield_when_due(slice_start)
-        return response
-
-    def _report(self, who: Identity | None, report: Report, traced: Any = None) -> ReportOutcome:
-        """Record ``report`` once its plan is the caller's, in the trace context ``traced``
-        (None: the current one)."""
-        if self.guard is not None:
-            assert who is not None
-            self.guard.report_plan(who, report.plan_id)
-        if traced is None:
-            return self.service.report(report)
-        with tracing.attached(traced):
-            return self.service.report(report)
 
     async def ExtendTransfers(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         """A large request (many entries of long ids) is parsed on the worker thread."""
         try:
             request = await self.parsed(request)
-            await self.authorized(context, _as_engine, request)
+            await self.authorized(context, as_engine, request)
             names = convert.extension_from_proto(request)
             extensions = await self.in_context(context, self.service.extend, *names)
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status
@@ -482,7 +314,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
             await abort(context, exc)
         return pb.AbortTransferResponse(state=convert.state_to_proto(state))
 
-    @_unary(_operator)
+    @_unary(operator)
     def ListEngines(self, request: pb.ListEnginesRequest) -> pb.ListEnginesResponse:
         return convert.engines_to_proto(self.service.list_engines())
 
@@ -504,9 +336,9 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         """The prefill engine whose transfer ``request`` names: as named, else the one the
         authorized caller is a party of (callers learn nothing of others' transfers)."""
         named = optional_ident(request.prefill_engine_id, "prefill_engine_id")
-        return await self.authorized(context, _transfer_party, request) or named
+        return await self.authorized(context, transfer_party, request) or named
 
-    @_unary(_operator)
+    @_unary(operator)
     def ListTransfers(self, request: pb.ListTransfersRequest) -> pb.ListTransfersResponse:
         return convert.listing_to_proto(
             self.service.list_transfers(request.include_finished, request.limit)
@@ -518,7 +350,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         """Stream the rank's releases until the client cancels or the rank goes away
         (deregistered, lease expired, re-registered): then the stream ends with OK."""
         try:
-            await self.authorized(context, _as_engine, request)
+            await self.authorized(context, as_engine, request)
             key = (ident(request.engine_id, "engine_id"), request.tp_rank)
             lease_id = optional_ident(request.lease_id, "lease_id")
             feeds = self.service.feeds
@@ -559,37 +391,8 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         return request
 
 
-async def _entry_refusal(
-    context: grpc.aio.ServicerContext, exc: Exception, field: str, index: int
-) -> tuple[int, str]:
-    """An entry's refusal as a result's ``code`` and ``message`` (its path first). The store
-    being unavailable fails the whole call instead, UNAVAILABLE, for the caller to repeat it
-    on another replica (every entry is idempotent)."""
-    if isinstance(exc, StoreUnavailableError) or not isinstance(exc, PdbrokerError):
-        await abort(context, exc)
-    return status_code(exc).value[0], f"{field}[{index}].{exc}"
-
-
-async def _yield_when_due(slice_start: float) -> float:
-    """Let the event loop run other calls once a batch has held it for ``BATCH_SLICE_S``;
-    returns when the current slice started."""
-    now = time.perf_counter()
-    if now - slice_start < BATCH_SLICE_S:
-        return slice_start
-    await asyncio.sleep(0)
-    return time.perf_counter()
-
-
 def _serialized_plan(plan: PlanResult) -> bytes:
     return convert.plan_to_proto(plan).SerializeToString()
-
-
-class Refused(Exception):
-    """A request refused before its handler looks at it: ``code`` and ``detail`` say why."""
-
-    def __init__(self, code: grpc.StatusCode, detail: str) -> None:
-        super().__init__(detail)
-        self.code, self.detail = code, detail
 
 
 class Unparsed:

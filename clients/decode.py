@@ -61,7 +61,10 @@ log = logging.getLogger(__name__)
 
 class AsyncDecodeClient(AsyncEngineClient):
     """Hosts decode ranks of one engine (see :class:`~clients.session.AsyncEngineClient` for
-    ``memory``). Use as ``async with AsyncDecodeClient(...) as client``."""
+    ``memory``). Use as ``async with AsyncDecodeClient(...) as client``. ``session_stream``:
+    the batched calls (:meth:`fetch_many`, :meth:`plans`, :meth:`report_many`) are exchanges
+    on one ``EngineSession`` stream, falling back to the unary calls
+    (:class:`~clients.protocol.FailoverStub`); False: unary calls only."""
 
     role = Role.DECODE
 
@@ -76,6 +79,7 @@ class AsyncDecodeClient(AsyncEngineClient):
         call_timeout_s: float = 10.0,
         security: ChannelSecurity = PLAINTEXT,
         transport: Transport | None = None,
+        session_stream: bool = True,
     ) -> None:
         super().__init__(
             target,
@@ -87,6 +91,7 @@ class AsyncDecodeClient(AsyncEngineClient):
             transport=transport,
         )
         self.read_timeout_s = read_timeout_s
+        self.session_stream = session_stream
 
     async def fetch(
         self,
@@ -509,6 +514,7 @@ class DecodeClient(BlockingEngineClient):
         call_timeout_s: float = 10.0,
         security: ChannelSecurity = PLAINTEXT,
         transport: Transport | None = None,
+        session_stream: bool = True,
     ) -> None:
         super().__init__(
             AsyncDecodeClient(
@@ -520,6 +526,7 @@ class DecodeClient(BlockingEngineClient):
                 call_timeout_s=call_timeout_s,
                 security=security,
                 transport=transport,
+                session_stream=session_stream,
             )
         )
 

@@ -34,6 +34,7 @@ from broker.wire import (
     join_plan_chunks,
     rank_layout_to_proto,
 )
+from clients.engine_session import SESSION_CALLS, EngineSession
 from clients.transport import Region
 
 log = logging.getLogger(__name__)
@@ -129,13 +130,25 @@ class FailoverStub:
     are opened on the current replica; their consumer calls :meth:`fail_over` with that
     replica when one breaks, and reopens them when :meth:`moved_from` it.
 
+    ``session_stream``: ``GetTransferPlans`` and ``ReportTransfers`` go over one
+    ``EngineSession`` stream to the current replica (:class:`~clients.engine_session.EngineSession`),
+    each exchange within the call's share of the timeout; one the stream cannot carry is
+    made as the unary call, and both move on as the unary call would.
+
     Every broker call is safe to repeat (plans, reports, keep-alives, aborts are
     idempotent); a ``PublishBlocks`` whose reply was lost with its replica comes back
     ALREADY_EXISTS, which :func:`publish` checks and accepts.
     """
 
-    def __init__(self, target: str | Sequence[str], security: ChannelSecurity = PLAINTEXT) -> None:
+    def __init__(
+        self,
+        target: str | Sequence[str],
+        security: ChannelSecurity = PLAINTEXT,
+        *,
+        session_stream: bool = True,
+    ) -> None:
         self.addresses = broker_addresses(target)
+        self._session = EngineSession() if session_stream else None
         self._security = security
         self._stubs: dict[int, tuple[grpc.aio.Channel, pb_grpc.BrokerStub]] = {}
         self._current = 0
@@ -178,8 +191,15 @@ class FailoverStub:
         if not method[:1].isupper():
             raise AttributeError(method)
 
+        session = self._session if method in SESSION_CALLS else None
+
         async def unary(request: Any, *, timeout: float | None = None, **kwargs: Any) -> Any:
             async def attempt(stub: pb_grpc.BrokerStub, left: float | None) -> Any:
+                if session is not None:
+                    metadata = kwargs.get("metadata")
+                    answer = await session.exchange(stub, method, request, left, metadata)
+                    if answer is not None:
+                        return answer
                 return await getattr(stub, method)(request, timeout=left, **kwargs)
 
             return await self.repeat(attempt, timeout, method in REPEATABLE)
@@ -221,6 +241,8 @@ class FailoverStub:
                     delay = min(2 * delay, MAX_RETRY_DELAY_S)
 
     async def close(self) -> None:
+        if self._session is not None:
+            await self._session.aclose()
         stubs, self._stubs = self._stubs, {}
         await asyncio.gather(*(channel.close() for channel, _ in stubs.values()))
 

@@ -190,6 +190,8 @@ class AsyncEngineClient:
     """
 
     role: ClassVar[Role]
+    #: Whether the batched calls go over one ``EngineSession`` stream (:class:`FailoverStub`).
+    session_stream = True
 
     def __init__(
         self,
@@ -237,7 +239,7 @@ class AsyncEngineClient:
     async def start(self) -> None:
         """Create the agents, register memory and ranks, start the background tasks. On
         failure everything created so far is closed again."""
-        self._stub = FailoverStub(self.target, self.security)
+        self._stub = FailoverStub(self.target, self.security, session_stream=self.session_stream)
         try:
             for tp_rank, memory in self._memory.items():
                 rank_layout = self.layout.ranks[tp_rank]

@@ -8,7 +8,7 @@ asks as (:func:`client_ranks`), as a decode engine's worker processes do; at bat
 client is a decode engine of its own hosting every rank, as its scheduler does, and asks *K*
 (transfer, rank) entries per ``GetTransferPlans`` call, every rank of a transfer in the same
 call; reports go ``K`` a call alike (``ReportTransfer`` at batch 1, ``ReportTransfers``
-beyond). Latencies are single calls measured at the client; CPU time of the broker comes from
+beyond), as unary calls or as exchanges on each client's ``EngineSession`` stream. Latencies are single calls measured at the client; CPU time of the broker comes from
 ``/proc``, of the clients from their processes' CPU clocks.
 """
 
@@ -264,6 +264,7 @@ def _client_process(
     batch: int,
     baseline: bool,
     security: ChannelSecurity,
+    session_stream: bool,
     ready: mp.Queue,
     events: tuple[mp.synchronize.Event, ...],
     out: mp.Queue,
@@ -307,6 +308,7 @@ def _client_process(
                     call_timeout_s=CALL_TIMEOUT_S,
                     security=security,
                     transport=transport,
+                    session_stream=session_stream,
                 ),
                 s,
                 batch,
@@ -419,13 +421,16 @@ def run_clients(
     seconds: float = math.inf,
     security: ChannelSecurity = PLAINTEXT,
     meter: Callable[[], Sequence[float]] = tuple,
+    session_stream: bool = True,
 ) -> tuple[Run, Run | None]:
     """One decode client per entry of ``specs`` (engines of ``layout``; channels of
     ``security``) over ``client_procs`` processes, started together once all are registered
     and warm; each stage stops after ``seconds`` (default: when the clients' work is done).
     What they measured asking for plans ``batch`` entries a call (``baseline``:
     ``ListEngines`` instead), and reporting those plans (None with ``baseline``); each
-    stage's :attr:`Run.metered` holds how far ``meter``'s readings moved over it."""
+    stage's :attr:`Run.metered` holds how far ``meter``'s readings moved over it.
+    ``session_stream``: batched calls go over each client's ``EngineSession`` stream
+    (False: unary calls)."""
     ctx = mp.get_context("spawn")
     ready: mp.Queue = ctx.Queue()
     out: mp.Queue = ctx.Queue()
@@ -442,6 +447,7 @@ def run_clients(
                 batch,
                 baseline,
                 security,
+                session_stream,
                 ready,
                 events,
                 out,

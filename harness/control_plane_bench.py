@@ -15,7 +15,9 @@ rank does before posting its reads (:func:`~clients.plan_check.check_plan`). At 
 client asks one plan per call (``GetTransferPlan``) and hosts the ranks it asks as
 (:func:`~harness.bench_clients.client_ranks`), as a decode engine's worker processes do; at batch *K* each client is
 a decode engine of its own hosting every rank, as its scheduler does, and asks *K* (transfer,
-rank) entries per ``GetTransferPlans`` call, every rank of a transfer in the same call. Each
+rank) entries per ``GetTransferPlans`` call, every rank of a transfer in the same call,
+once as unary calls and once as exchanges on each client's ``EngineSession`` stream, one
+phase after the other (:data:`WAYS`; ``session_vs_calls`` sets the two side by side). Each
 client's engine is registered and warmed up (one plan per hosted rank) before the timing
 starts. Then the clients report every plan they got DONE, *K* per call (``ReportTransfer`` at
 batch 1, ``ReportTransfers`` beyond), timed apart from the plans. Latencies are single calls
@@ -85,6 +87,20 @@ REALISTIC_TRANSFERS = 8
 #: transfers published for a timed phase.
 MAX_CALLS_PER_S = 4_000
 MAX_RANK_PLANS_PER_S = 15_000
+#: How a batch larger than 1 reaches the broker: unary batched calls, or exchanges on each
+#: client's EngineSession stream.
+WAYS = ("calls", "session")
+#: Figures of a session phase set against the calls phase of the same batch and clients.
+SESSION_COMPARED = (
+    "plan_per_s",
+    "plan_p99_ms",
+    "plan_broker_cpu_us",
+    "plan_client_cpu_us",
+    "report_per_s",
+    "report_broker_cpu_us",
+    "report_client_cpu_us",
+    "engine_cpu_us_per_request",
+)
 
 
 async def _first_contact(
@@ -247,8 +263,10 @@ def control_plane(
     profile: Path | None = None,
     batches: Sequence[int] = (1,),
     count_sc: Scenario | None = None,
+    ways: Sequence[str] = WAYS,
 ) -> dict:
-    """Per client count and batch size, plans over ``seconds`` and reports of them (and
+    """Per client count and batch size, plans over ``seconds`` and reports of them, a
+    batch larger than 1 in each of ``ways`` (:data:`WAYS`) one after the other (and
     ``ListEngines`` alike per client count with ``baseline``), then first contact of
     ``pairs`` new decode engines per way, then the calls per transfer of ``count_sc``'s
     engines (if given); one broker."""
@@ -257,10 +275,11 @@ def control_plane(
         client_ranks(n, d_tp)  # a count that maps onto no decode engine fails before the run
     load_before = os.getloadavg()[0]
     warmup = [f"warm-{i}" for i in range(20)]
+    runs = [(b, way) for b in batches for way in (("calls",) if b == 1 else ways)]
     phase_sizes = {b: phase_transfers(seconds, b, d_tp) for b in batches}
-    warm_count = len(clients) * len(batches) * max(clients)  # at most one per engine
+    warm_count = len(clients) * len(runs) * max(clients)  # at most one per engine
     proc, address = start_broker(
-        len(clients) * sum(phase_sizes.values())
+        len(clients) * sum(phase_sizes[b] for b, _ in runs)
         + len(warmup)
         + warm_count
         + 2 * pairs
@@ -278,11 +297,12 @@ def control_plane(
             plan = engines.plan(warmup)  # the pair's planner warm
             for k, n in enumerate(clients):
                 procs = min(n, client_procs)
-                for batch in batches:
+                for batch, way in runs:
                     progress.phase(
-                        f"{n} clients ({k + 1}/{len(clients)}), batch {batch}, {seconds:g} s"
+                        f"{n} clients ({k + 1}/{len(clients)}), batch {batch} ({way}), "
+                        f"{seconds:g} s"
                     )
-                    name = f"c{k}b{batch}"
+                    name = f"c{k}b{batch}{way}"
                     transfer_ids = [f"{name}-{i}" for i in range(phase_sizes[batch])]
                     specs = client_specs(name, transfer_ids, d_tp, n, True, batch)
                     engines.publish(transfer_ids + warm_transfers(specs))
@@ -296,11 +316,13 @@ def control_plane(
                         batch,
                         False,
                         seconds,
+                        session_stream=way == "session",
                     )
                     assert reports is not None
                     phase: dict[str, Any] = {
                         "clients": n,
                         "batch": batch,
+                        "way": way,
                         "client_procs": procs,
                         "ran_out": plans.ran_out,
                     }
@@ -328,11 +350,15 @@ def control_plane(
     finally:
         stop_broker(proc)
     unary = {p["clients"]: p for p in phases if p["batch"] == 1}
+    calls = {(p["clients"], p["batch"]): p for p in phases if p["way"] == "calls"}
     for p in phases:
         if p["clients"] in unary:
             for stage in ("plan", "report"):
                 base = unary[p["clients"]][f"{stage}_per_s"]
                 p[f"{stage}_speedup"] = round(p[f"{stage}_per_s"] / base, 2)
+        same = calls.get((p["clients"], p["batch"]))
+        if p["way"] == "session" and same is not None:
+            p["session_vs_calls"] = {k: round(p[k] / same[k], 2) for k in SESSION_COMPARED}
     return {
         "model": sc.model.name,
         "prefill_tp": sc.prefill.tp_size,

@@ -126,6 +126,10 @@ class Fuzzer:
                 parsed = (response_type.FromString(chunk) for chunk in chunks)
                 reply = join_plan_chunks(parsed).SerializeToString()
                 streaming = False
+            elif method == "EngineSession":  # one message, answered by one, then the end
+                replies = list(self._calls[method](payload, timeout=CALL_TIMEOUT_S))
+                assert len(replies) == 1, f"{method}: {len(replies)} answers to one message"
+                reply, streaming = replies[0], False
             elif streaming:
                 reply = self._first_event(method, payload, request)
             else:
@@ -199,6 +203,16 @@ class Fuzzer:
                 elif method == "GetTransferPlans":
                     entry.engine_id = request.engine_id
                     self._plan_handed_out(entry, result.plan)
+        elif method == "EngineSession":  # the answer of the call it carried, or its status
+            assert reply.sequence == request.sequence
+            answer = reply.WhichOneof("response")
+            if answer == "error":
+                self._check_status(method, _CODES[reply.error.code], reply.error.message)
+            else:
+                carried = request.WhichOneof("request")
+                assert answer == carried, f"{method}: {answer} answers {carried}"
+                call = "".join(word.title() for word in carried.split("_"))
+                self._accepted(call, getattr(request, carried), getattr(reply, answer))
 
     def _plan_handed_out(self, request: pb.GetTransferPlanRequest, reply) -> None:
         self._check_plan(request, reply)
@@ -307,6 +321,7 @@ class Requests:
                 include_finished=pick([False, True]), limit=pick([0, 1, 10])
             ),
         }
+        self.builders["EngineSession"] = self.session
         assert set(self.builders) == set(METHODS)
         self._fresh = (f"t{i}" for i in itertools.count())
 
@@ -317,6 +332,13 @@ class Requests:
             for e in self.engines.values()
             for r in range(e.layout.tp_size)
         ]
+
+    def session(self, pick: Pick) -> pb.EngineSessionRequest:
+        """One EngineSession message carrying a batched call's request."""
+        carried = pick(["get_transfer_plans", "report_transfers"])
+        call = "".join(word.title() for word in carried.split("_"))
+        inner = self.builders[call](pick)
+        return pb.EngineSessionRequest(sequence=pick([0, 1, 1 << 63]), **{carried: inner})
 
     def register(self, pick: Pick) -> pb.RegisterRankRequest:
         """A rank that is not registered, else any (re-registering fails its transfers)."""

@@ -23,7 +23,7 @@ from test_server import (  # noqa: F401 - broker: the live gRPC broker fixture
     register,
 )
 
-from broker import convert, servicer
+from broker import batched, convert
 from broker.limits import LIMITS
 from broker.v1 import broker_pb2 as pb
 from clients import protocol
@@ -302,9 +302,7 @@ def test_plans_share_one_answer_budget_and_the_client_streams_what_does_not_fit(
     sc = two_by_two(broker, "t1")
     alone = broker.stub.GetTransferPlan(plan_request("t1", 0, sc.request), timeout=WAIT_S)
     budget = alone.ByteSize() + 100  # room for one plan of this size, not two
-    monkeypatch.setattr(
-        servicer, "LIMITS", dataclasses.replace(LIMITS, max_unary_plan_bytes=budget)
-    )
+    monkeypatch.setattr(batched, "LIMITS", dataclasses.replace(LIMITS, max_unary_plan_bytes=budget))
     fits, refused = plans(broker, entry("t1", 0, sc), entry("t1", 1, sc))
     assert fits.plan == without_metadata(alone)
     assert refused.code == CODE["RESOURCE_EXHAUSTED"]

@@ -77,7 +77,13 @@ def test_bench_control_plane_times_unary_and_batched_calls_side_by_side(
         "--no-vllm",
     )["control_plane"]  # fmt: skip
     assert result["realistic_batch"] == 16
-    assert [(p["clients"], p["batch"]) for p in result["phases"]] == [(2, 1), (2, 4), (2, 16)]
+    assert [(p["clients"], p["batch"], p["way"]) for p in result["phases"]] == [
+        (2, 1, "calls"),
+        (2, 4, "calls"),
+        (2, 4, "session"),
+        (2, 16, "calls"),
+        (2, 16, "session"),
+    ]
     for phase in result["phases"]:
         assert not phase["ran_out"]
         for stage in ("plan", "report"):
@@ -96,6 +102,11 @@ def test_bench_control_plane_times_unary_and_batched_calls_side_by_side(
         assert phase["plan_speedup"] == pytest.approx(
             phase["plan_per_s"] / unary["plan_per_s"], abs=0.01
         )
+    for calls, session in zip(result["phases"][1::2], result["phases"][2::2]):
+        compared = session["session_vs_calls"]
+        for key in ("plan_per_s", "report_client_cpu_us", "engine_cpu_us_per_request"):
+            assert compared[key] == pytest.approx(session[key] / calls[key], abs=0.01)
+        assert "session_vs_calls" not in calls
     for way in ("per_rank", "batched"):
         contact = result["first_contact"][way]
         assert len(contact["samples_ms"]) == 2 and 0 < contact["median_ms"] <= contact["max_ms"]
@@ -119,6 +130,10 @@ def test_bench_control_plane_times_unary_and_batched_calls_side_by_side(
         "decode engine CPU per request against vLLM's own decode-side work, batch 16, 2 clients"
     )
     assert verdicts[engine] is None  # not measured without vLLM
+    batch_16 = result["phases"][3:]
+    fastest = max(batch_16, key=lambda p: p["plan_per_s"])
+    (rate,) = (t for t in result["targets"] if t["target"] == "rank-plans/s, batch 16, 2 clients")
+    assert (rate["measured"], rate["way"]) == (fastest["plan_per_s"], fastest["way"])
     assert result["descriptors_per_plan"] > 0
 
 

@@ -156,7 +156,8 @@ def test_every_call_is_counted_by_method_type_and_code(served: Served) -> None:
     assert handled == {(method, code): v for (method, _, code), v in counted.items()}
     for described in pb.DESCRIPTOR.services_by_name["Broker"].methods:  # all there from the start
         method = described.name
-        grpc_type = "server_stream" if described.server_streaming else "unary"
+        streams = ("unary", "server_stream", "client_stream", "bidi_stream")
+        grpc_type = streams[described.server_streaming + 2 * described.client_streaming]
         calls = sum(v for (name, code), v in handled.items() if name == method)
         assert m["grpc_server_started_total", rpc(method, grpc_type)] == calls
         assert m["grpc_server_handling_seconds_count", rpc(method, grpc_type)] == calls

@@ -379,7 +379,7 @@ def test_a_large_plan_asked_at_once_is_claimed_once_and_answered_alike(live: Liv
     one claim and handed out once; the stream answers it alike."""
     from broker_helpers import publish_many_blocks
 
-    from broker.servicer import OFFLOAD_BLOCK_IDS
+    from broker.calls import OFFLOAD_BLOCK_IDS
     from broker.v1 import broker_pb2_grpc as pb_grpc
     from broker.wire import join_plan_chunks
 

@@ -68,6 +68,7 @@ DOCUMENTED_DEFAULTS = {
     "max_block_ids_per_engine": 1 << 22,
     "max_metadata_bytes_per_engine": 128 << 20,
     "planner_cache_bytes": 256 << 20,
+    "max_session_streams": 4096,
     "release_resume_window": 1024,  # the proto's WatchReleasesRequest.after_sequence
 }
 RELIABILITY = Path(__file__).parents[1] / "docs" / "RELIABILITY.md"

@@ -152,6 +152,12 @@ _INT_OPTIONS = (
         "release events kept over all prefill ranks (bytes)",
     ),
     (
+        "--max-session-streams",
+        "PDBROKER_MAX_SESSION_STREAMS",
+        _DEFAULTS.max_session_streams,
+        "EngineSession streams open at once (one per decode client); one more is refused",
+    ),
+    (
         "--planner-cache-bytes",
         "PDBROKER_PLANNER_CACHE_BYTES",
         _DEFAULTS.planner_cache_bytes,
@@ -377,6 +383,7 @@ def serve_process(
         max_metadata_bytes_per_engine=args.max_metadata_bytes_per_engine,
         release_backlog_total_bytes=args.release_backlog_total_bytes,
         planner_cache_bytes=args.planner_cache_bytes,
+        max_session_streams=args.max_session_streams,
     )
     try:
         metrics, metrics_url = _metrics(args)

@@ -363,6 +363,38 @@ class ReportTransfersResponse(_message.Message):
     results: _containers.RepeatedCompositeFieldContainer[TransferReportResult]
     def __init__(self, results: _Optional[_Iterable[_Union[TransferReportResult, _Mapping]]] = ...) -> None: ...
 
+class EngineSessionRequest(_message.Message):
+    __slots__ = ("sequence", "get_transfer_plans", "report_transfers", "traceparent")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    GET_TRANSFER_PLANS_FIELD_NUMBER: _ClassVar[int]
+    REPORT_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    get_transfer_plans: GetTransferPlansRequest
+    report_transfers: ReportTransfersRequest
+    traceparent: str
+    def __init__(self, sequence: _Optional[int] = ..., get_transfer_plans: _Optional[_Union[GetTransferPlansRequest, _Mapping]] = ..., report_transfers: _Optional[_Union[ReportTransfersRequest, _Mapping]] = ..., traceparent: _Optional[str] = ...) -> None: ...
+
+class SessionError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class EngineSessionResponse(_message.Message):
+    __slots__ = ("sequence", "get_transfer_plans", "report_transfers", "error")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    GET_TRANSFER_PLANS_FIELD_NUMBER: _ClassVar[int]
+    REPORT_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    get_transfer_plans: GetTransferPlansResponse
+    report_transfers: ReportTransfersResponse
+    error: SessionError
+    def __init__(self, sequence: _Optional[int] = ..., get_transfer_plans: _Optional[_Union[GetTransferPlansResponse, _Mapping]] = ..., report_transfers: _Optional[_Union[ReportTransfersResponse, _Mapping]] = ..., error: _Optional[_Union[SessionError, _Mapping]] = ...) -> None: ...
+
 class WatchReleasesRequest(_message.Message):
     __slots__ = ("engine_id", "tp_rank", "after_sequence", "lease_id")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]

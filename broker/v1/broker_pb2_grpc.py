@@ -79,6 +79,11 @@ class BrokerStub:
                 request_serializer=broker_dot_v1_dot_broker__pb2.ReportTransfersRequest.SerializeToString,
                 response_deserializer=broker_dot_v1_dot_broker__pb2.ReportTransfersResponse.FromString,
                 _registered_method=True)
+        self.EngineSession = channel.stream_stream(
+                '/pdbroker.v1.Broker/EngineSession',
+                request_serializer=broker_dot_v1_dot_broker__pb2.EngineSessionRequest.SerializeToString,
+                response_deserializer=broker_dot_v1_dot_broker__pb2.EngineSessionResponse.FromString,
+                _registered_method=True)
         self.WatchReleases = channel.unary_stream(
                 '/pdbroker.v1.Broker/WatchReleases',
                 request_serializer=broker_dot_v1_dot_broker__pb2.WatchReleasesRequest.SerializeToString,
@@ -196,6 +201,23 @@ class BrokerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def EngineSession(self, request_iterator, context):
+        """GetTransferPlans and ReportTransfers of one decode engine as messages on one open
+        stream, for engines that make both calls every step: an exchange costs both sides less
+        than a call. Each request message is answered by one response message carrying its
+        `sequence`, in order, one message at a time, exactly as the call it carries would be
+        answered (same per-entry answers, limits, authorization, fencing and tracing); a
+        whole-message failure (the status that call would end with) is answered in `error` and
+        the stream goes on. The caller's identity is the one the stream was opened with. A
+        message that does not parse, or is larger than either call's request may be, ends the
+        stream with that status. At most --max-session-streams streams are open on one broker
+        process at once; one more is refused RESOURCE_EXHAUSTED. A client whose stream breaks
+        may repeat its last message as the unary call (both are safe to repeat).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def WatchReleases(self, request, context):
         """Stream of the transfers whose blocks one prefill rank may free, as they happen. The
         stream ends with OK when that rank is deregistered, re-registered or its lease expires.
@@ -293,6 +315,11 @@ def add_BrokerServicer_to_server(servicer, server):
                     servicer.ReportTransfers,
                     request_deserializer=broker_dot_v1_dot_broker__pb2.ReportTransfersRequest.FromString,
                     response_serializer=broker_dot_v1_dot_broker__pb2.ReportTransfersResponse.SerializeToString,
+            ),
+            'EngineSession': grpc.stream_stream_rpc_method_handler(
+                    servicer.EngineSession,
+                    request_deserializer=broker_dot_v1_dot_broker__pb2.EngineSessionRequest.FromString,
+                    response_serializer=broker_dot_v1_dot_broker__pb2.EngineSessionResponse.SerializeToString,
             ),
             'WatchReleases': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchReleases,
@@ -568,6 +595,33 @@ class Broker:
             '/pdbroker.v1.Broker/ReportTransfers',
             broker_dot_v1_dot_broker__pb2.ReportTransfersRequest.SerializeToString,
             broker_dot_v1_dot_broker__pb2.ReportTransfersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EngineSession(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdbroker.v1.Broker/EngineSession',
+            broker_dot_v1_dot_broker__pb2.EngineSessionRequest.SerializeToString,
+            broker_dot_v1_dot_broker__pb2.EngineSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,
