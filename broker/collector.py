@@ -1,5 +1,6 @@
 """When the broker's cyclic garbage collector runs (:class:`CollectorPolicy`), so that a
-collection pauses the event loop for a few milliseconds whatever the cluster's size.
+collection pauses the event loop for a few milliseconds whatever the cluster's size, but
+for one collection of the whole heap each time the heap doubles.
 
 A collection of a generation walks every object in it and in the younger ones. Two kinds of
 objects fill a broker's heap: its long-lived records (a registered rank holds some eighty
@@ -11,9 +12,12 @@ each), which only the collector frees. Young collections are kept small
 :data:`FREEZE_AFTER` of them, right after a collection of what is not frozen yet, so no
 later collection walks them again. Objects frozen are still freed by reference counting;
 only frozen objects that later die in a cycle stay. To bound those, every object is
-thawed and the whole heap collected once the objects frozen since the broker started have
-doubled since that was last done: cyclic garbage held is then at most the heap that
-survived the last such collection, plus :data:`FREEZE_AFTER`."""
+thawed and the whole heap collected once the frozen heap (the imports' included) has
+doubled since that was last done, or since the start: frozen cyclic garbage stays under
+what survived the last such collection (twice that if the heap shrank since); each such
+collection walks the whole heap (30-50 ms among 2,048 ranks) only after as many objects
+were frozen as the previous one left, so its cost per object frozen is constant (one
+while a cluster grows to 2,048 ranks)."""
 
 from __future__ import annotations
 
@@ -34,7 +38,6 @@ class CollectorPolicy:
     def __init__(self, young: int = YOUNG_THRESHOLD, freeze_after: int = FREEZE_AFTER) -> None:
         self.young = young
         self.freeze_after = freeze_after
-        self._base = 0  # objects frozen at the start: the imports'
         self._thawed = 0  # objects frozen after the last whole-heap collection
         self._young_collections = -1
 
@@ -42,7 +45,7 @@ class CollectorPolicy:
         """Freeze what the imports left (after collecting its garbage) and set thresholds."""
         gc.collect()
         gc.freeze()
-        self._base = self._thawed = gc.get_freeze_count()
+        self._thawed = gc.get_freeze_count()
         gc.set_threshold(self.young, 20, 100)
 
     def tick(self) -> None:
@@ -56,8 +59,7 @@ class CollectorPolicy:
         older = len(gc.get_objects(1)) + len(gc.get_objects(2))
         if older < self.freeze_after:
             return
-        grown = gc.get_freeze_count() + older - self._base
-        thaw = grown >= 2 * (self._thawed - self._base) + self.freeze_after
+        thaw = gc.get_freeze_count() + older >= 2 * self._thawed
         if thaw:
             gc.unfreeze()
         gc.collect()

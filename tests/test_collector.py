@@ -1,8 +1,8 @@
 """The garbage collector's policy in a serving broker (:mod:`broker.collector`), by counts of
 objects, not by time: once a cluster registered and the reaper ticked, what a collection
 walks is bounded whatever the cluster's size (its records are frozen), and rounds of ranks
-registering, watching releases and leaving over real gRPC leave the heap no larger, frozen
-objects included, round after round."""
+registering, watching releases and leaving over real gRPC, each round's objects in cycles
+dying frozen, leave the heap bounded, frozen objects included."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ CONFIG = ServiceConfig(lease_ttl_ms=600_000, max_ranks=4_096)
 REAP_MS = 5
 #: Objects in cycles each round keeps while its ranks are registered (long-lived records
 #: with a back reference, say): frozen with them, dead once they leave.
-CYCLES = 2_000
+CYCLES = 20_000
 
 
 @pytest.fixture(autouse=True)
@@ -84,9 +84,9 @@ def test_a_registered_cluster_is_frozen_so_collections_walk_little() -> None:
     assert frozen_after - frozen_before > 5 * 1_024, (frozen_before, frozen_after)
 
 
-def test_rounds_of_ranks_coming_and_going_leave_the_heap_no_larger() -> None:
-    """Small thresholds, so that every round freezes and thaws: each round's ranks register
-    over gRPC, watch their releases (streams open across the freezes) and deregister."""
+def test_rounds_of_ranks_coming_and_going_leave_the_heap_bounded() -> None:
+    """Small thresholds, so that every round freezes: each round's ranks register over
+    gRPC, watch their releases (streams open across the freezes) and deregister."""
     policy = CollectorPolicy(young=1_000, freeze_after=1_000)
     service = BrokerService(clock=FakeClock(), config=CONFIG)
     sc = build_scenario(hybrid(), 2, 2, 100)
@@ -128,11 +128,11 @@ def test_rounds_of_ranks_coming_and_going_leave_the_heap_no_larger() -> None:
 
     held = asyncio.run(scenario())
     assert service.store.count_ranks() == 0
-    # Each round leaves CYCLES dead objects frozen (16 rounds: 30,000 more, never thawed).
-    # Thawed once what was frozen since the start doubled since the last thaw, they stay
-    # under twice what a thaw finds alive (a round's cycles and ranks, under CYCLES +
-    # freeze_after), plus freeze_after, plus the round that tips it.
-    assert max(held) - held[0] <= 4 * CYCLES + 2 * policy.freeze_after, held
+    # Each round leaves CYCLES dead objects frozen (16 rounds: 300,000 more, never thawed).
+    # Thawed once the frozen heap doubled since the last thaw, which found at most the
+    # heap of the start and a round's objects alive, they stay under twice that, plus the
+    # round that tips it.
+    assert max(held) <= 2 * (held[0] + CYCLES + policy.freeze_after) + CYCLES, held
 
 
 def _cycles(n: int) -> list[dict[str, object]]:
