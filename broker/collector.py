@@ -62,7 +62,10 @@ class CollectorPolicy:
         thaw = gc.get_freeze_count() + older >= 2 * self._thawed
         if thaw:
             gc.unfreeze()
+        full = gc.get_stats()[2]["collections"]
         gc.collect()
+        if gc.get_stats()[2]["collections"] == full:
+            return  # another thread is collecting (and finalizing): freeze no garbage now
         gc.freeze()
         if thaw:
             self._thawed = gc.get_freeze_count()

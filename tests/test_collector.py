@@ -143,6 +143,29 @@ def _cycles(n: int) -> list[dict[str, object]]:
     return made
 
 
+def test_a_tick_while_the_collector_runs_freezes_nothing() -> None:
+    """Another thread's collection, finalizing its garbage, may let the event loop tick:
+    ``gc.collect()`` then does nothing, and freezing would keep what it did not collect."""
+    policy = CollectorPolicy(young=1_000, freeze_after=1_000)
+    policy.start()
+    survivors = _cycles(5_000)
+    gc.collect(1)  # they survive young collections
+    frozen = gc.get_freeze_count()
+
+    def tick_during(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            policy.tick()
+
+    gc.callbacks.append(tick_during)
+    try:
+        gc.collect(0)
+    finally:
+        gc.callbacks.remove(tick_during)
+    assert gc.get_freeze_count() == frozen
+    policy.tick()  # a quiet point: the survivors are frozen now
+    assert gc.get_freeze_count() >= frozen + len(survivors)
+
+
 async def _drained(stream: grpc.aio.UnaryStreamCall) -> None:
     """Read the stream to its end (its rank went away)."""
     try:
