@@ -15,9 +15,9 @@ only frozen objects that later die in a cycle stay. To bound those, every object
 thawed and the whole heap collected once the frozen heap (the imports' included) has
 doubled since that was last done, or since the start: frozen cyclic garbage stays under
 what survived the last such collection (twice that if the heap shrank since); each such
-collection walks the whole heap (30-50 ms among 2,048 ranks) only after as many objects
-were frozen as the previous one left, so its cost per object frozen is constant (one
-while a cluster grows to 2,048 ranks)."""
+collection walks the whole heap (40-75 ms among 2,048 ranks) only after as many objects
+were frozen as the previous one left, so its cost per object frozen is constant (at most
+one while a cluster grows to 2,048 ranks)."""
 
 from __future__ import annotations
 
