@@ -14,7 +14,10 @@ from __future__ import annotations
 import bisect
 import secrets
 import time
+from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
+from typing import Generic, TypeVar
 
 from broker import transfers
 from broker.api import EngineView, Lease
@@ -37,6 +40,31 @@ LEASE_EXPIRED = "lease expired"
 TRANSFERS_PER_UNIT = 64
 #: How long one reaper pass starts units of work for (seconds).
 REAP_SLICE_S = 0.002
+
+K = TypeVar("K")
+
+
+class Backlog(Generic[K]):
+    """Keys of due work the store hands out (a due transfer only once, then again after
+    :data:`~broker.store.contract.REDELIVER_MS`), worked through a reaper slice at a time:
+    those one pass did not reach come first in the next, before the store is asked again."""
+
+    def __init__(self) -> None:
+        self._left: deque[K] = deque()
+
+    def run(
+        self, take: Callable[[], Iterable[K]], unit: Callable[[K], object], until: float
+    ) -> bool:
+        """``unit(key)`` (each its own unit of work) for what is left, else for what ``take()``
+        hands out, none started once ``time.perf_counter()`` reached ``until``; returns
+        whether some are left."""
+        if not self._left:
+            self._left.extend(take())
+        while self._left:
+            if time.perf_counter() >= until:
+                return True
+            unit(self._left.popleft())
+        return False
 
 
 @dataclass(frozen=True)
@@ -63,6 +91,7 @@ class Registry:
         #: Each departure's transfer keys as first read here, sorted: a slice finds its own
         #: by bisection instead of reading and sorting all of them again.
         self._loss_keys: dict[tuple[str, int, int], list[TransferKey]] = {}
+        self._expired: Backlog[RankKey] = Backlog()
 
     @atomic
     def register(self, reg: RankRegistration) -> Lease:
@@ -138,11 +167,7 @@ class Registry:
         """Remove the ranks whose lease expired by ``now``, each in a unit of work of its own,
         none started once ``time.perf_counter()`` reached ``until``; returns whether some are
         left."""
-        for key in self.store.due_leases(now):
-            if time.perf_counter() >= until:
-                return True
-            self.expire_lease(key)
-        return False
+        return self._expired.run(lambda: self.store.due_leases(now), self.expire_lease, until)
 
     @atomic
     def expire_lease(self, key: RankKey) -> None:

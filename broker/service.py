@@ -46,11 +46,7 @@ from broker.api import (
 from broker.clock import Clock, SystemClock
 from broker.config import ServiceConfig
 from broker.effects import Effects, Refusal, atomic
-from broker.engines import (
-    Engine,
-    EngineCatalog,
-    check_published_blocks,
-)
+from broker.engines import Engine, EngineCatalog, check_published_blocks
 from broker.errors import (
     AlreadyExistsError,
     LimitExceededError,
@@ -78,7 +74,7 @@ from broker.records import (
     TransferKey,
     TransferRecord,
 )
-from broker.registry import REAP_SLICE_S, RankLimits, Registry
+from broker.registry import REAP_SLICE_S, Backlog, RankLimits, Registry
 from broker.releases import ReleaseFeeds
 from broker.store.contract import StateStore
 from broker.store.memory import InMemoryStateStore
@@ -114,6 +110,7 @@ class BrokerService:
         )
         #: What release streams read (:class:`~broker.releases.ReleaseFeeds`).
         self.feeds = ReleaseFeeds(self.effects, config.release_resume_window)
+        self._due: Backlog[TransferKey] = Backlog()
 
     def add_release_listener(self, listener: Callable[[RankKey], None]) -> None:
         """``listener(key)`` is called when a release is queued for prefill rank ``key`` or
@@ -530,11 +527,11 @@ class BrokerService:
         transfers past retention), go on failing departed ranks' transfers: each its own
         unit of work, none started after ``REAP_SLICE_S``. Returns whether work is left."""
         now, until = self.clock.now_ms(), time.perf_counter() + REAP_SLICE_S
-        if self.registry.expire_due(now, until):
-            return True
-        for transfer in self.store.due_transfers(now):
-            self._reap_transfer(transfer)
-        return self.registry.tell_losses(until)
+        return (
+            self.registry.expire_due(now, until)
+            or self._due.run(lambda: self.store.due_transfers(now), self._reap_transfer, until)
+            or self.registry.tell_losses(until)
+        )
 
     @atomic
     def _reap_transfer(self, key: TransferKey) -> None:

@@ -6,7 +6,9 @@ report of a plan that read it is refused), the reaper of another broker on the s
 and the surviving prefill rank is released once per transfer; on Redis a replica whose unit
 read a transfer before another removed its rank runs again and sees it. In memory, a broker whose
 rank's lease expires under 3,000 transfers never holds its event loop for more than a few ms
-of CPU (its wall-clock gaps are printed: on a shared host they are the host's too)."""
+of CPU (its wall-clock gaps are printed: on a shared host they are the host's too). The
+reaper's pass over transfers past their deadline stops starting units once its slice is
+spent, as its pass over expired leases does."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import gc
 import logging
 import time
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -25,7 +28,7 @@ from broker.api import PlanQuery, Publication, Report
 from broker.config import ServiceConfig
 from broker.errors import AbortedError
 from broker.records import TransferKey, TransferRecord
-from broker.registry import TRANSFERS_PER_UNIT
+from broker.registry import REAP_SLICE_S, TRANSFERS_PER_UNIT
 from broker.server import BrokerServer
 from broker.service import BrokerService
 from broker.store.contract import StateStore
@@ -109,6 +112,40 @@ def test_a_departure_fails_its_engines_transfers_a_slice_per_unit() -> None:
     )
     assert {e.reason for e in released} == {ReleaseReason.ABORTED}
     assert replica.store.releases_after(("P", 0), 0) == []  # the departed rank's queue went
+
+
+@pytest.mark.usefixtures("default_store")
+def test_the_reaper_expires_due_transfers_a_slice_at_a_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each unit of work takes a quarter of the reaper's slice on a clock that moves only
+    with them: a pass starts at most four (one more for rounding), and passes go on until
+    every transfer expired."""
+    clock = FakeClock()
+    service = BrokerService(clock=clock, config=CONFIG)
+    register_engine(service, SC.prefill, "P", Role.PREFILL, 0)
+    held = 50
+    for i in range(held):
+        request = SC.request
+        pub = Publication(f"t{i}", "P", request.prefill_block_ids, request.num_tokens, 1_000)
+        service.publish(pub)
+    per_unit = _count_changes_per_unit(service.store)
+    unit_s = REAP_SLICE_S / 4
+    clocked = SimpleNamespace(perf_counter=lambda: len(per_unit) * unit_s)
+    monkeypatch.setattr("broker.registry.time", clocked)
+    monkeypatch.setattr("broker.service.time", clocked)
+    clock.advance(1_000)
+
+    per_pass = []
+    while True:
+        before = len(per_unit)
+        more = service.reap()
+        per_pass.append(len(per_unit) - before)
+        if not more:
+            break
+    assert max(per_pass) <= 5, per_pass
+    assert sum(per_pass) == held, per_pass
+    assert service.list_transfers().counts == {TransferState.EXPIRED: held}
 
 
 def test_a_departure_committed_while_a_replica_reports_makes_it_look_again(

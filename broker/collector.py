@@ -1,0 +1,71 @@
+"""When the broker's cyclic garbage collector runs (:class:`CollectorPolicy`), so that a
+collection pauses the event loop for a few milliseconds whatever the cluster's size, but
+for one collection of the whole heap each time the heap doubles.
+
+A collection of a generation walks every object in it and in the younger ones. Two kinds of
+objects fill a broker's heap: its long-lived records (a registered rank holds some eighty
+tracked objects: its registration, layout, regions, their tuples), which only grow the
+older generations, and the reference cycles gRPC leaves behind every call (five objects
+each), which only the collector frees. Young collections are kept small
+(:data:`YOUNG_THRESHOLD`); the objects that survive them are frozen
+(:func:`gc.freeze`) at quiet points — the reaper's tick, between calls — once there are
+:data:`FREEZE_AFTER` of them, right after a collection of what is not frozen yet, so no
+later collection walks them again. Objects frozen are still freed by reference counting;
+only frozen objects that later die in a cycle stay. To bound those, every object is
+thawed and the whole heap collected once the frozen heap (the imports' included) has
+doubled since that was last done, or since the start: frozen cyclic garbage stays under
+what survived the last such collection (twice that if the heap shrank since); each such
+collection walks the whole heap (40-75 ms among 2,048 ranks) only after as many objects
+were frozen as the previous one left, so its cost per object frozen is constant (at most
+one while a cluster grows to 2,048 ranks)."""
+
+from __future__ import annotations
+
+import gc
+
+#: Net allocations of tracked objects between young collections (CPython's default is 700):
+#: a collection of this many objects takes a few ms; far fewer would catch a call's own
+#: short-lived objects, which reference counting frees anyway.
+YOUNG_THRESHOLD = 10_000
+#: Objects surviving young collections, not yet frozen, that a quiet point freezes.
+FREEZE_AFTER = 10_000
+
+
+class CollectorPolicy:
+    """The collector's thresholds (:meth:`start`) and freezes at quiet points (:meth:`tick`);
+    see the module docstring. Process-wide: one per process."""
+
+    def __init__(self, young: int = YOUNG_THRESHOLD, freeze_after: int = FREEZE_AFTER) -> None:
+        self.young = young
+        self.freeze_after = freeze_after
+        self._thawed = 0  # objects frozen after the last whole-heap collection
+        self._young_collections = -1
+
+    def start(self) -> None:
+        """Freeze what the imports left (after collecting its garbage) and set thresholds."""
+        gc.collect()
+        gc.freeze()
+        self._thawed = gc.get_freeze_count()
+        gc.set_threshold(self.young, 20, 100)
+
+    def tick(self) -> None:
+        """At a quiet point: freeze the survivors of young collections once there are
+        :attr:`freeze_after` of them, or thaw and collect everything (see the module
+        docstring)."""
+        collections = gc.get_stats()[0]["collections"]
+        if collections == self._young_collections:
+            return  # no young collection since: the older generations did not grow
+        self._young_collections = collections
+        older = len(gc.get_objects(1)) + len(gc.get_objects(2))
+        if older < self.freeze_after:
+            return
+        thaw = gc.get_freeze_count() + older >= 2 * self._thawed
+        if thaw:
+            gc.unfreeze()
+        full = gc.get_stats()[2]["collections"]
+        gc.collect()
+        if gc.get_stats()[2]["collections"] == full:
+            return  # another thread is collecting (and finalizing): freeze no garbage now
+        gc.freeze()
+        if thaw:
+            self._thawed = gc.get_freeze_count()
