@@ -22,14 +22,16 @@ from broker_helpers import FakeClock, hybrid, register_engine, register_request,
 from conftest import RedisServer, start_redis
 
 from broker.api import PlanQuery, Publication, Report
+from broker.auth import AccessGuard, Authenticator, Identity
 from broker.config import ServiceConfig
-from broker.errors import StoreUnavailableError
+from broker.errors import NotFoundError, StoreUnavailableError
 from broker.layout import EngineLayout, GroupKind, GroupLayout, RankLayout, Segment
-from broker.records import ReleaseEvent, TransferRecord
+from broker.records import RankRecord, ReleaseEvent, TransferRecord
 from broker.service import BrokerService
 from broker.store import codec
 from broker.store.contract import REDELIVER_MS
 from broker.store.redis import RedisStateStore
+from broker.store.redis_unit import Recent
 from broker.v1 import broker_pb2 as pb
 from broker.v1 import broker_pb2_grpc as pb_grpc
 from broker.wire import ReleaseReason, ReportStatus, Role
@@ -303,6 +305,19 @@ def test_two_replicas_claiming_at_once(redis_server: RedisServer) -> None:
     assert events(store_a, ("P", 0)) == [("t1", ReleaseReason.COMPLETED)]
 
 
+def test_a_claim_between_a_replicas_read_ahead_and_its_commit(redis_server: RedisServer) -> None:
+    """A replica that saw transfer t1 reads its record with the set of transfers named t1,
+    watched: replica B claiming it right after that read fails A's commit, and A, run
+    again, hands out B's claim."""
+    clock = FakeClock()
+    store_a = redis_server.store()
+    service_a, sc = fleet(store_a, 1, 2, clock)  # published here: A knows what t1 names
+    service_b = BrokerService(twin(store_a), clock, CONFIG)
+    from_b = interleave(store_a, "transfers_named", lambda: service_b.get_plan(query(sc, 1)))
+    plan_a = service_a.get_plan(query(sc, 0))
+    assert plan_a.plan_id.rsplit("-", 1)[0] == from_b[0].plan_id.rsplit("-", 1)[0]  # one claim
+
+
 def test_two_replicas_counting_reports_at_once_release_each_rank_once(
     redis_server: RedisServer,
 ) -> None:
@@ -324,6 +339,58 @@ def test_two_replicas_counting_reports_at_once_release_each_rank_once(
     service_a.abort("t1", "late")
     service_b.abort("t1", "late")
     assert [len(store_a.releases_after(("P", p), 0)) for p in range(2)] == [1, 1]
+
+
+def test_an_agent_name_another_replica_gave_to_another_rank_is_read_anew(
+    redis_server: RedisServer,
+) -> None:
+    """A replica reads the rank an agent or lease key named when it last saw it in the same
+    round trip as the key: when another replica has since given the name to another rank,
+    or re-registered the rank under a new lease, the key's answer wins."""
+    store_a = redis_server.store()
+    store_b = twin(store_a)
+    layout = build_scenario(hybrid(), 1, 1, 100).prefill
+    first, second = (
+        RankRecord(
+            dataclasses.replace(registration(layout, e, Role.PREFILL, 0), agent_name="shared"),
+            f"lease-{e}",
+            1,
+            0,
+            1,
+        )
+        for e in ("E", "F")
+    )
+    store_a.put_rank(first)
+    assert store_a.rank_by_agent("shared") == first == store_a.rank_by_lease("lease-E")
+    store_b.transact(lambda: (store_b.delete_rank(first.key), store_b.put_rank(second)))
+    assert store_a.rank_by_agent("shared") == second
+    assert store_a.rank_by_lease("lease-E") is None
+    store_b.put_rank(dataclasses.replace(second, lease_id="lease-F2"))
+    assert store_a.rank_by_lease("lease-F") is None
+    assert store_a.rank_by_lease("lease-F2") == dataclasses.replace(second, lease_id="lease-F2")
+
+
+def test_a_stale_plan_of_a_transfer_published_again_is_unknown_not_denied(
+    redis_server: RedisServer,
+) -> None:
+    """A replica remembers the transfer of each plan it handed out; when another replica
+    has since deleted that transfer and published it again for another decode engine, the
+    old plan's report is an unknown plan to authorization and to the service."""
+    clock = FakeClock()
+    store_a = redis_server.store()
+    service_a, sc = fleet(store_a, 1, 1, clock)
+    register_engine(service_a, sc.decode, "D2", Role.DECODE, 2)
+    stale = service_a.get_plan(query(sc, 0))
+    store_b = twin(store_a)
+    service_b = BrokerService(store_b, clock, CONFIG)
+    store_b.transact(lambda: store_b.delete_transfer(T1))
+    publication = Publication("t1", "P", sc.request.prefill_block_ids, sc.request.num_tokens)
+    service_b.publish(publication)
+    service_b.get_plan(PlanQuery("t1", "D2", 0, sc.request.decode_block_ids))
+    guard = AccessGuard(Authenticator(False, None), store_a)
+    guard.report_plan(Identity(frozenset({"D"})), stale.plan_id)  # not PERMISSION_DENIED
+    with pytest.raises(NotFoundError, match="no plan"):
+        service_a.report(done(stale.plan_id, 0))
 
 
 def test_releases_wake_watchers_on_other_replicas(redis_server: RedisServer) -> None:
@@ -422,3 +489,13 @@ def test_a_stalled_server_fails_calls_within_the_timeout_then_at_once(
         server.stop()
     assert 0.25 < first_s < 1.0, first_s  # one 300 ms timeout, not one per retry or attempt
     assert at_once_s < 0.1, at_once_s
+
+
+def test_what_a_replica_remembers_is_bounded() -> None:
+    """The newest ``size`` entries stay; putting one again makes it the newest."""
+    recent: Recent[str, int] = Recent(2)
+    recent.put("a", 1)
+    recent.put("b", 2)
+    recent.put("a", 3)
+    recent.put("c", 4)
+    assert [recent.get(k) for k in "abc"] == [3, None, 4]

@@ -67,7 +67,6 @@ import redis
 
 from broker.records import (
     RankKey,
-    RankLoss,
     RankRecord,
     RankRegistration,
     TransferKey,
@@ -81,11 +80,13 @@ from broker.store.redis_link import (
     client_for,
     fails_fast,
 )
+from broker.store.redis_losses import RedisRankLosses, decode_losses
 from broker.store.redis_releases import RedisReleaseQueues
 from broker.store.redis_scripts import SCRIPTS
 from broker.store.redis_unit import (
     Command,
     PlanBlobs,
+    Recent,
     Unit,
     UnitLink,
     exchange,
@@ -106,7 +107,7 @@ class ConflictError(RuntimeError):
 
 
 @fails_fast
-class RedisStateStore(RedisReleaseQueues, StateStore):
+class RedisStateStore(RedisReleaseQueues, RedisRankLosses, StateStore):
     """Records in one Redis server (or primary); see the module docstring.
 
     ``rank_ttl_ms`` must exceed the service's lease TTL and ``transfer_ttl_ms`` the longest
@@ -138,6 +139,13 @@ class RedisStateStore(RedisReleaseQueues, StateStore):
         self._registrations: dict[RankKey, tuple[int, RankRegistration]] = {}
         #: Decoded plans by blob token.
         self._plans = PlanBlobs()
+        #: The rank each lease and agent key named when last read or written here (such a
+        #: key never names another rank), so its record is read with the key.
+        self._indexed_ranks: Recent[bytes, RankKey] = Recent()
+        #: The transfers each bare id named when last read or written here.
+        self._named: Recent[bytes, tuple[TransferKey, ...]] = Recent()
+        #: The transfer of each plan id written here (a plan id never names another).
+        self._plan_transfers: Recent[str, TransferKey] = Recent()
         self._scripts = {name: client.register_script(text) for name, text in SCRIPTS.items()}
 
     @classmethod
@@ -267,6 +275,8 @@ class RedisStateStore(RedisReleaseQueues, StateStore):
             reg.agent_name,
         ]
         self._registrations[key] = (record.generation, reg)
+        self._indexed_ranks.put(keys[3], key)
+        self._indexed_ranks.put(keys[8], key)
         if self._unit is not None:
             self._unit.ranks[key] = record
         self._write(lambda c: self._run("put_rank", keys, args, c), ("rank", key))
@@ -275,15 +285,24 @@ class RedisStateStore(RedisReleaseQueues, StateStore):
         return self._ranks([key])[0]
 
     def _rank_at(self, index: bytes, matches: Callable[[RankRecord], bool]) -> RankRecord | None:
-        """The rank an index key names, if it still ``matches`` (pending writes first)."""
-        (member,) = self._fetch([index], [("GET", index)])
-        if self._unit is not None:
-            for record in self._unit.ranks.values():
-                if record is not None and matches(record):
-                    return record
+        """The rank an index key names, if it still ``matches`` (pending writes first); the
+        rank it named when last seen is read in the same round trip."""
+        pending = {} if self._unit is None else self._unit.ranks
+        guess = self._indexed_ranks.get(index)
+        guessed = (
+            [] if guess is None or guess in pending else [self._key("rank", rank_member(guess))]
+        )
+        member, *row = self._fetch(
+            [index, *guessed], [("GET", index), *(("HMGET", k, *_RANK_FIELDS) for k in guessed)]
+        )
+        for record in pending.values():
+            if record is not None and matches(record):
+                return record
         if member is None:
             return None
-        record = self.get_rank(parse_rank(member))
+        key = parse_rank(member)
+        self._indexed_ranks.put(index, key)
+        record = self._decode_rank(key, row[0]) if row and key == guess else self.get_rank(key)
         return record if record is not None and matches(record) else None
 
     def rank_by_lease(self, lease_id: str) -> RankRecord | None:
@@ -405,6 +424,10 @@ class RedisStateStore(RedisReleaseQueues, StateStore):
         ]
         if self._unit is not None:
             self._unit.transfers[key] = record
+        for plan in record.plans:
+            self._plan_transfers.put(plan.plan_id, key)
+        if key not in (self._named.get(keys[4]) or ()):
+            self._named.put(keys[4], (*(self._named.get(keys[4]) or ()), key))
         token, blob = self._plans.token_of(record, self._unit)
 
         def put(client: Any) -> Any:  # the record encoded once, when written
@@ -435,13 +458,30 @@ class RedisStateStore(RedisReleaseQueues, StateStore):
         self._write(lambda c: self._run("delete_transfer", keys, args, c), ("transfer", key))
 
     def _indexed(
-        self, index: bytes, belongs: Callable[[TransferRecord], bool]
+        self,
+        index: bytes,
+        belongs: Callable[[TransferRecord], bool],
+        ahead: Iterable[TransferKey] = (),
     ) -> list[TransferKey]:
-        """Transfer keys in set ``index``, with this unit's own writes (``belongs``)."""
-        (members,) = self._fetch([index], [("SMEMBERS", index)])
+        """Transfer keys in set ``index``, with this unit's own writes (``belongs``). In a
+        unit, the records of ``ahead`` (and the rank losses, if not read yet) are read and
+        watched in the same round trip, for :meth:`_transfers` to take."""
+        unit = self._unit
+        reads: list[Command] = [("SMEMBERS", index)]
+        ahead = [] if unit is None else [k for k in ahead if k not in unit.transfers]
+        hash_keys = [self._key("transfer", transfer_member(k)) for k in ahead]
+        reads += [("HGET", k, "m") for k in hash_keys]
+        with_losses = unit is not None and bool(ahead) and unit.losses_read is None
+        losses = [self._key("losses")] if with_losses else []
+        members, *raws = self._fetch(
+            [index, *hash_keys, *losses], [*reads, *(("HGETALL", k) for k in losses)]
+        )
         keys = {parse_transfer(m) for m in members}
-        if self._unit is not None:
-            for key, record in self._unit.transfers.items():
+        if unit is not None:
+            if with_losses:
+                unit.losses_read = decode_losses(raws.pop())
+            unit.read_ahead.update(zip(ahead, raws))
+            for key, record in unit.transfers.items():
                 if record is None:
                     keys.discard(key)
                 elif belongs(record):
@@ -449,9 +489,11 @@ class RedisStateStore(RedisReleaseQueues, StateStore):
         return sorted(keys)
 
     def transfers_named(self, transfer_id: str) -> list[TransferKey]:
-        return self._indexed(
-            self._key("named", transfer_id), lambda t: t.transfer_id == transfer_id
-        )
+        index = self._key("named", transfer_id)
+        ahead = self._named.get(index) or ()
+        keys = self._indexed(index, lambda t: t.transfer_id == transfer_id, ahead)
+        self._named.put(index, tuple(keys))
+        return keys
 
     def transfers_of(self, engine_id: str) -> list[TransferKey]:
         return self._indexed(self._key("party", engine_id), lambda t: engine_id in t.parties)
@@ -461,6 +503,9 @@ class RedisStateStore(RedisReleaseQueues, StateStore):
             for record in self._unit.transfers.values():
                 if record is not None and record.plan_by_id(plan_id) is not None:
                     return record.key
+        known = self._plan_transfers.get(plan_id)
+        if known is not None:  # whether it still exists is for the read of its record
+            return known
         value = self.client.get(self._key("plan", plan_id))
         return None if value is None else parse_transfer(value)
 
@@ -497,18 +542,22 @@ class RedisStateStore(RedisReleaseQueues, StateStore):
         the plans blobs whose token is not cached here."""
         unit = self._unit
         pending = {} if unit is None else unit.transfers
+        ahead = {} if unit is None else unit.read_ahead
         remote = [k for k in keys if k not in pending]
         hash_keys = [self._key("transfer", transfer_member(k)) for k in remote]
-        reads: list[Command] = [("HGET", k, "m") for k in hash_keys]
-        watched = hash_keys if watch else []
-        with_losses = bool(remote) and watch and unit is not None and unit.losses_read is None
+        fresh = [h for k, h in zip(remote, hash_keys) if k not in ahead]
+        reads: list[Command] = [("HGET", k, "m") for k in fresh]
+        watched = fresh if watch else []
+        with_losses = bool(fresh) and watch and unit is not None and unit.losses_read is None
         if with_losses:  # the rank losses a change to these records must see, same round trip
             losses = self._key("losses")
             watched, reads = [*watched, losses], [*reads, ("HGETALL", losses)]
-        raws = self._fetch(watched, reads)
+        read = self._fetch(watched, reads)
         if with_losses:
             assert unit is not None
-            unit.losses_read = _decode_losses(raws.pop())
+            unit.losses_read = decode_losses(read.pop())
+        replies = iter(read)
+        raws = [ahead[k] if k in ahead else next(replies) for k in remote]
         metas = [None if raw is None else codec.plans_token_of(raw) for raw in raws]
         plans = {m[1]: self._plans.get(m[1]) for m in metas if m is not None}
         plans[""] = {}  # no plans yet
@@ -526,39 +575,6 @@ class RedisStateStore(RedisReleaseQueues, StateStore):
             for k, m in zip(remote, metas)
         }
         return [pending[k] if k in pending else found[k] for k in keys]
-
-    # ------------------------------------------------------------------ rank losses
-
-    def put_loss(self, loss: RankLoss) -> None:
-        key, field = self._key("losses"), _loss_field(loss)
-        value, ttl = json.dumps([*loss.key, loss.why, *loss.done_through]), self.transfer_ttl_ms
-        if self._unit is not None:
-            self._unit.loss_writes[loss.key] = loss
-        self._write(lambda c: (c.hset(key, field, value), c.pexpire(key, ttl)), ("loss", loss.key))
-
-    def delete_loss(self, loss: RankLoss) -> None:
-        key, field = self._key("losses"), _loss_field(loss)
-        if self._unit is not None:
-            self._unit.loss_writes[loss.key] = None
-        self._write(lambda c: c.hdel(key, field), ("loss", loss.key))
-
-    def losses(self, engine_ids: Collection[str] | None = None) -> list[RankLoss]:
-        unit = self._unit
-        read = None if unit is None else unit.losses_read
-        if read is None:
-            key = self._key("losses")
-            (raw,) = self._fetch([key], [("HGETALL", key)])
-            read = _decode_losses(raw)
-            if unit is not None:
-                unit.losses_read = read
-        found: dict[tuple[str, int, int], RankLoss | None] = dict(read)
-        if unit is not None:
-            found.update(unit.loss_writes)
-        return [
-            loss
-            for _, loss in sorted(found.items())
-            if loss is not None and (engine_ids is None or loss.engine_id in engine_ids)
-        ]
 
     # ------------------------------------------------------------------ agent contacts
 
@@ -581,14 +597,3 @@ class RedisStateStore(RedisReleaseQueues, StateStore):
     def drop_contacts(self, decode: RankKey) -> None:
         key = self._key("contacts", rank_member(decode))
         self._write(lambda c: c.delete(key))
-
-
-def _loss_field(loss: RankLoss) -> str:
-    return f"{loss.generation}:{rank_member((loss.engine_id, loss.tp_rank))}"
-
-
-def _decode_losses(raw: Any) -> dict[tuple[str, int, int], RankLoss]:
-    """``HGETALL`` of ``P losses`` (fields and values, flat or as a map) by loss key."""
-    values = [json.loads(value) for value in (raw.values() if isinstance(raw, dict) else raw[1::2])]
-    losses = [RankLoss(e, int(tp), int(gen), why, (pe, pt)) for e, tp, gen, why, pe, pt in values]
-    return {loss.key: loss for loss in losses}

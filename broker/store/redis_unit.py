@@ -6,8 +6,8 @@ records are named in Redis keys, and the decoded plans kept across units
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Hashable
+from typing import Any, Generic, TypeVar
 
 import redis
 
@@ -16,6 +16,8 @@ from broker.records import RankKey, RankLoss, RankRecord, TransferKey, TransferR
 from broker.store import codec
 
 Command = tuple[Any, ...]
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
 
 
 def exchange(connection: Any, commands: list[Command]) -> list[Any]:
@@ -82,6 +84,8 @@ class Unit:
         self.losses_read: dict[tuple[str, int, int], RankLoss] | None = None
         self.loss_writes: dict[tuple[str, int, int], RankLoss | None] = {}
         self.contacts: set[tuple[RankKey, str]] = set()
+        #: The raw records of transfers read (and watched) ahead of their read, by key.
+        self.read_ahead: dict[TransferKey, bytes | None] = {}
         #: Plans blobs this unit writes, by plan object id, and what to remember of them
         #: once it committed.
         self.plan_tokens: dict[int, str] = {}
@@ -172,3 +176,20 @@ class PlanBlobs:
             self._runs -= sum(p.num_descriptors for p in old.values())
             for plan in old.values():
                 self._tokens.pop(id(plan), None)
+
+
+class Recent(Generic[K, V]):
+    """The newest ``size`` values put, by key (the oldest put is forgotten first)."""
+
+    def __init__(self, size: int = 16_384) -> None:
+        self.size = size
+        self._values: dict[K, V] = {}
+
+    def get(self, key: K) -> V | None:
+        return self._values.get(key)
+
+    def put(self, key: K, value: V) -> None:
+        self._values.pop(key, None)
+        self._values[key] = value
+        if len(self._values) > self.size:
+            del self._values[next(iter(self._values))]
