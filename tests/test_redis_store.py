@@ -20,6 +20,8 @@ import numpy as np
 import pytest
 from broker_helpers import FakeClock, hybrid, register_engine, register_request, registration
 from conftest import RedisServer, start_redis
+from redis._parsers.encoders import Encoder
+from redis.connection import PythonRespSerializer
 
 from broker.api import PlanQuery, Publication, Report
 from broker.auth import AccessGuard, Authenticator, Identity
@@ -31,7 +33,7 @@ from broker.service import BrokerService
 from broker.store import codec
 from broker.store.contract import REDELIVER_MS
 from broker.store.redis import RedisStateStore
-from broker.store.redis_unit import Recent
+from broker.store.redis_unit import Recent, exchange, pack
 from broker.v1 import broker_pb2 as pb
 from broker.v1 import broker_pb2_grpc as pb_grpc
 from broker.wire import ReleaseReason, ReportStatus, Role
@@ -499,3 +501,37 @@ def test_what_a_replica_remembers_is_bounded() -> None:
     recent.put("a", 3)
     recent.put("c", 4)
     assert [recent.get(k) for k in "abc"] == [3, None, 4]
+
+
+def test_commands_packed_here_reach_redis_as_redis_py_packs_them(
+    redis_server: RedisServer,
+) -> None:
+    """Text (UTF-8), bytes holding the protocol's own separators, integers and floats are
+    sent as redis-py's packer sends them; other types are refused before anything is sent."""
+    store = redis_server.store()
+    values = ["naïve ✓", b"a\r\n$3\r\nb\x00", 12345678901234, -7, 0.25]
+    commands = [("SET", f"{store.prefix}v{i}", v) for i, v in enumerate(values)]
+    redis_py = PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
+    assert pack(commands) == b"".join(b"".join(redis_py.pack(*c)) for c in commands)
+    connection = store.client.connection_pool.get_connection()
+    assert exchange(connection, commands) == [b"OK"] * len(values)
+    read = exchange(connection, [("GET", f"{store.prefix}v{i}") for i in range(len(values))])
+    assert read == ["naïve ✓".encode(), b"a\r\n$3\r\nb\x00", b"12345678901234", b"-7", b"0.25"]
+    for bad in (True, None, [1]):
+        with pytest.raises(TypeError, match="is not a Redis argument"):
+            pack([("SET", "k", bad)])
+
+
+def test_a_changed_registration_is_written_anew(redis_server: RedisServer) -> None:
+    """A keep-alive writes the registration as it was stored; one registered again with
+    other memory is encoded and written afresh."""
+    store = redis_server.store()
+    layout = build_scenario(hybrid(), 1, 1, 100).prefill
+    first = RankRecord(registration(layout, "E", Role.PREFILL, 0), "lease-E", 1, 0, 1)
+    store.put_rank(first)
+    store.put_rank(dataclasses.replace(first, lease_expires_at_ms=2))  # a keep-alive
+    moved = registration(layout, "E", Role.PREFILL, 0, engine_index=5)
+    assert moved.regions != first.registration.regions
+    again = RankRecord(moved, "lease-E2", 3, 0, 2)
+    store.put_rank(again)
+    assert twin(store).get_rank(("E", 0)) == again

@@ -80,7 +80,7 @@ from broker.store.redis_link import (
     client_for,
     fails_fast,
 )
-from broker.store.redis_losses import RedisRankLosses, decode_losses
+from broker.store.redis_losses import RedisContacts, RedisRankLosses, decode_losses
 from broker.store.redis_releases import RedisReleaseQueues
 from broker.store.redis_scripts import SCRIPTS
 from broker.store.redis_unit import (
@@ -107,7 +107,7 @@ class ConflictError(RuntimeError):
 
 
 @fails_fast
-class RedisStateStore(RedisReleaseQueues, RedisRankLosses, StateStore):
+class RedisStateStore(RedisReleaseQueues, RedisRankLosses, RedisContacts, StateStore):
     """Records in one Redis server (or primary); see the module docstring.
 
     ``rank_ttl_ms`` must exceed the service's lease TTL and ``transfer_ttl_ms`` the longest
@@ -135,8 +135,8 @@ class RedisStateStore(RedisReleaseQueues, RedisRankLosses, StateStore):
         self._unit_link = UnitLink(client.connection_pool)
         #: The tp ranks of each engine when last read in a unit of work.
         self._engine_members: dict[str, tuple[int, ...]] = {}
-        #: Decoded registrations by rank: (generation, registration).
-        self._registrations: dict[RankKey, tuple[int, RankRegistration]] = {}
+        #: Registrations by rank: (generation, decoded, encoded as stored).
+        self._registrations: dict[RankKey, tuple[int, RankRegistration, bytes | str]] = {}
         #: Decoded plans by blob token.
         self._plans = PlanBlobs()
         #: The rank each lease and agent key named when last read or written here (such a
@@ -247,6 +247,9 @@ class RedisStateStore(RedisReleaseQueues, RedisRankLosses, StateStore):
     def put_rank(self, record: RankRecord) -> None:
         key, reg = record.key, record.registration
         member = rank_member(key)
+        cached = self._registrations.get(key)
+        encoded = cached[2] if cached is not None and cached[1] is reg else None
+        encoded = encoded or codec.encode_registration(reg)  # encoded again once changed
         keys = [
             self._key("rank", member),
             self._key("ranks"),
@@ -263,7 +266,7 @@ class RedisStateStore(RedisReleaseQueues, RedisRankLosses, StateStore):
         args = [
             member,
             key[1],
-            codec.encode_registration(reg),
+            encoded,
             reg.agent_metadata,
             record.lease_id,
             record.lease_expires_at_ms,
@@ -274,7 +277,7 @@ class RedisStateStore(RedisReleaseQueues, RedisRankLosses, StateStore):
             self._prefix_of("agent"),
             reg.agent_name,
         ]
-        self._registrations[key] = (record.generation, reg)
+        self._registrations[key] = (record.generation, reg, encoded)
         self._indexed_ranks.put(keys[3], key)
         self._indexed_ranks.put(keys[8], key)
         if self._unit is not None:
@@ -405,7 +408,7 @@ class RedisStateStore(RedisReleaseQueues, RedisRankLosses, StateStore):
         gen = int(generation)
         cached = self._registrations.get(key)
         if cached is None or cached[0] != gen:
-            cached = (gen, codec.decode_registration(reg, meta or b""))
+            cached = (gen, codec.decode_registration(reg, meta or b""), reg)
             self._registrations[key] = cached
         return RankRecord(cached[1], lease.decode(), int(expires or 0), int(registered or 0), gen)
 
@@ -575,25 +578,3 @@ class RedisStateStore(RedisReleaseQueues, RedisRankLosses, StateStore):
             for k, m in zip(remote, metas)
         }
         return [pending[k] if k in pending else found[k] for k in keys]
-
-    # ------------------------------------------------------------------ agent contacts
-
-    def add_contact(self, decode: RankKey, agent: str) -> bool:
-        key = self._key("contacts", rank_member(decode))
-        if self._unit is None:
-            with self.client.pipeline(transaction=False) as pipe:
-                pipe.sadd(key, agent)
-                pipe.pexpire(key, self.rank_ttl_ms)
-                added, _ = pipe.execute()
-            return bool(added)
-        (known,) = self._fetch([key], [("SISMEMBER", key, agent)])
-        if (decode, agent) in self._unit.contacts or known:
-            return False
-        self._unit.contacts.add((decode, agent))
-        ttl = self.rank_ttl_ms
-        self._write(lambda c: (c.sadd(key, agent), c.pexpire(key, ttl)))
-        return True
-
-    def drop_contacts(self, decode: RankKey) -> None:
-        key = self._key("contacts", rank_member(decode))
-        self._write(lambda c: c.delete(key))

@@ -1,6 +1,7 @@
-"""The rank losses of :class:`~broker.store.redis.RedisStateStore` (hash ``P losses``): a
-mixin over the store's key naming, reads and queued writes. A unit of work reads them once,
-with the first transfers it reads (:func:`decode_losses` decodes that reply)."""
+"""The rank losses (hash ``P losses``) and agent contacts (sets ``P contacts:R``) of
+:class:`~broker.store.redis.RedisStateStore`: mixins over the store's key naming, reads and
+queued writes. A unit of work reads the losses once, with the first transfers it reads
+(:func:`decode_losses` decodes that reply)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import json
 from collections.abc import Callable, Collection
 from typing import Any
 
-from broker.records import RankLoss
+import redis
+
+from broker.records import RankKey, RankLoss
 from broker.store.redis_link import fails_fast
 from broker.store.redis_unit import Unit, rank_member
 
@@ -54,6 +57,39 @@ class RedisRankLosses:
             for _, loss in sorted(found.items())
             if loss is not None and (engine_ids is None or loss.engine_id in engine_ids)
         ]
+
+
+@fails_fast
+class RedisContacts:
+    """The agents each decode rank was given metadata for, for
+    :class:`~broker.store.redis.RedisStateStore`."""
+
+    client: redis.Redis
+    rank_ttl_ms: int
+    _unit: Unit | None
+    _key: Callable[..., bytes]
+    _fetch: Callable[..., list[Any]]
+    _write: Callable[..., None]
+
+    def add_contact(self, decode: RankKey, agent: str) -> bool:
+        key = self._key("contacts", rank_member(decode))
+        if self._unit is None:
+            with self.client.pipeline(transaction=False) as pipe:
+                pipe.sadd(key, agent)
+                pipe.pexpire(key, self.rank_ttl_ms)
+                added, _ = pipe.execute()
+            return bool(added)
+        (known,) = self._fetch([key], [("SISMEMBER", key, agent)])
+        if (decode, agent) in self._unit.contacts or known:
+            return False
+        self._unit.contacts.add((decode, agent))
+        ttl = self.rank_ttl_ms
+        self._write(lambda c: (c.sadd(key, agent), c.pexpire(key, ttl)))
+        return True
+
+    def drop_contacts(self, decode: RankKey) -> None:
+        key = self._key("contacts", rank_member(decode))
+        self._write(lambda c: c.delete(key))
 
 
 def _loss_field(loss: RankLoss) -> str:
