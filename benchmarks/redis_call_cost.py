@@ -6,8 +6,8 @@ rank), ``ReportTransfer`` of both plans (the last releases the prefill ranks) an
 ``KeepAlive``.
 
 The ways alternate trial by trial, ``--cycles`` fresh transfers each: in memory; on Redis
-with redis-py's pure-Python reply parser and command packer; on Redis with ``hiredis``'s
-(when it is installed). Printed per call: the lowest of ``--trials`` CPU times per call of
+with redis-py's pure-Python reply parser; on Redis with ``hiredis``'s (when it is
+installed; the store packs its own commands either way). Printed per call: the lowest of ``--trials`` CPU times per call of
 each way and the ratios to memory; Redis's commands per call (counted once, in the steady
 state); per cycle, the broker's and Redis's CPU (Redis's from /proc, the lowest trial).
 
@@ -100,8 +100,8 @@ class Way:
 
 
 def redis_store(server: RedisServer, prefix: str, python_parser: bool) -> RedisStateStore:
-    """A store on ``server`` whose connections parse replies and pack commands in pure Python
-    (``python_parser``), else with ``hiredis``."""
+    """A store on ``server`` whose connections parse replies (and redis-py packs commands) in
+    pure Python (``python_parser``), else with ``hiredis``."""
     store = RedisStateStore.from_url(server.url, prefix)
     if python_parser:
         kwargs = store.client.connection_pool.connection_kwargs
