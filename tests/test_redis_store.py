@@ -320,6 +320,30 @@ def test_a_claim_between_a_replicas_read_ahead_and_its_commit(redis_server: Redi
     assert plan_a.plan_id.rsplit("-", 1)[0] == from_b[0].plan_id.rsplit("-", 1)[0]  # one claim
 
 
+def test_an_engine_read_ahead_is_watched(redis_server: RedisServer) -> None:
+    """A plan reads its prefill engine's ranks with its decode engine's, in one round trip
+    and watched: replica B keeping a prefill rank alive between that read and A's commit
+    fails A's commit, and A runs again on B's record."""
+    clock = FakeClock()
+    store_a = redis_server.store()
+    service_a, sc = fleet(store_a, 1, 2, clock)
+    service_b = BrokerService(twin(store_a), clock, CONFIG)
+    prefill = store_a.get_rank(("P", 0))
+    assert prefill is not None
+    interleave(store_a, "engine_ranks", lambda: service_b.keep_alive(prefill.lease_id))
+    commits: list[bool] = []
+    commit = store_a._unit_link.commit
+
+    def counted(commands: list) -> object:
+        replies = commit(commands)
+        commits.append(replies is not None)
+        return replies
+
+    store_a._unit_link.commit = counted  # type: ignore[method-assign]
+    service_a.get_plan(query(sc, 0))
+    assert commits == [False, True]
+
+
 def test_two_replicas_counting_reports_at_once_release_each_rank_once(
     redis_server: RedisServer,
 ) -> None:

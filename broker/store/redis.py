@@ -337,17 +337,14 @@ class RedisStateStore(RedisReleaseQueues, RedisRankLosses, RedisContacts, StateS
             )
             records = (self._decode_rank((engine_id, int(tp)), row) for tp, *row in rows)
             return sorted((r for r in records if r is not None), key=lambda r: r.key[1])
-        # The ranks it had when last read here are read (and watched) with its set: one
-        # round trip unless they changed.
-        guess = [(engine_id, tp) for tp in self._engine_members.get(engine_id, ())]
-        rank_keys = [self._key("rank", rank_member(k)) for k in guess]
-        members, *rows = self._fetch(
-            [engine_key, *rank_keys],
-            [("SMEMBERS", engine_key), *(("HMGET", k, *_RANK_FIELDS) for k in rank_keys)],
-        )
+        unit = self._unit
+        if engine_id not in unit.engines_ahead:
+            self._read_engines([engine_id, *sorted(unit.near_engines - {engine_id})])
+            unit.near_engines = frozenset()
+        guess, (members, *rows) = unit.engines_ahead.pop(engine_id)
         tp_ranks = {int(m) for m in members}
         self._engine_members[engine_id] = tuple(sorted(tp_ranks))
-        pending = self._unit.ranks
+        pending = unit.ranks
         tp_ranks |= {k[1] for k in pending if k[0] == engine_id}
         keys = [(engine_id, r) for r in sorted(tp_ranks)]
         read = {k: row for k, row in zip(guess, rows) if k not in pending}
@@ -355,6 +352,26 @@ class RedisStateStore(RedisReleaseQueues, RedisRankLosses, RedisContacts, StateS
         found = dict(zip(rest, self._ranks(rest)))
         records = (found[k] if k in found else self._decode_rank(k, read[k]) for k in keys)
         return [r for r in records if r is not None]
+
+    def _read_engines(self, engine_ids: list[str]) -> None:
+        """Read (and watch) the engines' sets of ranks in one round trip, each with the ranks
+        it had when last read here (so one round trip unless they changed), for the unit's
+        :meth:`engine_ranks` to take."""
+        assert self._unit is not None
+        watch: list[bytes] = []
+        reads: list[Command] = []
+        guesses = []
+        for engine_id in engine_ids:
+            guess = [(engine_id, tp) for tp in self._engine_members.get(engine_id, ())]
+            keys = [self._key("engine", engine_id)]
+            keys += [self._key("rank", rank_member(k)) for k in guess]
+            watch += keys
+            reads += [("SMEMBERS", keys[0]), *(("HMGET", k, *_RANK_FIELDS) for k in keys[1:])]
+            guesses.append(guess)
+        replies = self._fetch(watch, reads)
+        for engine_id, guess in zip(engine_ids, guesses):
+            self._unit.engines_ahead[engine_id] = (guess, replies[: 1 + len(guess)])
+            del replies[: 1 + len(guess)]
 
     def count_ranks(self) -> int:
         """Registered ranks (in a unit of work, not counting its own writes)."""
@@ -577,4 +594,6 @@ class RedisStateStore(RedisReleaseQueues, RedisRankLosses, RedisContacts, StateS
             k: None if m is None else codec.decode_transfer(m[0], plans[m[1]] or {})
             for k, m in zip(remote, metas)
         }
+        if unit is not None and watch and len(keys) == 1 and (t := found.get(keys[0])):
+            unit.near_engines = t.parties  # whose ranks the unit reads next
         return [pending[k] if k in pending else found[k] for k in keys]

@@ -104,6 +104,10 @@ class Unit:
         self.contacts: set[tuple[RankKey, str]] = set()
         #: The raw records of transfers read (and watched) ahead of their read, by key.
         self.read_ahead: dict[TransferKey, bytes | None] = {}
+        #: The parties of the transfer read last: the next engine read reads theirs too.
+        self.near_engines: frozenset[str] = frozenset()
+        #: Engines read ahead: the ranks guessed, and the replies (set, then each guess).
+        self.engines_ahead: dict[str, tuple[list[RankKey], list[Any]]] = {}
         #: Plans blobs this unit writes, by plan object id, and what to remember of them
         #: once it committed.
         self.plan_tokens: dict[int, str] = {}
