@@ -46,15 +46,16 @@ keys they return (in the same round trip, on the connection units keep:
 :class:`~broker.store.redis_unit.UnitLink`), its writes are queued (the last write of a
 record replacing earlier ones) and applied in one ``MULTI``/``EXEC`` that fails if any
 watched key changed; the unit then runs again on fresh records. Scripts inside ``EXEC`` are
-sent whole (``EVAL``), so none is missing and no round trip checks; an engine's ranks are
-read with its set of ranks as last seen (one round trip unless that set changed). So a call
-makes a fixed few round trips, whatever the number of engines and transfers
-(``tests/test_redis_round_trips.py``). A unit that raises applies nothing. So two replicas never both
-claim a transfer, both count one report or both release a prefill rank. Release sequences
-are taken from ``P counter:release`` inside the commit (a Lua script), so they grow per stream
-in commit order and a cursor never skips an event; each commit publishes the rank on
-``P releases`` for :meth:`~RedisStateStore.subscribe_releases`. Outages:
-:mod:`broker.store.redis_link`.
+sent whole (``EVAL``), so none is missing and no round trip checks. What a key named when
+this replica last saw it is read with the key, watched (an engine's ranks with its set, a
+lease's or agent's rank, a bare id's transfers; the ranks of the parties of the transfer
+read last with the next engine read): a call makes a fixed few round trips, whatever the
+number of engines and transfers (``tests/test_redis_round_trips.py``). A unit that raises
+applies nothing. So two replicas never both claim a transfer, both count one report or both
+release a prefill rank. Release sequences are taken from ``P counter:release`` inside the
+commit (a Lua script), so they grow per stream in commit order and a cursor never skips an
+event; each commit publishes the rank on ``P releases`` for
+:meth:`~RedisStateStore.subscribe_releases`. Outages: :mod:`broker.store.redis_link`.
 """
 
 from __future__ import annotations
