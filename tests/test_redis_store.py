@@ -344,6 +344,19 @@ def test_an_engine_read_ahead_is_watched(redis_server: RedisServer) -> None:
     assert commits == [False, True]
 
 
+def test_a_transfer_another_replica_wrote_since_is_read_anew(redis_server: RedisServer) -> None:
+    """A replica takes a transfer it wrote as written only while Redis holds what it wrote:
+    once replica B has claimed it, A reads B's record."""
+    clock = FakeClock()
+    store_a = redis_server.store()
+    _, sc = fleet(store_a, 1, 1, clock)  # published here
+    published = store_a.get_transfer(T1)
+    assert published is not None and not published.plans
+    BrokerService(twin(store_a), clock, CONFIG).get_plan(query(sc, 0))
+    claimed = store_a.get_transfer(T1)
+    assert claimed is not None and claimed.decode_engine_id == "D" and len(claimed.plans) == 1
+
+
 def test_two_replicas_counting_reports_at_once_release_each_rank_once(
     redis_server: RedisServer,
 ) -> None:

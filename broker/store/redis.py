@@ -66,21 +66,10 @@ from typing import Any, TypeVar
 
 import redis
 
-from broker.records import (
-    RankKey,
-    RankRecord,
-    RankRegistration,
-    TransferKey,
-    TransferRecord,
-)
+from broker.records import RankKey, RankRecord, RankRegistration, TransferKey, TransferRecord
 from broker.store import codec
 from broker.store.contract import REDELIVER_MS, StateStore, held_block_ids
-from broker.store.redis_link import (
-    STORE_TIMEOUT_MS,
-    Availability,
-    client_for,
-    fails_fast,
-)
+from broker.store.redis_link import STORE_TIMEOUT_MS, Availability, client_for, fails_fast
 from broker.store.redis_losses import RedisContacts, RedisRankLosses, decode_losses
 from broker.store.redis_releases import RedisReleaseQueues
 from broker.store.redis_scripts import SCRIPTS
@@ -145,6 +134,9 @@ class RedisStateStore(RedisReleaseQueues, RedisRankLosses, RedisContacts, StateS
         self._indexed_ranks: Recent[bytes, RankKey] = Recent()
         #: The transfers each bare id named when last read or written here.
         self._named: Recent[bytes, tuple[TransferKey, ...]] = Recent()
+        #: The transfers last written here, with their text as stored (``m``): a read that
+        #: finds that text again takes the record as written rather than decoding it.
+        self._written: Recent[TransferKey, tuple[bytes, TransferRecord]] = Recent(1024)
         #: The transfer of each plan id written here (a plan id never names another).
         self._plan_transfers: Recent[str, TransferKey] = Recent()
         self._scripts = {name: client.register_script(text) for name, text in SCRIPTS.items()}
@@ -452,9 +444,11 @@ class RedisStateStore(RedisReleaseQueues, RedisRankLosses, RedisContacts, StateS
         token, blob = self._plans.token_of(record, self._unit)
 
         def put(client: Any) -> Any:  # the record encoded once, when written
+            text = codec.encode_transfer(record, token)
+            self._written.put(key, (text.encode(), record))
             args = [
                 member,
-                codec.encode_transfer(record, token),
+                text,
                 record.deadline_ms,
                 " ".join(p.plan_id for p in record.plans),
                 blob,
@@ -579,6 +573,9 @@ class RedisStateStore(RedisReleaseQueues, RedisRankLosses, RedisContacts, StateS
             unit.losses_read = decode_losses(read.pop())
         replies = iter(read)
         raws = [ahead[k] if k in ahead else next(replies) for k in remote]
+        known = {k: self._written.get(k) for k in remote}  # records as written here
+        written = {k: w[1] for k, raw in zip(remote, raws) if (w := known[k]) and w[0] == raw}
+        raws = [None if k in written else raw for k, raw in zip(remote, raws)]
         metas = [None if raw is None else codec.plans_token_of(raw) for raw in raws]
         plans = {m[1]: self._plans.get(m[1]) for m in metas if m is not None}
         plans[""] = {}  # no plans yet
@@ -595,6 +592,7 @@ class RedisStateStore(RedisReleaseQueues, RedisRankLosses, RedisContacts, StateS
             k: None if m is None else codec.decode_transfer(m[0], plans[m[1]] or {})
             for k, m in zip(remote, metas)
         }
+        found.update(written)
         if unit is not None and watch and len(keys) == 1 and (t := found.get(keys[0])):
             unit.near_engines = t.parties  # whose ranks the unit reads next
         return [pending[k] if k in pending else found[k] for k in keys]
