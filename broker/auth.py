@@ -228,7 +228,9 @@ class AccessGuard:
     def report_plan(self, who: Identity, plan_id: str) -> None:
         key = self.store.transfer_of_plan(plan_id)
         transfer = None if key is None else self.store.get_transfer(key)
-        if transfer is not None and not who.acts_for(transfer.decode_engine_id):
+        if transfer is None or transfer.plan_by_id(plan_id) is None:
+            return  # an unknown plan: the service says so
+        if not who.acts_for(transfer.decode_engine_id):
             _deny("plan_id", f"plan {plan_id} is not a plan of caller {who}")
 
     def see_transfer(self, who: Identity, transfer_id: str, prefill_engine_id: str = "") -> str:

@@ -150,7 +150,7 @@ class Effects:
             },
         ) as span:
             event = ReleaseEvent(
-                self.store.next_counter("release"),
+                self.store.release_sequence(),
                 t.transfer_id,
                 release.block_ids,
                 release.reason,

@@ -20,16 +20,20 @@ import numpy as np
 import pytest
 from broker_helpers import FakeClock, hybrid, register_engine, register_request, registration
 from conftest import RedisServer, start_redis
+from redis._parsers.encoders import Encoder
+from redis.connection import PythonRespSerializer
 
 from broker.api import PlanQuery, Publication, Report
+from broker.auth import AccessGuard, Authenticator, Identity
 from broker.config import ServiceConfig
-from broker.errors import StoreUnavailableError
+from broker.errors import NotFoundError, StoreUnavailableError
 from broker.layout import EngineLayout, GroupKind, GroupLayout, RankLayout, Segment
-from broker.records import ReleaseEvent, TransferRecord
+from broker.records import RankRecord, ReleaseEvent, TransferRecord
 from broker.service import BrokerService
 from broker.store import codec
 from broker.store.contract import REDELIVER_MS
 from broker.store.redis import RedisStateStore
+from broker.store.redis_unit import Recent, exchange, pack
 from broker.v1 import broker_pb2 as pb
 from broker.v1 import broker_pb2_grpc as pb_grpc
 from broker.wire import ReleaseReason, ReportStatus, Role
@@ -303,6 +307,56 @@ def test_two_replicas_claiming_at_once(redis_server: RedisServer) -> None:
     assert events(store_a, ("P", 0)) == [("t1", ReleaseReason.COMPLETED)]
 
 
+def test_a_claim_between_a_replicas_read_ahead_and_its_commit(redis_server: RedisServer) -> None:
+    """A replica that saw transfer t1 reads its record with the set of transfers named t1,
+    watched: replica B claiming it right after that read fails A's commit, and A, run
+    again, hands out B's claim."""
+    clock = FakeClock()
+    store_a = redis_server.store()
+    service_a, sc = fleet(store_a, 1, 2, clock)  # published here: A knows what t1 names
+    service_b = BrokerService(twin(store_a), clock, CONFIG)
+    from_b = interleave(store_a, "transfers_named", lambda: service_b.get_plan(query(sc, 1)))
+    plan_a = service_a.get_plan(query(sc, 0))
+    assert plan_a.plan_id.rsplit("-", 1)[0] == from_b[0].plan_id.rsplit("-", 1)[0]  # one claim
+
+
+def test_an_engine_read_ahead_is_watched(redis_server: RedisServer) -> None:
+    """A plan reads its prefill engine's ranks with its decode engine's, in one round trip
+    and watched: replica B keeping a prefill rank alive between that read and A's commit
+    fails A's commit, and A runs again on B's record."""
+    clock = FakeClock()
+    store_a = redis_server.store()
+    service_a, sc = fleet(store_a, 1, 2, clock)
+    service_b = BrokerService(twin(store_a), clock, CONFIG)
+    prefill = store_a.get_rank(("P", 0))
+    assert prefill is not None
+    interleave(store_a, "engine_ranks", lambda: service_b.keep_alive(prefill.lease_id))
+    commits: list[bool] = []
+    commit = store_a._unit_link.commit
+
+    def counted(commands: list) -> object:
+        replies = commit(commands)
+        commits.append(replies is not None)
+        return replies
+
+    store_a._unit_link.commit = counted  # type: ignore[method-assign]
+    service_a.get_plan(query(sc, 0))
+    assert commits == [False, True]
+
+
+def test_a_transfer_another_replica_wrote_since_is_read_anew(redis_server: RedisServer) -> None:
+    """A replica takes a transfer it wrote as written only while Redis holds what it wrote:
+    once replica B has claimed it, A reads B's record."""
+    clock = FakeClock()
+    store_a = redis_server.store()
+    _, sc = fleet(store_a, 1, 1, clock)  # published here
+    published = store_a.get_transfer(T1)
+    assert published is not None and not published.plans
+    BrokerService(twin(store_a), clock, CONFIG).get_plan(query(sc, 0))
+    claimed = store_a.get_transfer(T1)
+    assert claimed is not None and claimed.decode_engine_id == "D" and len(claimed.plans) == 1
+
+
 def test_two_replicas_counting_reports_at_once_release_each_rank_once(
     redis_server: RedisServer,
 ) -> None:
@@ -324,6 +378,58 @@ def test_two_replicas_counting_reports_at_once_release_each_rank_once(
     service_a.abort("t1", "late")
     service_b.abort("t1", "late")
     assert [len(store_a.releases_after(("P", p), 0)) for p in range(2)] == [1, 1]
+
+
+def test_an_agent_name_another_replica_gave_to_another_rank_is_read_anew(
+    redis_server: RedisServer,
+) -> None:
+    """A replica reads the rank an agent or lease key named when it last saw it in the same
+    round trip as the key: when another replica has since given the name to another rank,
+    or re-registered the rank under a new lease, the key's answer wins."""
+    store_a = redis_server.store()
+    store_b = twin(store_a)
+    layout = build_scenario(hybrid(), 1, 1, 100).prefill
+    first, second = (
+        RankRecord(
+            dataclasses.replace(registration(layout, e, Role.PREFILL, 0), agent_name="shared"),
+            f"lease-{e}",
+            1,
+            0,
+            1,
+        )
+        for e in ("E", "F")
+    )
+    store_a.put_rank(first)
+    assert store_a.rank_by_agent("shared") == first == store_a.rank_by_lease("lease-E")
+    store_b.transact(lambda: (store_b.delete_rank(first.key), store_b.put_rank(second)))
+    assert store_a.rank_by_agent("shared") == second
+    assert store_a.rank_by_lease("lease-E") is None
+    store_b.put_rank(dataclasses.replace(second, lease_id="lease-F2"))
+    assert store_a.rank_by_lease("lease-F") is None
+    assert store_a.rank_by_lease("lease-F2") == dataclasses.replace(second, lease_id="lease-F2")
+
+
+def test_a_stale_plan_of_a_transfer_published_again_is_unknown_not_denied(
+    redis_server: RedisServer,
+) -> None:
+    """A replica remembers the transfer of each plan it handed out; when another replica
+    has since deleted that transfer and published it again for another decode engine, the
+    old plan's report is an unknown plan to authorization and to the service."""
+    clock = FakeClock()
+    store_a = redis_server.store()
+    service_a, sc = fleet(store_a, 1, 1, clock)
+    register_engine(service_a, sc.decode, "D2", Role.DECODE, 2)
+    stale = service_a.get_plan(query(sc, 0))
+    store_b = twin(store_a)
+    service_b = BrokerService(store_b, clock, CONFIG)
+    store_b.transact(lambda: store_b.delete_transfer(T1))
+    publication = Publication("t1", "P", sc.request.prefill_block_ids, sc.request.num_tokens)
+    service_b.publish(publication)
+    service_b.get_plan(PlanQuery("t1", "D2", 0, sc.request.decode_block_ids))
+    guard = AccessGuard(Authenticator(False, None), store_a)
+    guard.report_plan(Identity(frozenset({"D"})), stale.plan_id)  # not PERMISSION_DENIED
+    with pytest.raises(NotFoundError, match="no plan"):
+        service_a.report(done(stale.plan_id, 0))
 
 
 def test_releases_wake_watchers_on_other_replicas(redis_server: RedisServer) -> None:
@@ -422,3 +528,47 @@ def test_a_stalled_server_fails_calls_within_the_timeout_then_at_once(
         server.stop()
     assert 0.25 < first_s < 1.0, first_s  # one 300 ms timeout, not one per retry or attempt
     assert at_once_s < 0.1, at_once_s
+
+
+def test_what_a_replica_remembers_is_bounded() -> None:
+    """The newest ``size`` entries stay; putting one again makes it the newest."""
+    recent: Recent[str, int] = Recent(2)
+    recent.put("a", 1)
+    recent.put("b", 2)
+    recent.put("a", 3)
+    recent.put("c", 4)
+    assert [recent.get(k) for k in "abc"] == [3, None, 4]
+
+
+def test_commands_packed_here_reach_redis_as_redis_py_packs_them(
+    redis_server: RedisServer,
+) -> None:
+    """Text (UTF-8), bytes holding the protocol's own separators, integers and floats are
+    sent as redis-py's packer sends them; other types are refused before anything is sent."""
+    store = redis_server.store()
+    values = ["naïve ✓", b"a\r\n$3\r\nb\x00", 12345678901234, -7, 0.25]
+    commands = [("SET", f"{store.prefix}v{i}", v) for i, v in enumerate(values)]
+    redis_py = PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
+    assert pack(commands) == b"".join(b"".join(redis_py.pack(*c)) for c in commands)
+    connection = store.client.connection_pool.get_connection()
+    assert exchange(connection, commands) == [b"OK"] * len(values)
+    read = exchange(connection, [("GET", f"{store.prefix}v{i}") for i in range(len(values))])
+    assert read == ["naïve ✓".encode(), b"a\r\n$3\r\nb\x00", b"12345678901234", b"-7", b"0.25"]
+    for bad in (True, None, [1]):
+        with pytest.raises(TypeError, match="is not a Redis argument"):
+            pack([("SET", "k", bad)])
+
+
+def test_a_changed_registration_is_written_anew(redis_server: RedisServer) -> None:
+    """A keep-alive writes the registration as it was stored; one registered again with
+    other memory is encoded and written afresh."""
+    store = redis_server.store()
+    layout = build_scenario(hybrid(), 1, 1, 100).prefill
+    first = RankRecord(registration(layout, "E", Role.PREFILL, 0), "lease-E", 1, 0, 1)
+    store.put_rank(first)
+    store.put_rank(dataclasses.replace(first, lease_expires_at_ms=2))  # a keep-alive
+    moved = registration(layout, "E", Role.PREFILL, 0, engine_index=5)
+    assert moved.regions != first.registration.regions
+    again = RankRecord(moved, "lease-E2", 3, 0, 2)
+    store.put_rank(again)
+    assert twin(store).get_rank(("E", 0)) == again

@@ -75,6 +75,11 @@ class StateStore(ABC):
     def next_counter(self, name: str) -> int:
         """The next value (from 1) of the named, never-reset counter."""
 
+    def release_sequence(self) -> int:
+        """The sequence of a release event about to be queued: the next value of counter
+        ``release``, or 0 where :meth:`append_release` takes it as the write is applied."""
+        return self.next_counter("release")
+
     # ---- ranks
 
     @abstractmethod
@@ -159,7 +164,9 @@ class StateStore(ABC):
         """Keys of the transfers ``engine_id`` is a party of (prefill, or claiming decode)."""
 
     @abstractmethod
-    def transfer_of_plan(self, plan_id: str) -> TransferKey | None: ...
+    def transfer_of_plan(self, plan_id: str) -> TransferKey | None:
+        """The transfer ``plan_id`` was handed out for (None if unknown). It may name one
+        since deleted or published again: callers look for the plan in its record."""
 
     @abstractmethod
     def due_transfers(self, now_ms: int) -> list[TransferKey]:

@@ -46,15 +46,16 @@ keys they return (in the same round trip, on the connection units keep:
 :class:`~broker.store.redis_unit.UnitLink`), its writes are queued (the last write of a
 record replacing earlier ones) and applied in one ``MULTI``/``EXEC`` that fails if any
 watched key changed; the unit then runs again on fresh records. Scripts inside ``EXEC`` are
-sent whole (``EVAL``), so none is missing and no round trip checks; an engine's ranks are
-read with its set of ranks as last seen (one round trip unless that set changed). So a call
-makes a fixed few round trips, whatever the number of engines and transfers
-(``tests/test_redis_round_trips.py``). A unit that raises applies nothing. So two replicas never both
-claim a transfer, both count one report or both release a prefill rank. Release sequences
-are taken from ``P counter:release`` inside the commit (a Lua script), so they grow per stream
-in commit order and a cursor never skips an event; each commit publishes the rank on
-``P releases`` for :meth:`~RedisStateStore.subscribe_releases`. Outages:
-:mod:`broker.store.redis_link`.
+sent whole (``EVAL``), so none is missing and no round trip checks. What a key named when
+this replica last saw it is read with the key, watched (an engine's ranks with its set, a
+lease's or agent's rank, a bare id's transfers; the ranks of the parties of the transfer
+read last with the next engine read): a call makes a fixed few round trips, whatever the
+number of engines and transfers (``tests/test_redis_round_trips.py``). A unit that raises
+applies nothing. So two replicas never both claim a transfer, both count one report or both
+release a prefill rank. Release sequences are taken from ``P counter:release`` inside the
+commit (a Lua script), so they grow per stream in commit order and a cursor never skips an
+event; each commit publishes the rank on ``P releases`` for
+:meth:`~RedisStateStore.subscribe_releases`. Outages: :mod:`broker.store.redis_link`.
 """
 
 from __future__ import annotations
@@ -65,27 +66,17 @@ from typing import Any, TypeVar
 
 import redis
 
-from broker.records import (
-    RankKey,
-    RankLoss,
-    RankRecord,
-    RankRegistration,
-    TransferKey,
-    TransferRecord,
-)
+from broker.records import RankKey, RankRecord, RankRegistration, TransferKey, TransferRecord
 from broker.store import codec
 from broker.store.contract import REDELIVER_MS, StateStore, held_block_ids
-from broker.store.redis_link import (
-    STORE_TIMEOUT_MS,
-    Availability,
-    client_for,
-    fails_fast,
-)
+from broker.store.redis_link import STORE_TIMEOUT_MS, Availability, client_for, fails_fast
+from broker.store.redis_losses import RedisContacts, RedisRankLosses, decode_losses
 from broker.store.redis_releases import RedisReleaseQueues
 from broker.store.redis_scripts import SCRIPTS
 from broker.store.redis_unit import (
     Command,
     PlanBlobs,
+    Recent,
     Unit,
     UnitLink,
     exchange,
@@ -106,7 +97,7 @@ class ConflictError(RuntimeError):
 
 
 @fails_fast
-class RedisStateStore(RedisReleaseQueues, StateStore):
+class RedisStateStore(RedisReleaseQueues, RedisRankLosses, RedisContacts, StateStore):
     """Records in one Redis server (or primary); see the module docstring.
 
     ``rank_ttl_ms`` must exceed the service's lease TTL and ``transfer_ttl_ms`` the longest
@@ -134,10 +125,20 @@ class RedisStateStore(RedisReleaseQueues, StateStore):
         self._unit_link = UnitLink(client.connection_pool)
         #: The tp ranks of each engine when last read in a unit of work.
         self._engine_members: dict[str, tuple[int, ...]] = {}
-        #: Decoded registrations by rank: (generation, registration).
-        self._registrations: dict[RankKey, tuple[int, RankRegistration]] = {}
+        #: Registrations by rank: (generation, decoded, encoded as stored).
+        self._registrations: dict[RankKey, tuple[int, RankRegistration, bytes | str]] = {}
         #: Decoded plans by blob token.
         self._plans = PlanBlobs()
+        #: The rank each lease and agent key named when last read or written here (such a
+        #: key never names another rank), so its record is read with the key.
+        self._indexed_ranks: Recent[bytes, RankKey] = Recent()
+        #: The transfers each bare id named when last read or written here.
+        self._named: Recent[bytes, tuple[TransferKey, ...]] = Recent()
+        #: The transfers last written here, with their text as stored (``m``): a read that
+        #: finds that text again takes the record as written rather than decoding it.
+        self._written: Recent[TransferKey, tuple[bytes, TransferRecord]] = Recent(1024)
+        #: The transfer of each plan id written here (a plan id never names another).
+        self._plan_transfers: Recent[str, TransferKey] = Recent()
         self._scripts = {name: client.register_script(text) for name, text in SCRIPTS.items()}
 
     @classmethod
@@ -239,6 +240,9 @@ class RedisStateStore(RedisReleaseQueues, StateStore):
     def put_rank(self, record: RankRecord) -> None:
         key, reg = record.key, record.registration
         member = rank_member(key)
+        cached = self._registrations.get(key)
+        encoded = cached[2] if cached is not None and cached[1] is reg else None
+        encoded = encoded or codec.encode_registration(reg)  # encoded again once changed
         keys = [
             self._key("rank", member),
             self._key("ranks"),
@@ -255,7 +259,7 @@ class RedisStateStore(RedisReleaseQueues, StateStore):
         args = [
             member,
             key[1],
-            codec.encode_registration(reg),
+            encoded,
             reg.agent_metadata,
             record.lease_id,
             record.lease_expires_at_ms,
@@ -266,7 +270,9 @@ class RedisStateStore(RedisReleaseQueues, StateStore):
             self._prefix_of("agent"),
             reg.agent_name,
         ]
-        self._registrations[key] = (record.generation, reg)
+        self._registrations[key] = (record.generation, reg, encoded)
+        self._indexed_ranks.put(keys[3], key)
+        self._indexed_ranks.put(keys[8], key)
         if self._unit is not None:
             self._unit.ranks[key] = record
         self._write(lambda c: self._run("put_rank", keys, args, c), ("rank", key))
@@ -275,15 +281,24 @@ class RedisStateStore(RedisReleaseQueues, StateStore):
         return self._ranks([key])[0]
 
     def _rank_at(self, index: bytes, matches: Callable[[RankRecord], bool]) -> RankRecord | None:
-        """The rank an index key names, if it still ``matches`` (pending writes first)."""
-        (member,) = self._fetch([index], [("GET", index)])
-        if self._unit is not None:
-            for record in self._unit.ranks.values():
-                if record is not None and matches(record):
-                    return record
+        """The rank an index key names, if it still ``matches`` (pending writes first); the
+        rank it named when last seen is read in the same round trip."""
+        pending = {} if self._unit is None else self._unit.ranks
+        guess = self._indexed_ranks.get(index)
+        guessed = (
+            [] if guess is None or guess in pending else [self._key("rank", rank_member(guess))]
+        )
+        member, *row = self._fetch(
+            [index, *guessed], [("GET", index), *(("HMGET", k, *_RANK_FIELDS) for k in guessed)]
+        )
+        for record in pending.values():
+            if record is not None and matches(record):
+                return record
         if member is None:
             return None
-        record = self.get_rank(parse_rank(member))
+        key = parse_rank(member)
+        self._indexed_ranks.put(index, key)
+        record = self._decode_rank(key, row[0]) if row and key == guess else self.get_rank(key)
         return record if record is not None and matches(record) else None
 
     def rank_by_lease(self, lease_id: str) -> RankRecord | None:
@@ -315,17 +330,14 @@ class RedisStateStore(RedisReleaseQueues, StateStore):
             )
             records = (self._decode_rank((engine_id, int(tp)), row) for tp, *row in rows)
             return sorted((r for r in records if r is not None), key=lambda r: r.key[1])
-        # The ranks it had when last read here are read (and watched) with its set: one
-        # round trip unless they changed.
-        guess = [(engine_id, tp) for tp in self._engine_members.get(engine_id, ())]
-        rank_keys = [self._key("rank", rank_member(k)) for k in guess]
-        members, *rows = self._fetch(
-            [engine_key, *rank_keys],
-            [("SMEMBERS", engine_key), *(("HMGET", k, *_RANK_FIELDS) for k in rank_keys)],
-        )
+        unit = self._unit
+        if engine_id not in unit.engines_ahead:
+            self._read_engines([engine_id, *sorted(unit.near_engines - {engine_id})])
+            unit.near_engines = frozenset()
+        guess, (members, *rows) = unit.engines_ahead.pop(engine_id)
         tp_ranks = {int(m) for m in members}
         self._engine_members[engine_id] = tuple(sorted(tp_ranks))
-        pending = self._unit.ranks
+        pending = unit.ranks
         tp_ranks |= {k[1] for k in pending if k[0] == engine_id}
         keys = [(engine_id, r) for r in sorted(tp_ranks)]
         read = {k: row for k, row in zip(guess, rows) if k not in pending}
@@ -333,6 +345,26 @@ class RedisStateStore(RedisReleaseQueues, StateStore):
         found = dict(zip(rest, self._ranks(rest)))
         records = (found[k] if k in found else self._decode_rank(k, read[k]) for k in keys)
         return [r for r in records if r is not None]
+
+    def _read_engines(self, engine_ids: list[str]) -> None:
+        """Read (and watch) the engines' sets of ranks in one round trip, each with the ranks
+        it had when last read here (so one round trip unless they changed), for the unit's
+        :meth:`engine_ranks` to take."""
+        assert self._unit is not None
+        watch: list[bytes] = []
+        reads: list[Command] = []
+        guesses = []
+        for engine_id in engine_ids:
+            guess = [(engine_id, tp) for tp in self._engine_members.get(engine_id, ())]
+            keys = [self._key("engine", engine_id)]
+            keys += [self._key("rank", rank_member(k)) for k in guess]
+            watch += keys
+            reads += [("SMEMBERS", keys[0]), *(("HMGET", k, *_RANK_FIELDS) for k in keys[1:])]
+            guesses.append(guess)
+        replies = self._fetch(watch, reads)
+        for engine_id, guess in zip(engine_ids, guesses):
+            self._unit.engines_ahead[engine_id] = (guess, replies[: 1 + len(guess)])
+            del replies[: 1 + len(guess)]
 
     def count_ranks(self) -> int:
         """Registered ranks (in a unit of work, not counting its own writes)."""
@@ -386,7 +418,7 @@ class RedisStateStore(RedisReleaseQueues, StateStore):
         gen = int(generation)
         cached = self._registrations.get(key)
         if cached is None or cached[0] != gen:
-            cached = (gen, codec.decode_registration(reg, meta or b""))
+            cached = (gen, codec.decode_registration(reg, meta or b""), reg)
             self._registrations[key] = cached
         return RankRecord(cached[1], lease.decode(), int(expires or 0), int(registered or 0), gen)
 
@@ -405,12 +437,18 @@ class RedisStateStore(RedisReleaseQueues, StateStore):
         ]
         if self._unit is not None:
             self._unit.transfers[key] = record
+        for plan in record.plans:
+            self._plan_transfers.put(plan.plan_id, key)
+        if key not in (self._named.get(keys[4]) or ()):
+            self._named.put(keys[4], (*(self._named.get(keys[4]) or ()), key))
         token, blob = self._plans.token_of(record, self._unit)
 
         def put(client: Any) -> Any:  # the record encoded once, when written
+            text = codec.encode_transfer(record, token)
+            self._written.put(key, (text.encode(), record))
             args = [
                 member,
-                codec.encode_transfer(record, token),
+                text,
                 record.deadline_ms,
                 " ".join(p.plan_id for p in record.plans),
                 blob,
@@ -435,13 +473,30 @@ class RedisStateStore(RedisReleaseQueues, StateStore):
         self._write(lambda c: self._run("delete_transfer", keys, args, c), ("transfer", key))
 
     def _indexed(
-        self, index: bytes, belongs: Callable[[TransferRecord], bool]
+        self,
+        index: bytes,
+        belongs: Callable[[TransferRecord], bool],
+        ahead: Iterable[TransferKey] = (),
     ) -> list[TransferKey]:
-        """Transfer keys in set ``index``, with this unit's own writes (``belongs``)."""
-        (members,) = self._fetch([index], [("SMEMBERS", index)])
+        """Transfer keys in set ``index``, with this unit's own writes (``belongs``). In a
+        unit, the records of ``ahead`` (and the rank losses, if not read yet) are read and
+        watched in the same round trip, for :meth:`_transfers` to take."""
+        unit = self._unit
+        reads: list[Command] = [("SMEMBERS", index)]
+        ahead = [] if unit is None else [k for k in ahead if k not in unit.transfers]
+        hash_keys = [self._key("transfer", transfer_member(k)) for k in ahead]
+        reads += [("HGET", k, "m") for k in hash_keys]
+        with_losses = unit is not None and bool(ahead) and unit.losses_read is None
+        losses = [self._key("losses")] if with_losses else []
+        members, *raws = self._fetch(
+            [index, *hash_keys, *losses], [*reads, *(("HGETALL", k) for k in losses)]
+        )
         keys = {parse_transfer(m) for m in members}
-        if self._unit is not None:
-            for key, record in self._unit.transfers.items():
+        if unit is not None:
+            if with_losses:
+                unit.losses_read = decode_losses(raws.pop())
+            unit.read_ahead.update(zip(ahead, raws))
+            for key, record in unit.transfers.items():
                 if record is None:
                     keys.discard(key)
                 elif belongs(record):
@@ -449,9 +504,11 @@ class RedisStateStore(RedisReleaseQueues, StateStore):
         return sorted(keys)
 
     def transfers_named(self, transfer_id: str) -> list[TransferKey]:
-        return self._indexed(
-            self._key("named", transfer_id), lambda t: t.transfer_id == transfer_id
-        )
+        index = self._key("named", transfer_id)
+        ahead = self._named.get(index) or ()
+        keys = self._indexed(index, lambda t: t.transfer_id == transfer_id, ahead)
+        self._named.put(index, tuple(keys))
+        return keys
 
     def transfers_of(self, engine_id: str) -> list[TransferKey]:
         return self._indexed(self._key("party", engine_id), lambda t: engine_id in t.parties)
@@ -461,6 +518,9 @@ class RedisStateStore(RedisReleaseQueues, StateStore):
             for record in self._unit.transfers.values():
                 if record is not None and record.plan_by_id(plan_id) is not None:
                     return record.key
+        known = self._plan_transfers.get(plan_id)
+        if known is not None:  # whether it still exists is for the read of its record
+            return known
         value = self.client.get(self._key("plan", plan_id))
         return None if value is None else parse_transfer(value)
 
@@ -497,18 +557,25 @@ class RedisStateStore(RedisReleaseQueues, StateStore):
         the plans blobs whose token is not cached here."""
         unit = self._unit
         pending = {} if unit is None else unit.transfers
+        ahead = {} if unit is None else unit.read_ahead
         remote = [k for k in keys if k not in pending]
         hash_keys = [self._key("transfer", transfer_member(k)) for k in remote]
-        reads: list[Command] = [("HGET", k, "m") for k in hash_keys]
-        watched = hash_keys if watch else []
-        with_losses = bool(remote) and watch and unit is not None and unit.losses_read is None
+        fresh = [h for k, h in zip(remote, hash_keys) if k not in ahead]
+        reads: list[Command] = [("HGET", k, "m") for k in fresh]
+        watched = fresh if watch else []
+        with_losses = bool(fresh) and watch and unit is not None and unit.losses_read is None
         if with_losses:  # the rank losses a change to these records must see, same round trip
             losses = self._key("losses")
             watched, reads = [*watched, losses], [*reads, ("HGETALL", losses)]
-        raws = self._fetch(watched, reads)
+        read = self._fetch(watched, reads)
         if with_losses:
             assert unit is not None
-            unit.losses_read = _decode_losses(raws.pop())
+            unit.losses_read = decode_losses(read.pop())
+        replies = iter(read)
+        raws = [ahead[k] if k in ahead else next(replies) for k in remote]
+        known = {k: self._written.get(k) for k in remote}  # records as written here
+        written = {k: w[1] for k, raw in zip(remote, raws) if (w := known[k]) and w[0] == raw}
+        raws = [None if k in written else raw for k, raw in zip(remote, raws)]
         metas = [None if raw is None else codec.plans_token_of(raw) for raw in raws]
         plans = {m[1]: self._plans.get(m[1]) for m in metas if m is not None}
         plans[""] = {}  # no plans yet
@@ -525,70 +592,7 @@ class RedisStateStore(RedisReleaseQueues, StateStore):
             k: None if m is None else codec.decode_transfer(m[0], plans[m[1]] or {})
             for k, m in zip(remote, metas)
         }
+        found.update(written)
+        if unit is not None and watch and len(keys) == 1 and (t := found.get(keys[0])):
+            unit.near_engines = t.parties  # whose ranks the unit reads next
         return [pending[k] if k in pending else found[k] for k in keys]
-
-    # ------------------------------------------------------------------ rank losses
-
-    def put_loss(self, loss: RankLoss) -> None:
-        key, field = self._key("losses"), _loss_field(loss)
-        value, ttl = json.dumps([*loss.key, loss.why, *loss.done_through]), self.transfer_ttl_ms
-        if self._unit is not None:
-            self._unit.loss_writes[loss.key] = loss
-        self._write(lambda c: (c.hset(key, field, value), c.pexpire(key, ttl)), ("loss", loss.key))
-
-    def delete_loss(self, loss: RankLoss) -> None:
-        key, field = self._key("losses"), _loss_field(loss)
-        if self._unit is not None:
-            self._unit.loss_writes[loss.key] = None
-        self._write(lambda c: c.hdel(key, field), ("loss", loss.key))
-
-    def losses(self, engine_ids: Collection[str] | None = None) -> list[RankLoss]:
-        unit = self._unit
-        read = None if unit is None else unit.losses_read
-        if read is None:
-            key = self._key("losses")
-            (raw,) = self._fetch([key], [("HGETALL", key)])
-            read = _decode_losses(raw)
-            if unit is not None:
-                unit.losses_read = read
-        found: dict[tuple[str, int, int], RankLoss | None] = dict(read)
-        if unit is not None:
-            found.update(unit.loss_writes)
-        return [
-            loss
-            for _, loss in sorted(found.items())
-            if loss is not None and (engine_ids is None or loss.engine_id in engine_ids)
-        ]
-
-    # ------------------------------------------------------------------ agent contacts
-
-    def add_contact(self, decode: RankKey, agent: str) -> bool:
-        key = self._key("contacts", rank_member(decode))
-        if self._unit is None:
-            with self.client.pipeline(transaction=False) as pipe:
-                pipe.sadd(key, agent)
-                pipe.pexpire(key, self.rank_ttl_ms)
-                added, _ = pipe.execute()
-            return bool(added)
-        (known,) = self._fetch([key], [("SISMEMBER", key, agent)])
-        if (decode, agent) in self._unit.contacts or known:
-            return False
-        self._unit.contacts.add((decode, agent))
-        ttl = self.rank_ttl_ms
-        self._write(lambda c: (c.sadd(key, agent), c.pexpire(key, ttl)))
-        return True
-
-    def drop_contacts(self, decode: RankKey) -> None:
-        key = self._key("contacts", rank_member(decode))
-        self._write(lambda c: c.delete(key))
-
-
-def _loss_field(loss: RankLoss) -> str:
-    return f"{loss.generation}:{rank_member((loss.engine_id, loss.tp_rank))}"
-
-
-def _decode_losses(raw: Any) -> dict[tuple[str, int, int], RankLoss]:
-    """``HGETALL`` of ``P losses`` (fields and values, flat or as a map) by loss key."""
-    values = [json.loads(value) for value in (raw.values() if isinstance(raw, dict) else raw[1::2])]
-    losses = [RankLoss(e, int(tp), int(gen), why, (pe, pt)) for e, tp, gen, why, pe, pt in values]
-    return {loss.key: loss for loss in losses}

@@ -29,6 +29,10 @@ class RedisReleaseQueues:
     _write: Callable[..., None]
     _run: Callable[..., Any]
 
+    def release_sequence(self) -> int:
+        """0: :meth:`append_release` takes the sequence as the write is applied."""
+        return 0
+
     def append_release(
         self, key: RankKey, event: ReleaseEvent, rank_bytes: int, total_bytes: int
     ) -> None:

@@ -6,8 +6,8 @@ records are named in Redis keys, and the decoded plans kept across units
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Hashable
+from typing import Any, Generic, TypeVar
 
 import redis
 
@@ -16,13 +16,33 @@ from broker.records import RankKey, RankLoss, RankRecord, TransferKey, TransferR
 from broker.store import codec
 
 Command = tuple[Any, ...]
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
+
+
+def pack(commands: list[Command]) -> bytes:
+    """``commands`` in the Redis protocol, in one buffer; each argument bytes, text (sent
+    as UTF-8) or a number. (redis-py's packing checks more types per argument, and costs a
+    store call more CPU than the rest of its sending.)"""
+    parts: list[bytes] = []
+    for command in commands:
+        parts.append(b"*%d\r\n" % len(command))
+        for arg in command:
+            if isinstance(arg, str):
+                arg = arg.encode()
+            elif not isinstance(arg, bytes):
+                if isinstance(arg, bool) or not isinstance(arg, (int, float)):
+                    raise TypeError(f"{type(arg).__name__} {arg!r} is not a Redis argument")
+                arg = repr(arg).encode()
+            parts.append(b"$%d\r\n%b\r\n" % (len(arg), arg))
+    return b"".join(parts)
 
 
 def exchange(connection: Any, commands: list[Command]) -> list[Any]:
     """The raw replies to ``commands``, sent on ``connection`` at once (one round trip). An
     error reply, or no reply in time, raises and drops the connection (its other replies
     unread)."""
-    connection.send_packed_command(connection.pack_commands(commands))
+    connection.send_packed_command([pack(commands)])
     try:
         return [connection.read_response() for _ in commands]
     except BaseException:
@@ -82,6 +102,12 @@ class Unit:
         self.losses_read: dict[tuple[str, int, int], RankLoss] | None = None
         self.loss_writes: dict[tuple[str, int, int], RankLoss | None] = {}
         self.contacts: set[tuple[RankKey, str]] = set()
+        #: The raw records of transfers read (and watched) ahead of their read, by key.
+        self.read_ahead: dict[TransferKey, bytes | None] = {}
+        #: The parties of the transfer read last: the next engine read reads theirs too.
+        self.near_engines: frozenset[str] = frozenset()
+        #: Engines read ahead: the ranks guessed, and the replies (set, then each guess).
+        self.engines_ahead: dict[str, tuple[list[RankKey], list[Any]]] = {}
         #: Plans blobs this unit writes, by plan object id, and what to remember of them
         #: once it committed.
         self.plan_tokens: dict[int, str] = {}
@@ -172,3 +198,20 @@ class PlanBlobs:
             self._runs -= sum(p.num_descriptors for p in old.values())
             for plan in old.values():
                 self._tokens.pop(id(plan), None)
+
+
+class Recent(Generic[K, V]):
+    """The newest ``size`` values put, by key (the oldest put is forgotten first)."""
+
+    def __init__(self, size: int = 16_384) -> None:
+        self.size = size
+        self._values: dict[K, V] = {}
+
+    def get(self, key: K) -> V | None:
+        return self._values.get(key)
+
+    def put(self, key: K, value: V) -> None:
+        self._values.pop(key, None)
+        self._values[key] = value
+        if len(self._values) > self.size:
+            del self._values[next(iter(self._values))]
