@@ -10,7 +10,7 @@ import time
 
 import grpc
 import pytest
-from broker_helpers import hybrid, register_engine
+from broker_helpers import hybrid, reap_all, register_engine
 from test_server import (  # noqa: F401 - broker: the live gRPC broker fixture
     Broker,
     broker,
@@ -56,7 +56,7 @@ def test_an_extended_transfer_outlives_its_ttl_and_is_then_read() -> None:
     assert service.store.due_transfers(published_at + TTL_MS) == []
     assert service.store.due_transfers(extension.expires_at_ms) == [("P", "t1")]
     clock.advance(TTL_MS - 1)  # past the first expiry, before the new one
-    service.reap()
+    reap_all(service)
     assert service.get_transfer("t1").state is TransferState.PUBLISHED
     assert released(service, 1) == {0: []}
     plan = service.get_plan(query(sc, 0))
@@ -71,7 +71,7 @@ def test_a_transfer_nobody_extends_expires_and_prefill_frees_it() -> None:
     clock.advance(TTL_MS - 1_000)
     (extension,) = service.extend("D", [("t1", "")])  # the publisher need not be named
     clock.now = extension.expires_at_ms
-    service.reap()
+    reap_all(service)
     assert service.get_transfer("t1").state is TransferState.EXPIRED
     assert released(service, 1) == {0: [("t1", ReleaseReason.EXPIRED)]}
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from broker_helpers import FakeClock, hybrid, register_engine, register_request
+from broker_helpers import FakeClock, hybrid, reap_all, register_engine, register_request
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
@@ -346,7 +346,7 @@ def test_metrics_follow_failures_expiry_and_lost_leases() -> None:
     service.report(Report(plan.plan_id, "D", 0, ReportStatus.FAILED, error="boom"))
     service.abort("aborted", "operator")
     clock.advance(1_000)
-    service.reap()
+    reap_all(service)
     assert value("pdbroker_transfers_total", state="failed") == 1
     assert value("pdbroker_transfers_total", state="expired") == 1
     assert value("pdbroker_transfers_total", state="aborted") == 1
@@ -356,7 +356,7 @@ def test_metrics_follow_failures_expiry_and_lost_leases() -> None:
     assert value("pdbroker_releases_total", reason="aborted") == 1
     assert value("pdbroker_blocks_held_seconds_sum") == 1.0  # only expiry waited, 1 s
     clock.advance(60_000)
-    service.reap()
+    reap_all(service)
     assert value("pdbroker_lease_expiries_total") == 2
     assert value("pdbroker_live_ranks", role="prefill") == 0
     assert value("pdbroker_live_ranks", role="decode") == 0

@@ -18,7 +18,14 @@ from collections.abc import Callable
 import grpc
 import numpy as np
 import pytest
-from broker_helpers import FakeClock, hybrid, register_engine, register_request, registration
+from broker_helpers import (
+    FakeClock,
+    hybrid,
+    reap_all,
+    register_engine,
+    register_request,
+    registration,
+)
 from conftest import RedisServer, start_redis
 from redis._parsers.encoders import Encoder
 from redis.connection import PythonRespSerializer
@@ -282,7 +289,7 @@ def test_due_transfers_come_once_and_again_if_never_put_back(redis_server: Redis
     # A reaper that took it and died: it comes back once REDELIVER_MS passed.
     assert store.due_transfers(deadline + REDELIVER_MS) == [T1]
     service.clock.advance(CONFIG.default_ttl_ms + 2 * REDELIVER_MS)
-    service.reap()  # expires it: put back with the retention deadline
+    reap_all(service)  # expires it: put back with the retention deadline
     assert store.get_transfer(T1).state.value == "expired"
     assert store.due_transfers(service.clock.now + REDELIVER_MS) == []
 

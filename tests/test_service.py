@@ -11,6 +11,7 @@ from broker_helpers import (
     assert_inside_regions,
     hybrid,
     plan_bytes,
+    reap_all,
     register_engine,
     registration,
 )
@@ -417,10 +418,10 @@ def test_unread_transfer_expires_and_decode_gets_a_clear_error() -> None:
     expires = publish(service, sc, ttl_ms=1_000)
     assert expires == clock.now + 1_000
     clock.advance(999)
-    service.reap()
+    reap_all(service)
     assert released(service, 2) == {0: [], 1: []}
     clock.advance(1)
-    service.reap()
+    reap_all(service)
     assert released(service, 2) == {
         0: [("t1", ReleaseReason.EXPIRED)],
         1: [("t1", ReleaseReason.EXPIRED)],
@@ -446,7 +447,7 @@ def test_in_progress_transfer_expires_and_late_report_is_not_intact() -> None:
     p0, p1 = (service.get_plan(query(sc, d)) for d in range(2))
     done(service, p0.plan_id, 0)
     clock.advance(TTL_MS)
-    service.reap()
+    reap_all(service)
     assert service.get_transfer("t1").state is TransferState.EXPIRED
     # Decode rank 1's plan is live: prefill rank 1 stays fenced while it may be read.
     assert released(service, 2) == {0: [("t1", ReleaseReason.COMPLETED)], 1: []}
@@ -463,10 +464,10 @@ def test_a_live_plan_that_never_reports_holds_its_sources_for_max_read_ms() -> N
     service.abort("t1", "operator")
     assert released(service, 2) == {0: [], 1: [("t1", ReleaseReason.ABORTED)]}
     clock.advance(read_ms - 1)
-    service.reap()
+    reap_all(service)
     assert released(service, 2)[0] == []
     clock.advance(1)
-    service.reap()
+    reap_all(service)
     assert released(service, 2)[0] == [("t1", ReleaseReason.CONSUMER_FAILED)]
     with pytest.raises(AbortedError, match="max_read_ms"):
         done(service, plan.plan_id, 0)
@@ -492,10 +493,10 @@ def test_finished_transfers_are_forgotten_after_retention() -> None:
     failed = Report(plan.plan_id, "D", 0, ReportStatus.FAILED, 0, 10, "aborted")
     assert not service.report(failed).intact  # the decode rank gave up: nothing is held
     clock.advance(9_999)
-    service.reap()
+    reap_all(service)
     assert service.get_transfer("t1").state is TransferState.ABORTED
     clock.advance(1)
-    service.reap()
+    reap_all(service)
     with pytest.raises(NotFoundError):
         service.get_transfer("t1")
     with pytest.raises(NotFoundError):
@@ -533,10 +534,10 @@ def test_keep_alive_extends_and_expired_lease_is_gone() -> None:
     clock.advance(LEASE_MS - 1)
     assert service.keep_alive(lease.lease_id) == LEASE_MS
     clock.advance(LEASE_MS - 1)
-    service.reap()
+    reap_all(service)
     assert [e.engine_id for e in service.list_engines()] == ["P"]
     clock.advance(1)
-    service.reap()
+    reap_all(service)
     assert service.list_engines() == []
     with pytest.raises(NotFoundError) as err:
         service.keep_alive(lease.lease_id)
@@ -556,7 +557,7 @@ def test_lost_prefill_rank_fails_its_transfers() -> None:
     for lease_id in keep:
         service.keep_alive(lease_id)
     clock.advance(1)
-    service.reap()
+    reap_all(service)
     for t in ("t1", "t2"):
         assert service.get_transfer(t).state is TransferState.FAILED
     # t2's decode rank 0 may still read prefill rank 0: fenced until it reports.
@@ -757,10 +758,10 @@ def test_one_engine_at_its_transfer_quota_does_not_stop_another() -> None:
     done(service, plan.plan_id, 0, plan.total_bytes)  # completed: released, hold ends
     assert service.store.engine_usage("P") == (2, 2 * ids)
     clock.advance(TTL_MS + 1)
-    service.reap()  # b, c and q expire
+    reap_all(service)  # b, c and q expire
     assert service.store.engine_usage("P") == service.store.engine_usage("Q") == (0, 0)
     clock.advance(20_000)
-    service.reap()  # and are forgotten after retention, the counts unchanged
+    reap_all(service)  # and are forgotten after retention, the counts unchanged
     assert service.store.engine_usage("P") == (0, 0) and not list(service.store.transfers())
 
 
