@@ -38,6 +38,20 @@ Chunk = tuple[int, int, int]
 TemplateKey = tuple[int, int, Chunk | None]
 
 
+#: A plan's runs summed up: the lowest and highest region index, local offset, remote
+#: offset and length (:func:`run_bounds`).
+Bounds = tuple[int, int, int, int, int, int, int, int]
+
+
+def run_bounds(
+    region: np.ndarray, local_offset: np.ndarray, remote_offset: np.ndarray, length: np.ndarray
+) -> Bounds:
+    """The lowest and highest value of each of a plan's columns (at least one run)."""
+    columns = (region, local_offset, remote_offset, length)
+    reductions = (np.minimum.reduce, np.maximum.reduce)
+    return tuple(int(f(c)) for c in columns for f in reductions)  # type: ignore[return-value]
+
+
 @dataclass(frozen=True)
 class Template:
     """Runs for one block pair (one chunk of tokens for attention), offsets relative to the
@@ -123,7 +137,9 @@ class RequestShape:
     """What planning a request takes that depends only on its shape (:data:`ShapeKey`), not
     on its block ids: which list positions pair, the template-table columns of all planned
     ranks gathered (``base``, None when there are none) and which slot's block offsets each
-    column adds (``column_slot``), and what each rank's plan counts without its runs."""
+    column adds (``column_slot``), what each rank's plan counts without its runs, and the
+    sources its columns read (their :data:`SOURCE` values, ascending) with the bytes of each
+    (which merging runs keeps)."""
 
     picks: tuple[Picks, ...]
     naive_bytes: int
@@ -132,11 +148,14 @@ class RequestShape:
     mergeable: list[bool] = field(default_factory=list)
     base: np.ndarray | None = None
     column_slot: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=_I64))
+    sources: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=_I64))
+    source_bytes: list[int] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
         picks = [p for _, *sides in self.picks for p in sides if isinstance(p, np.ndarray)]
-        return sum(a.nbytes for a in (self.base, self.column_slot, *picks) if a is not None)
+        arrays = (self.base, self.column_slot, self.sources, *picks)
+        return sum(a.nbytes for a in arrays if a is not None)
 
 
 def picked(ids: Sequence[int], pick: Pick) -> Sequence[int]:

@@ -78,10 +78,7 @@ class TransferState(Enum):
 
     @property
     def terminal(self) -> bool:
-        return self not in _UNFINISHED
-
-
-_UNFINISHED = frozenset((TransferState.PUBLISHED, TransferState.IN_PROGRESS))
+        return self is not TransferState.PUBLISHED and self is not TransferState.IN_PROGRESS
 
 
 class EnumCodec(Generic[E, P]):
