@@ -427,31 +427,29 @@ class PairPlanner:
         """Runs of ``shape`` ordered by source, as one :class:`RankPlan` per decode rank."""
         source = runs[SOURCE]
         starts = source.searchsorted(shape.sources).tolist()
-        nbytes = shape.source_bytes
         lowest = np.minimum.reduceat(runs, starts, axis=1).T.tolist()
         highest = np.maximum.reduceat(runs, starts, axis=1).T.tolist()
         by_rank: dict[int, list[SourceReads]] = {d: [] for d in ranks}
-        p_tp = self.prefill.tp_size
-        for (lo, hi), size, low, high in zip(
-            pairwise([*starts, source.size]), nbytes, lowest, highest
-        ):
-            d, p = divmod(low[SOURCE], p_tp)
-            by_rank[d].append(
-                SourceReads(
-                    p,
-                    runs[REGION, lo:hi],
-                    runs[LOCAL, lo:hi],
-                    runs[REMOTE, lo:hi],
-                    runs[LENGTH, lo:hi],
-                    size,
-                    (low[REGION], high[REGION], low[LOCAL], high[LOCAL])
-                    + (low[REMOTE], high[REMOTE], low[LENGTH], high[LENGTH]),
-                )
-            )
-        return tuple(
+        spans = pairwise([*starts, source.size])
+        for (lo, hi), size, low, high in zip(spans, shape.source_bytes, lowest, highest):
+            d, p = divmod(low[SOURCE], self.prefill.tp_size)
+            sides = (low[REGION], high[REGION], low[LOCAL], high[LOCAL], low[REMOTE], high[REMOTE])
+            bounds: Bounds = (*sides, low[LENGTH], high[LENGTH])
+            region, local = runs[REGION, lo:hi], runs[LOCAL, lo:hi]
+            remote, length = runs[REMOTE, lo:hi], runs[LENGTH, lo:hi]
+            by_rank[d].append(SourceReads(p, region, local, remote, length, size, bounds))
+        plans = tuple(
             RankPlan(d, tuple(by_rank[d]), shape.naive_bytes, units)
             for d, units in zip(ranks, shape.vllm_units)
         )
+        for plan in plans:  # its cached counts, set at once: a first read costs more
+            reads = plan.sources
+            plan.__dict__.update(
+                nbytes=sum([r.nbytes for r in reads]),
+                num_descriptors=sum([r.length.size for r in reads]),
+                prefill_ranks=tuple([r.prefill_rank for r in reads]),
+            )
+        return plans
 
     def _block_pairs(
         self, num_tokens: int, p_lengths: tuple[int, ...], d_lengths: tuple[int, ...]
