@@ -78,7 +78,10 @@ class TransferState(Enum):
 
     @property
     def terminal(self) -> bool:
-        return self is not TransferState.PUBLISHED and self is not TransferState.IN_PROGRESS
+        return self not in _UNFINISHED
+
+
+_UNFINISHED = frozenset((TransferState.PUBLISHED, TransferState.IN_PROGRESS))
 
 
 class EnumCodec(Generic[E, P]):
