@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from broker.plan_templates import Bounds, run_bounds
+
 # Reductions called as ufuncs: ``array.min()`` adds a Python wrapper per call, and a plan's
 # descriptors take several of these.
 _min, _max = np.minimum.reduce, np.maximum.reduce
@@ -32,10 +34,12 @@ def absolute_descriptors(
         return np.empty((0, 3), dtype=np.int64)
     if int(_min(length)) <= 0:
         raise OutOfRegionError(f"{side}: a descriptor has no length")
-    return _absolute(
-        region_table, region, (int(_min(region)), int(_max(region))), offset, length,
-        int(_max(length)), side,
-    )  # fmt: skip
+    regions, reach = (int(_min(region)), int(_max(region))), int(_max(offset)) + int(_max(length))
+    _check_runs(region_table, region, regions, offset, length, (int(_min(offset)), reach), side)
+    out = np.empty((region.size, 3), dtype=np.int64)
+    out[:, 1] = length
+    _fill(out, region_table, region, offset)
+    return out
 
 
 def descriptor_pair(
@@ -45,44 +49,58 @@ def descriptor_pair(
     local_offset: np.ndarray,
     remote_offset: np.ndarray,
     length: np.ndarray,
+    bounds: Bounds | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`absolute_descriptors` of the same runs on both sides, ``(local, remote)``; what
-    the sides share (region indices, lengths) is checked once."""
+    """:func:`absolute_descriptors` of the same runs on both sides, ``(local, remote)``, made
+    together; ``bounds``: the runs' :func:`run_bounds` (computed when not given)."""
     if not region.size:
         return np.empty((0, 3), dtype=np.int64), np.empty((0, 3), dtype=np.int64)
-    if int(_min(length)) <= 0:
-        raise OutOfRegionError("local and remote: a descriptor has no length")
-    regions, longest = (int(_min(region)), int(_max(region))), int(_max(length))
-    return (
-        _absolute(local_table, region, regions, local_offset, length, longest, "local"),
-        _absolute(remote_table, region, regions, remote_offset, length, longest, "remote"),
+    lowest, highest, local_low, local_high, remote_low, remote_high, shortest, longest = (
+        bounds or run_bounds(region, local_offset, remote_offset, length)
     )
+    if shortest <= 0:
+        raise OutOfRegionError("local and remote: a descriptor has no length")
+    regions = (lowest, highest)
+    reach = (local_low, local_high + longest)
+    _check_runs(local_table, region, regions, local_offset, length, reach, "local")
+    reach = (remote_low, remote_high + longest)
+    _check_runs(remote_table, region, regions, remote_offset, length, reach, "remote")
+    out = np.empty((2, region.size, 3), dtype=np.int64)
+    out[:, :, 1] = length
+    _fill(out[0], local_table, region, local_offset)
+    _fill(out[1], remote_table, region, remote_offset)
+    return out[0], out[1]
 
 
-def _absolute(
+def _check_runs(
     region_table: np.ndarray,
     region: np.ndarray,
     regions: tuple[int, int],
     offset: np.ndarray,
     length: np.ndarray,
-    longest: int,
+    reach: tuple[int, int],
     side: str,
-) -> np.ndarray:
-    """:func:`absolute_descriptors` given the lowest and highest region index and the longest
-    length (all lengths known positive)."""
+) -> None:
+    """Raise :class:`OutOfRegionError` unless every run (all lengths positive) lies in its
+    region, given the lowest and highest region index and the lowest offset and furthest
+    end a run may have (``reach``)."""
     if regions[0] < 0 or regions[1] >= region_table.shape[1]:
         raise OutOfRegionError(
             f"{side}: region index outside the {region_table.shape[1]} registered"
         )
-    if int(_min(offset)) < 0:
+    if reach[0] < 0:
         raise OutOfRegionError(f"{side}: a descriptor has a negative offset")
     # Ending within the shortest region is enough; only otherwise look up each one's length.
-    if int(_max(offset)) + longest > int(_min(region_table[1])) and bool(
+    if reach[1] > int(_min(region_table[1])) and bool(
         (offset > region_table[1][region] - length).any()
     ):
         raise OutOfRegionError(f"{side}: a descriptor leaves its registered region")
-    out = np.empty((region.size, 3), dtype=np.int64)
-    np.add(region_table[0][region], offset, out=out[:, 0])
-    out[:, 1] = length
-    out[:, 2] = region_table[2][region]
-    return out
+
+
+def _fill(
+    out: np.ndarray, region_table: np.ndarray, region: np.ndarray, offset: np.ndarray
+) -> None:
+    """Write the address and device columns of ``(n, 3)`` rows ``out`` (regions checked)."""
+    rows = region_table.take(region, axis=1)
+    np.add(rows[0], offset, out=out[:, 0])
+    out[:, 2] = rows[2]

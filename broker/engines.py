@@ -20,6 +20,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import chain
+from operator import is_
 
 import numpy as np
 
@@ -85,6 +86,8 @@ class EngineCatalog:
         self.planner_cache_bytes = planner_cache_bytes
         #: By engine id: (generation, layout, digest).
         self._layouts: dict[str, tuple[int, EngineLayout, bytes]] = {}
+        #: By engine id: the engine last made, handed out again while its ranks are the same.
+        self._engines: dict[str, Engine] = {}
         self._pairs: OrderedDict[tuple[bytes, bytes], PairPlanning] = OrderedDict()
         self._cached_bytes = 0
 
@@ -105,13 +108,19 @@ class EngineCatalog:
                 field_name,
                 f"engine {engine_id!r} has {len(ranks)} of its {tp_size} ranks registered",
             )
+        made = self._engines.get(engine_id)
+        if made is not None and len(made.ranks) == len(ranks) and all(map(is_, made.ranks, ranks)):
+            return made
         generation = max(r.generation for r in ranks)
         cached = self._layouts.get(engine_id)
         if cached is None or cached[0] != generation:
             cached = self.remember(
                 engine_id, generation, assemble_layout([r.registration for r in ranks])
             )
-        return Engine(engine_id, tuple(ranks), cached[1], generation, cached[2])
+        made = self._engines[engine_id] = Engine(
+            engine_id, tuple(ranks), cached[1], generation, cached[2]
+        )
+        return made
 
     def remember(
         self, engine_id: str, generation: int, layout: EngineLayout
@@ -124,6 +133,7 @@ class EngineCatalog:
     def forget(self, engine_id: str) -> None:
         """Drop the engine's cached layout (one of its ranks left)."""
         self._layouts.pop(engine_id, None)
+        self._engines.pop(engine_id, None)
 
     def pair(self, prefill: Engine, decode: Engine) -> tuple[PairPlanning, bool]:
         """The planner of the pair's layouts (made and cached if new), and whether it was

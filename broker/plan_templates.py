@@ -38,6 +38,20 @@ Chunk = tuple[int, int, int]
 TemplateKey = tuple[int, int, Chunk | None]
 
 
+#: A plan's runs summed up: the lowest and highest region index, local offset, remote
+#: offset and length (:func:`run_bounds`).
+Bounds = tuple[int, int, int, int, int, int, int, int]
+
+
+def run_bounds(
+    region: np.ndarray, local_offset: np.ndarray, remote_offset: np.ndarray, length: np.ndarray
+) -> Bounds:
+    """The lowest and highest value of each of a plan's columns (at least one run)."""
+    columns = (region, local_offset, remote_offset, length)
+    reductions = (np.minimum.reduce, np.maximum.reduce)
+    return tuple(int(f(c)) for c in columns for f in reductions)  # type: ignore[return-value]
+
+
 @dataclass(frozen=True)
 class Template:
     """Runs for one block pair (one chunk of tokens for attention), offsets relative to the
@@ -123,7 +137,9 @@ class RequestShape:
     """What planning a request takes that depends only on its shape (:data:`ShapeKey`), not
     on its block ids: which list positions pair, the template-table columns of all planned
     ranks gathered (``base``, None when there are none) and which slot's block offsets each
-    column adds (``column_slot``), and what each rank's plan counts without its runs."""
+    column adds (``column_slot``), what each rank's plan counts without its runs, and the
+    sources its columns read (their :data:`SOURCE` values, ascending) with the bytes of each
+    (which merging runs keeps)."""
 
     picks: tuple[Picks, ...]
     naive_bytes: int
@@ -132,11 +148,14 @@ class RequestShape:
     mergeable: list[bool] = field(default_factory=list)
     base: np.ndarray | None = None
     column_slot: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=_I64))
+    sources: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=_I64))
+    source_bytes: list[int] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
         picks = [p for _, *sides in self.picks for p in sides if isinstance(p, np.ndarray)]
-        return sum(a.nbytes for a in (self.base, self.column_slot, *picks) if a is not None)
+        arrays = (self.base, self.column_slot, self.sources, *picks)
+        return sum(a.nbytes for a in arrays if a is not None)
 
 
 def picked(ids: Sequence[int], pick: Pick) -> Sequence[int]:
@@ -234,28 +253,33 @@ def coalesce_columns(runs: np.ndarray, local_bits: int | None) -> np.ndarray:
     """:func:`coalesce` for the columns of a template-table gather: sorted by (key, decode
     offset), runs that continue each other on both sides merged. With ``local_bits`` (decode
     offsets are below ``2**local_bits`` and ``key << local_bits`` fits in int64) one argsort
-    of ``key << local_bits | offset`` orders them: pairs are unique, as no two runs of a decode
-    rank write the same byte."""
+    of ``position = key << local_bits | offset`` orders them: pairs are unique, as no two runs
+    of a decode rank write the same byte; and a run continues the one before on the decode
+    side when its position is that one's plus its length (a run ends within its region, so
+    that sum keeps the key)."""
     if local_bits is None:
-        order = np.lexsort((runs[LOCAL], runs[KEY]))
+        runs = runs.take(np.lexsort((runs[LOCAL], runs[KEY])), axis=1)
+        position, key_breaks = runs[LOCAL], runs[KEY, 1:] != runs[KEY, :-1]
     else:
+        position = (runs[KEY] << local_bits) | runs[LOCAL]
         # Stable: a merge sort runs through the sorted stretches each block pair brings.
-        order = np.argsort((runs[KEY] << local_bits) | runs[LOCAL], kind="stable")
-    runs = runs.take(order, axis=1)
+        order = np.argsort(position, kind="stable")
+        runs, position, key_breaks = runs.take(order, axis=1), position.take(order), None
     n = runs.shape[1]
     if n < 2:
         return runs
-    key, local, remote, length = runs[KEY], runs[LOCAL], runs[REMOTE], runs[LENGTH]
+    length = runs[LENGTH, :-1]
     breaks = np.empty(n, dtype=bool)
     breaks[0] = True
-    np.not_equal(key[1:], key[:-1], out=breaks[1:])
-    breaks[1:] |= local[1:] != local[:-1] + length[:-1]
-    breaks[1:] |= remote[1:] != remote[:-1] + length[:-1]
+    np.not_equal(position[1:], position[:-1] + length, out=breaks[1:])
+    breaks[1:] |= runs[REMOTE, 1:] != runs[REMOTE, :-1] + length
+    if key_breaks is not None:
+        breaks[1:] |= key_breaks
     starts = breaks.nonzero()[0]
     if starts.size == n:
         return runs
     merged = runs.take(starts, axis=1)
-    merged[LENGTH] = np.add.reduceat(length, starts)
+    merged[LENGTH] = np.add.reduceat(runs[LENGTH], starts)
     return merged
 
 

@@ -40,6 +40,7 @@ from broker.plan_templates import (
     REGION,
     REMOTE,
     SOURCE,
+    Bounds,
     Chunk,
     Pick,
     Picks,
@@ -50,6 +51,7 @@ from broker.plan_templates import (
     coalesce_columns,
     group_by_source,
     picked,
+    run_bounds,
 )
 
 _I64 = np.int64
@@ -89,10 +91,16 @@ class SourceReads:
     length: np.ndarray
     #: Bytes read: the sum of ``length`` (computed when not given).
     nbytes: int = -1
+    #: The lowest and highest value of each column (computed when not given), what the
+    #: checks of its descriptors against the registered regions start from.
+    bounds: Bounds = field(default=(), repr=False, compare=False)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         if self.nbytes < 0:
             object.__setattr__(self, "nbytes", int(self.length.sum()))
+        if not self.bounds and self.length.size:
+            bounds = run_bounds(self.region, self.local_offset, self.remote_offset, self.length)
+            object.__setattr__(self, "bounds", bounds)
 
     @property
     def num_descriptors(self) -> int:
@@ -329,7 +337,7 @@ class PairPlanner:
                 ],
                 axis=1,
             )
-        return self._split(ranks, runs, shape.naive_bytes, shape.vllm_units)
+        return self._split(ranks, runs, shape)
 
     def _shape(self, ranks: tuple[int, ...], request: TransferRequest) -> RequestShape:
         """The :class:`RequestShape` of ``request`` for ``ranks``, cached while the template table
@@ -385,14 +393,20 @@ class PairPlanner:
                 np.logical_or.reduceat(starts_pages, per_rank)
                 & np.logical_or.reduceat(ends_pages, per_rank)
             ).tolist()
+        base = table.runs.take(np.arange(total, dtype=_I64) + first_column, axis=1)
+        sources, which = np.unique(base[SOURCE], return_inverse=True)
+        source_bytes = np.zeros(sources.size, dtype=_I64)
+        np.add.at(source_bytes, which, base[LENGTH])
         shape = RequestShape(
             picks,
             naive_bytes,
             vllm_units,
             rank_ends,
             mergeable,
-            table.runs.take(np.arange(total, dtype=_I64) + first_column, axis=1),
+            base,
             (np.arange(len(tids), dtype=_I64) % slots).repeat(size),
+            sources,
+            source_bytes.tolist(),
         )
         return self._cached(key, shape)
 
@@ -408,30 +422,34 @@ class PairPlanner:
         return shape
 
     def _split(
-        self, ranks: Sequence[int], runs: np.ndarray, naive_bytes: int, vllm_units: list[int]
+        self, ranks: Sequence[int], runs: np.ndarray, shape: RequestShape
     ) -> tuple[RankPlan, ...]:
-        """Runs ordered by source, as one :class:`RankPlan` per decode rank."""
+        """Runs of ``shape`` ordered by source, as one :class:`RankPlan` per decode rank."""
         source = runs[SOURCE]
-        starts = [0, *((source[1:] != source[:-1]).nonzero()[0] + 1).tolist()]
-        nbytes = np.add.reduceat(runs[LENGTH], starts).tolist()
+        starts = source.searchsorted(shape.sources).tolist()
+        lowest = np.minimum.reduceat(runs, starts, axis=1).T.tolist()
+        highest = np.maximum.reduceat(runs, starts, axis=1).T.tolist()
         by_rank: dict[int, list[SourceReads]] = {d: [] for d in ranks}
-        p_tp = self.prefill.tp_size
-        for (lo, hi), size in zip(pairwise([*starts, source.size]), nbytes):
-            d, p = divmod(int(source[lo]), p_tp)
-            by_rank[d].append(
-                SourceReads(
-                    p,
-                    runs[REGION, lo:hi],
-                    runs[LOCAL, lo:hi],
-                    runs[REMOTE, lo:hi],
-                    runs[LENGTH, lo:hi],
-                    size,
-                )
-            )
-        return tuple(
-            RankPlan(d, tuple(by_rank[d]), naive_bytes, units)
-            for d, units in zip(ranks, vllm_units)
+        spans = pairwise([*starts, source.size])
+        for (lo, hi), size, low, high in zip(spans, shape.source_bytes, lowest, highest):
+            d, p = divmod(low[SOURCE], self.prefill.tp_size)
+            sides = (low[REGION], high[REGION], low[LOCAL], high[LOCAL], low[REMOTE], high[REMOTE])
+            bounds: Bounds = (*sides, low[LENGTH], high[LENGTH])
+            region, local = runs[REGION, lo:hi], runs[LOCAL, lo:hi]
+            remote, length = runs[REMOTE, lo:hi], runs[LENGTH, lo:hi]
+            by_rank[d].append(SourceReads(p, region, local, remote, length, size, bounds))
+        plans = tuple(
+            RankPlan(d, tuple(by_rank[d]), shape.naive_bytes, units)
+            for d, units in zip(ranks, shape.vllm_units)
         )
+        for plan in plans:  # its cached counts, set at once: a first read costs more
+            reads = plan.sources
+            plan.__dict__.update(
+                nbytes=sum([r.nbytes for r in reads]),
+                num_descriptors=sum([r.length.size for r in reads]),
+                prefill_ranks=tuple([r.prefill_rank for r in reads]),
+            )
+        return plans
 
     def _block_pairs(
         self, num_tokens: int, p_lengths: tuple[int, ...], d_lengths: tuple[int, ...]

@@ -122,6 +122,7 @@ class PlanTicket:
                 reads.local_offset,
                 reads.remote_offset,
                 reads.length,
+                reads.bounds,
             )
             sources.append(
                 SourceDescriptors(

@@ -484,10 +484,8 @@ class _Change:
         if self._changes or self._noted:
             changes = self._changes
             if self._noted:
-                changes["timeline"] = (
-                    *changes.get("timeline", self._record.timeline),
-                    *self._noted,
-                )
+                timeline = changes.get("timeline", self._record.timeline)
+                changes["timeline"] = (*timeline, *self._noted)
                 self._noted = []
             self._record = evolve(self._record, **changes)
             self._changes = {}
@@ -497,11 +495,15 @@ class _Change:
         """Replace fields of the record."""
         self._changes.update(changes)
 
+    def field(self, name: str) -> Any:
+        """A field of :attr:`record` (its timeline aside), without making the record."""
+        return self._changes[name] if name in self._changes else getattr(self._record, name)
+
     def plan(self, decode_rank: int) -> PlanRecord:
-        return self.record.plans[decode_rank]
+        return self.field("plans")[decode_rank]
 
     def set_plan(self, plan: PlanRecord) -> None:
-        plans = list(self.record.plans)
+        plans = list(self.field("plans"))
         plans[plan.decode_rank] = plan
         self.set(plans=tuple(plans))
 
@@ -516,8 +518,8 @@ class _Change:
         return plan.handed_out_at_ms + self.rules.max_read_ms
 
     def refuse_if_ended(self) -> None:
-        t = self.record
-        if t.state.terminal:
+        if self.field("state").terminal:
+            t = self.record
             raise PreconditionError(
                 "transfer_id",
                 f"transfer {t.transfer_id!r} is {t.state.value}; its blocks are released",

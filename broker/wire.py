@@ -198,7 +198,7 @@ def group_ids(ids: Sequence[int]) -> Sequence[int]:
     """One group's block ids as :data:`BlockIds` keeps them: a tuple, or an ``array('q')``
     (copied a slice at a time) when longer than :data:`LONG_GROUP`."""
     if len(ids) <= LONG_GROUP:
-        return tuple(ids)
+        return tuple(ids[:])  # a protobuf field copies a slice at once, faster than it iterates
     if isinstance(ids, array) and ids.typecode == "q":
         return ids
     out = array("q")

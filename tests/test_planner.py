@@ -174,6 +174,25 @@ def test_requests_of_one_shape_are_planned_from_their_own_block_ids(same_block_s
     assert len({reused.plan(r).rows().tobytes() for r in requests}) == len(requests)
 
 
+@pytest.mark.parametrize("p_tp,d_tp", [(2, 2), (1, 2), (4, 2)])
+def test_a_plans_sums_and_bounds_are_those_of_its_runs(p_tp: int, d_tp: int) -> None:
+    """What the planner hands along with a plan (per source its bytes and the lowest and
+    highest value of each column, which the region checks start from; per rank its counts)
+    is what its runs hold, whether the plan was made with all ranks or alone."""
+    sc = build_scenario(hybrid(), p_tp, d_tp, 100, stride=2, prefill_offset=1, decode_offset=1)
+    planner = PairPlanner(sc.prefill, sc.decode)
+    plans = [*planner.plan(sc.request).ranks, planner.plan_rank(1, sc.request)]
+    for plan in plans:
+        assert plan.sources
+        for s in plan.sources:
+            columns = (s.region, s.local_offset, s.remote_offset, s.length)
+            assert s.bounds == tuple(f(int(x) for x in c) for c in columns for f in (min, max))
+            assert s.nbytes == int(s.length.sum())
+        assert plan.nbytes == sum(int(s.length.sum()) for s in plan.sources)
+        assert plan.num_descriptors == sum(s.length.size for s in plan.sources)
+        assert plan.prefill_ranks == tuple(s.prefill_rank for s in plan.sources)
+
+
 def test_fp8_kv_and_separate_k_v_planes_are_declarations_only() -> None:
     # Older vLLM splits a kernel block into a K plane and a V plane: declare it, plan it.
     def planes(rank: RankLayout) -> RankLayout:

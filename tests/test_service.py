@@ -607,6 +607,24 @@ def test_re_registration_fails_old_transfers_and_bumps_the_generation() -> None:
     assert plan.sources[0].agent_metadata  # a new agent generation: metadata again
 
 
+def test_a_plan_after_a_re_registration_elsewhere_reads_the_new_registration() -> None:
+    """Engines looked up again while their ranks are unchanged are reused: a rank that
+    registers again through another broker on the same store (other regions, another agent)
+    is what this broker's next plan reads from."""
+    service, clock, sc = setup(2, 2)
+    publish(service, sc)
+    assert service.get_plan(query(sc, 1)).sources[0].agent_name == "P-agent1"
+    moved = registration(sc.prefill, "P", Role.PREFILL, 1, 7)
+    replica = BrokerService(service.store, clock, service.config)
+    replica.register_rank(dataclasses.replace(moved, agent_name="P-restarted1"))
+    publish(service, sc, "t2")
+    source = service.get_plan(query(sc, 1, "t2")).sources[0]
+    assert source.agent_name == "P-restarted1"
+    regions = [(r.base_addr, r.base_addr + r.length_bytes) for r in moved.regions]
+    for address in source.remote[:, 0].tolist():
+        assert any(start <= address < end for start, end in regions)
+
+
 def test_registration_validation() -> None:
     service, _, sc = setup(2, 2)
     reg = registration(sc.prefill, "Q", Role.PREFILL, 0, 5)
