@@ -6,8 +6,8 @@ A collection of a generation walks every object in it and in the younger ones. T
 objects fill a broker's heap: its long-lived records (a registered rank holds some eighty
 tracked objects: its registration, layout, regions, their tuples), which only grow the
 older generations, and the reference cycles gRPC leaves behind every call (five objects
-each), which only the collector frees. Young collections are kept small
-(:data:`YOUNG_THRESHOLD`); the objects that survive them are frozen
+each), which only the collector frees. Young collections come every
+:data:`YOUNG_THRESHOLD` allocations; the objects that survive them are frozen
 (:func:`gc.freeze`) at quiet points — the reaper's tick, between calls — once there are
 :data:`FREEZE_AFTER` of them, right after a collection of what is not frozen yet, so no
 later collection walks them again. Objects frozen are still freed by reference counting;
@@ -17,27 +17,46 @@ doubled since that was last done, or since the start: frozen cyclic garbage stay
 what survived the last such collection (twice that if the heap shrank since); each such
 collection walks the whole heap (40-75 ms among 2,048 ranks) only after as many objects
 were frozen as the previous one left, so its cost per object frozen is constant (at most
-one while a cluster grows to 2,048 ranks)."""
+one while a cluster grows to 2,048 ranks), and at most once per :data:`THAW_INTERVAL_S`:
+a broker whose heap grows fast (the in-memory store's transfers under load) would
+otherwise pause for it every second or two. Frozen cyclic garbage then also stays under
+what a broker freezes in that interval."""
 
 from __future__ import annotations
 
 import gc
+import time
+from collections.abc import Callable
 
 #: Net allocations of tracked objects between young collections (CPython's default is 700):
-#: a collection of this many objects takes a few ms; far fewer would catch a call's own
-#: short-lived objects, which reference counting frees anyway.
-YOUNG_THRESHOLD = 10_000
+#: far fewer would catch a call's own short-lived objects, which reference counting frees
+#: anyway; 10,000 doubled the p99 of batched plan calls under load (more collections inside
+#: calls) against this.
+YOUNG_THRESHOLD = 50_000
 #: Objects surviving young collections, not yet frozen, that a quiet point freezes.
-FREEZE_AFTER = 10_000
+FREEZE_AFTER = 50_000
+#: Least time between two whole-heap collections (seconds).
+THAW_INTERVAL_S = 60.0
 
 
 class CollectorPolicy:
     """The collector's thresholds (:meth:`start`) and freezes at quiet points (:meth:`tick`);
     see the module docstring. Process-wide: one per process."""
 
-    def __init__(self, young: int = YOUNG_THRESHOLD, freeze_after: int = FREEZE_AFTER) -> None:
+    def __init__(
+        self,
+        young: int = YOUNG_THRESHOLD,
+        freeze_after: int = FREEZE_AFTER,
+        thaw_interval_s: float = THAW_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.young = young
         self.freeze_after = freeze_after
+        self.thaw_interval_s = thaw_interval_s
+        self._clock = clock
+        self._thawed_at = clock()
+        #: Whole-heap collections made by :meth:`tick`.
+        self.thaws = 0
         self._thawed = 0  # objects frozen after the last whole-heap collection
         self._young_collections = -1
 
@@ -45,7 +64,7 @@ class CollectorPolicy:
         """Freeze what the imports left (after collecting its garbage) and set thresholds."""
         gc.collect()
         gc.freeze()
-        self._thawed = gc.get_freeze_count()
+        self._thawed, self._thawed_at = gc.get_freeze_count(), self._clock()
         gc.set_threshold(self.young, 20, 100)
 
     def tick(self) -> None:
@@ -59,7 +78,11 @@ class CollectorPolicy:
         older = len(gc.get_objects(1)) + len(gc.get_objects(2))
         if older < self.freeze_after:
             return
-        thaw = gc.get_freeze_count() + older >= 2 * self._thawed
+        now = self._clock()
+        thaw = (
+            gc.get_freeze_count() + older >= 2 * self._thawed
+            and now - self._thawed_at >= self.thaw_interval_s
+        )
         if thaw:
             gc.unfreeze()
         full = gc.get_stats()[2]["collections"]
@@ -68,4 +91,5 @@ class CollectorPolicy:
             return  # another thread is collecting (and finalizing): freeze no garbage now
         gc.freeze()
         if thaw:
-            self._thawed = gc.get_freeze_count()
+            self._thawed, self._thawed_at = gc.get_freeze_count(), now
+            self.thaws += 1

@@ -87,7 +87,7 @@ def test_a_registered_cluster_is_frozen_so_collections_walk_little() -> None:
 def test_rounds_of_ranks_coming_and_going_leave_the_heap_bounded() -> None:
     """Small thresholds, so that every round freezes: each round's ranks register over
     gRPC, watch their releases (streams open across the freezes) and deregister."""
-    policy = CollectorPolicy(young=1_000, freeze_after=1_000)
+    policy = CollectorPolicy(young=1_000, freeze_after=1_000, thaw_interval_s=0.0)
     service = BrokerService(clock=FakeClock(), config=CONFIG)
     sc = build_scenario(hybrid(), 2, 2, 100)
 
@@ -164,6 +164,28 @@ def test_a_tick_while_the_collector_runs_freezes_nothing() -> None:
     assert gc.get_freeze_count() == frozen
     policy.tick()  # a quiet point: the survivors are frozen now
     assert gc.get_freeze_count() >= frozen + len(survivors)
+
+
+def test_the_whole_heap_is_collected_at_most_once_an_interval() -> None:
+    """A heap that doubles again and again (a broker under load keeping its transfers) is
+    frozen as it grows, but thawed and collected whole only once the interval passed."""
+    now = [0.0]
+    policy = CollectorPolicy(
+        young=1_000, freeze_after=1_000, thaw_interval_s=60.0, clock=lambda: now[0]
+    )
+    policy.start()
+    kept = []
+    for _ in range(6):  # the frozen heap doubles each time
+        kept.append(_cycles(gc.get_freeze_count() + len(gc.get_objects())))
+        gc.collect(1)  # they survive young collections
+        policy.tick()
+        now[0] += 5.0
+    assert policy.thaws == 0 and gc.get_freeze_count() >= sum(map(len, kept))
+    now[0] += 60.0
+    kept.append(_cycles(gc.get_freeze_count()))
+    gc.collect(1)
+    policy.tick()
+    assert policy.thaws == 1
 
 
 async def _drained(stream: grpc.aio.UnaryStreamCall) -> None:
