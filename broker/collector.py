@@ -8,9 +8,11 @@ tracked objects: its registration, layout, regions, their tuples), which only gr
 older generations, and the reference cycles gRPC leaves behind every call (five objects
 each), which only the collector frees. Young collections come every
 :data:`YOUNG_THRESHOLD` allocations; the objects that survive them are frozen
-(:func:`gc.freeze`) at quiet points — the reaper's tick, between calls — once there are
-:data:`FREEZE_AFTER` of them, right after a collection of what is not frozen yet, so no
-later collection walks them again. Objects frozen are still freed by reference counting;
+(:func:`gc.freeze`) at the first quiet point after each young collection — the reaper's
+tick, between calls — right after a collection of what is not frozen yet (little: the
+survivors of one young collection), so no later collection walks them again. (Counting
+the survivors with :func:`gc.get_objects` instead is unsafe: the list it returns holds
+objects other threads are still building, a tuple being resized among them.) Objects frozen are still freed by reference counting;
 only frozen objects that later die in a cycle stay. To bound those, every object is
 thawed and the whole heap collected once the frozen heap (the imports' included) has
 doubled since that was last done, or since the start: frozen cyclic garbage stays under
@@ -33,8 +35,6 @@ from collections.abc import Callable
 #: anyway; 10,000 doubled the p99 of batched plan calls under load (more collections inside
 #: calls) against this.
 YOUNG_THRESHOLD = 50_000
-#: Objects surviving young collections, not yet frozen, that a quiet point freezes.
-FREEZE_AFTER = 50_000
 #: Least time between two whole-heap collections (seconds).
 THAW_INTERVAL_S = 60.0
 
@@ -46,12 +46,10 @@ class CollectorPolicy:
     def __init__(
         self,
         young: int = YOUNG_THRESHOLD,
-        freeze_after: int = FREEZE_AFTER,
         thaw_interval_s: float = THAW_INTERVAL_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.young = young
-        self.freeze_after = freeze_after
         self.thaw_interval_s = thaw_interval_s
         self._clock = clock
         self._thawed_at = clock()
@@ -68,19 +66,15 @@ class CollectorPolicy:
         gc.set_threshold(self.young, 20, 100)
 
     def tick(self) -> None:
-        """At a quiet point: freeze the survivors of young collections once there are
-        :attr:`freeze_after` of them, or thaw and collect everything (see the module
-        docstring)."""
+        """At a quiet point: freeze the survivors of the young collections since the last
+        tick, or thaw and collect everything (see the module docstring)."""
         collections = gc.get_stats()[0]["collections"]
         if collections == self._young_collections:
             return  # no young collection since: the older generations did not grow
         self._young_collections = collections
-        older = len(gc.get_objects(1)) + len(gc.get_objects(2))
-        if older < self.freeze_after:
-            return
         now = self._clock()
         thaw = (
-            gc.get_freeze_count() + older >= 2 * self._thawed
+            gc.get_freeze_count() >= 2 * self._thawed
             and now - self._thawed_at >= self.thaw_interval_s
         )
         if thaw:

@@ -59,7 +59,7 @@ async def _ticked(server: BrokerServer) -> None:
 
 def test_a_registered_cluster_is_frozen_so_collections_walk_little() -> None:
     """Thresholds scaled down with the cluster (its ranks share their layout objects)."""
-    policy = CollectorPolicy(young=1_000, freeze_after=1_000)
+    policy = CollectorPolicy(young=1_000)
     service = BrokerService(clock=FakeClock(), config=CONFIG)
     sc = build_scenario(hybrid(), 8, 8, 100)
 
@@ -78,16 +78,16 @@ def test_a_registered_cluster_is_frozen_so_collections_walk_little() -> None:
 
     frozen_before, frozen_after, walked = asyncio.run(scenario())
     assert service.store.count_ranks() == 1_024
-    # A collection walks what is not frozen: the young generation and fewer survivors than
-    # the policy freezes at, not the 1,024 ranks' records.
-    assert walked < policy.young + policy.freeze_after, (walked, frozen_after)
+    # A collection walks what is not frozen: the young generation and the survivors of the
+    # young collections since the last tick, not the 1,024 ranks' records.
+    assert walked < 2 * policy.young, (walked, frozen_after)
     assert frozen_after - frozen_before > 5 * 1_024, (frozen_before, frozen_after)
 
 
 def test_rounds_of_ranks_coming_and_going_leave_the_heap_bounded() -> None:
     """Small thresholds, so that every round freezes: each round's ranks register over
     gRPC, watch their releases (streams open across the freezes) and deregister."""
-    policy = CollectorPolicy(young=1_000, freeze_after=1_000, thaw_interval_s=0.0)
+    policy = CollectorPolicy(young=1_000, thaw_interval_s=0.0)
     service = BrokerService(clock=FakeClock(), config=CONFIG)
     sc = build_scenario(hybrid(), 2, 2, 100)
 
@@ -132,7 +132,7 @@ def test_rounds_of_ranks_coming_and_going_leave_the_heap_bounded() -> None:
     # Thawed once the frozen heap doubled since the last thaw, which found at most the
     # heap of the start and a round's objects alive, they stay under twice that, plus the
     # round that tips it.
-    assert max(held) <= 2 * (held[0] + CYCLES + policy.freeze_after) + CYCLES, held
+    assert max(held) <= 2 * (held[0] + CYCLES + policy.young) + CYCLES, held
 
 
 def _cycles(n: int) -> list[dict[str, object]]:
@@ -146,7 +146,7 @@ def _cycles(n: int) -> list[dict[str, object]]:
 def test_a_tick_while_the_collector_runs_freezes_nothing() -> None:
     """Another thread's collection, finalizing its garbage, may let the event loop tick:
     ``gc.collect()`` then does nothing, and freezing would keep what it did not collect."""
-    policy = CollectorPolicy(young=1_000, freeze_after=1_000)
+    policy = CollectorPolicy(young=1_000)
     policy.start()
     survivors = _cycles(5_000)
     gc.collect(1)  # they survive young collections
@@ -170,9 +170,7 @@ def test_the_whole_heap_is_collected_at_most_once_an_interval() -> None:
     """A heap that doubles again and again (a broker under load keeping its transfers) is
     frozen as it grows, but thawed and collected whole only once the interval passed."""
     now = [0.0]
-    policy = CollectorPolicy(
-        young=1_000, freeze_after=1_000, thaw_interval_s=60.0, clock=lambda: now[0]
-    )
+    policy = CollectorPolicy(young=1_000, thaw_interval_s=60.0, clock=lambda: now[0])
     policy.start()
     kept = []
     for _ in range(6):  # the frozen heap doubles each time
