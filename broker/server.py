@@ -37,7 +37,6 @@ from grpc_reflection.v1alpha import reflection
 from broker import tracing
 from broker.auth import Authenticator
 from broker.calls import OFFLOAD_REQUEST_BYTES, Refused, abort
-from broker.collector import CollectorPolicy
 from broker.errors import (
     StoreUnavailableError,
 )
@@ -311,9 +310,6 @@ class BrokerServer:
     ``reuse_port``: bind both ports with ``SO_REUSEPORT``, so that other processes doing the
     same serve them too (the kernel spreads connections over them); without it a port in
     use fails :meth:`start`.
-
-    ``collector``: started with the server, and ticked by the reaper after each pass that
-    left no work (a quiet point, on the event loop); None leaves the garbage collector alone.
     """
 
     def __init__(
@@ -328,10 +324,8 @@ class BrokerServer:
         idle_timeout_ms: int | None = None,
         metrics: BrokerMetrics | None = None,
         reuse_port: bool = False,
-        collector: CollectorPolicy | None = None,
     ) -> None:
         self.service = service
-        self.collector = collector
         self.reuse_port = reuse_port
         self.metrics = metrics
         self.max_connections = max_connections
@@ -420,8 +414,6 @@ class BrokerServer:
             loop.call_soon_threadsafe(servicer.wake, key)
 
         self._unsubscribe = self.service.store.subscribe_releases(wake)
-        if self.collector is not None:
-            self.collector.start()
         self._reaper = asyncio.create_task(self._reap_forever())
         if self.metrics is not None:
             self._stall_probe = asyncio.create_task(self._probe_stalls(self.metrics))
@@ -449,8 +441,6 @@ class BrokerServer:
                     await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
                 serving = False
                 continue
-            if not more and self.collector is not None:
-                self.collector.tick()
             if not serving:
                 log.warning("reaper succeeded again; SERVING")
                 await self._set_health(health_pb2.HealthCheckResponse.SERVING)
