@@ -439,8 +439,9 @@ class RedisStateStore(RedisReleaseQueues, RedisRankLosses, RedisContacts, StateS
             self._unit.transfers[key] = record
         for plan in record.plans:
             self._plan_transfers.put(plan.plan_id, key)
-        if key not in (self._named.get(keys[4]) or ()):
-            self._named.put(keys[4], (*(self._named.get(keys[4]) or ()), key))
+        named = self._named.get(keys[4]) or ()
+        if key not in named:
+            self._named.put(keys[4], (*named, key))
         token, blob = self._plans.token_of(record, self._unit)
 
         def put(client: Any) -> Any:  # the record encoded once, when written
