@@ -1,0 +1,27 @@
+"""Summarise the collections ``benchmarks/gc_probe`` recorded: per broker process, the
+collections of each generation after its first second (start-up), their total time and the
+longest ones.
+
+    .venv/bin/python benchmarks/gc_pauses.py /tmp/gc
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def main(folder: str) -> None:
+    for path in sorted(Path(folder).glob("*.json")):
+        records = [r for r in json.loads(path.read_text())["collections"] if r[0] > 1.0]
+        per_generation = [sum(1 for r in records if r[1] == g) for g in range(3)]
+        pauses = sorted((r[2] for r in records), reverse=True)
+        print(
+            f"{path.stem}: {len(records)} collections (by generation {per_generation}), "
+            f"{sum(pauses):.1f} ms in all, longest {[round(p, 1) for p in pauses[:4]]} ms"
+        )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
