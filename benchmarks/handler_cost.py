@@ -1,6 +1,7 @@
 """What plans and reports cost the broker without gRPC, unary and batched: request bytes
 parsed, the servicer method, the response serialized, in one process; and what checking
-each plan costs the decode rank that gets it (``check_plan``, as before posting its reads).
+each plan costs the decode rank that gets it (``check_each``, as before posting its reads:
+a call's plans of each rank at once).
 
 A Nemotron-3-Nano TP2 prefill and TP2 decode engine register (fake addresses) and transfers
 of ``--tokens`` tokens are published. Each way then plans every rank of fresh transfers, as
@@ -9,7 +10,7 @@ its plan), and reports every plan DONE: ``GetTransferPlan`` and ``ReportTransfer
 a call, or ``GetTransferPlans`` and ``ReportTransfers`` ``--batch`` entries a call. The ways
 alternate trial by trial, each trial on ``--transfers`` fresh transfers; printed: the lowest
 of ``--trials`` CPU times per rank-plan and per report, and their ratios, and the lowest
-time per plan of the decode ranks' checks.
+time per plan of the decode ranks' checks (one by one at batch 1).
 
     .venv/bin/python benchmarks/handler_cost.py
 """
@@ -29,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from broker.presets import resolve_model
 from broker.servicer import BrokerServicer
 from broker.v1 import broker_pb2 as pb
-from clients.plan_check import check_plan
+from clients.plan_check import check_each
 from clients.transport import RegionIndex, fake_memory
 from harness.bench_engines import DECODE_ADDR, published_service
 from harness.scenarios import build_scenario
@@ -161,8 +162,9 @@ def main() -> int:
                 start = time.process_time()
                 plans = await plan(requests)
                 planned = time.process_time()
-                for p in plans:
-                    check_plan(p, regions[rank_of(p)], rank_of(p))
+                k = 1 if name == "unary" else args.batch  # a call's plans, each rank's at once
+                for i in range(0, len(plans), k):
+                    check_each([(p, regions[rank_of(p)], rank_of(p)) for p in plans[i : i + k]])
                 checked = time.process_time()
                 answers = report_asks(plans)
                 reported = time.process_time()
@@ -182,7 +184,7 @@ def main() -> int:
         print(
             f"  {name:>9}: {plan_us:7.1f} per rank-plan ({unary[0] / plan_us:4.2f}x unary), "
             f"{report_us:6.1f} per report ({unary[1] / report_us:4.2f}x unary); "
-            f"decode rank's check_plan {check_us:5.1f} per plan"
+            f"decode ranks' checks {check_us:5.1f} per plan"
         )
     return 0
 

@@ -37,7 +37,7 @@ from clients.fetches import (
     PlanReport,
     RankFetch,
 )
-from clients.plan_check import check_plan
+from clients.plan_check import Checked, PlanRejected, check_each, check_plan
 from clients.protocol import (
     BrokerCallError,
     call,
@@ -159,10 +159,13 @@ class AsyncDecodeClient(AsyncEngineClient):
         read_jobs = [
             (i, plan) for i, plan in enumerate(plans) if not isinstance(plan, BrokerCallError)
         ]
+        checked = check_each(
+            [(plan, jobs[i][1].region_index, jobs[i][1].tp_rank) for i, plan in read_jobs]
+        )
         reads = await asyncio.gather(
             *(
-                self._timed_read(jobs[i][1], plan, jobs[i][0].transfer_id, deadline)
-                for i, plan in read_jobs
+                self._timed_read(jobs[i][1], plan, jobs[i][0].transfer_id, deadline, checks)
+                for (i, plan), checks in zip(read_jobs, checked)
             )
         )
         results: dict[int, RankFetch | BaseException] = {
@@ -258,16 +261,19 @@ class AsyncDecodeClient(AsyncEngineClient):
         transfer_id: str,
         plan: pb.GetTransferPlanResponse,
         timeout_s: float | None = None,
+        checked: Checked | None = None,
     ) -> PlanReport:
         """Read ``plan`` of ``transfer_id`` into hosted rank ``tp_rank``, a plan asked for
-        elsewhere (its engine's scheduler, :func:`~clients.protocol.get_plans`): check it,
-        load the prefill agents' metadata it carries, post every source's READ and wait for
-        them (spans as :meth:`fetch`'s). Never raises for a failed read: returns the report
-        to send, DONE, or FAILED with the error. Check :meth:`lost_agent` first."""
+        elsewhere (its engine's scheduler, :func:`~clients.protocol.get_plans`): check it
+        (``checked``: already checked, with the step's other plans:
+        :func:`~clients.plan_check.check_plans`), load the prefill agents' metadata it
+        carries, post every source's READ and wait for them (spans as :meth:`fetch`'s).
+        Never raises for a failed read: returns the report to send, DONE, or FAILED with
+        the error. Check :meth:`lost_agent` first."""
         session = self._session(tp_rank)
         started = time.perf_counter()
         deadline = time.monotonic() + (timeout_s or self.read_timeout_s)
-        error, _, read_end = await self._timed_read(session, plan, transfer_id, deadline)
+        error, _, read_end = await self._timed_read(session, plan, transfer_id, deadline, checked)
         return PlanReport(tp_rank, plan.plan_id, plan.total_bytes, read_end - started, error)
 
     async def extend(
@@ -369,11 +375,12 @@ class AsyncDecodeClient(AsyncEngineClient):
         plan: pb.GetTransferPlanResponse,
         transfer_id: str,
         deadline: float,
+        checked: Checked | None = None,
     ) -> tuple[str, TransferError | None, float]:
         """:meth:`_read`, never raising: the error text to report ('' when the read
         succeeded), the failure to raise after the report, and when the read ended."""
         try:
-            await self._read(session, plan, transfer_id, deadline)
+            await self._read(session, plan, transfer_id, deadline, checked)
             return "", None, time.perf_counter()
         except Exception as exc:  # noqa: BLE001 - any failed read is reported FAILED
             error = str(exc) if isinstance(exc, TransferError) else f"{type(exc).__name__}: {exc}"
@@ -431,11 +438,16 @@ class AsyncDecodeClient(AsyncEngineClient):
         plan: pb.GetTransferPlanResponse,
         transfer_id: str,
         deadline: float,
+        checked: Checked | None = None,
     ) -> None:
-        """Check the plan, post every source's READ, then wait for all; raises
-        :class:`TransferError`. Each read is a ``decode.nixl_read`` span, from posting to the
-        end of its wait."""
-        reads = check_plan(plan, session.region_index, session.tp_rank)
+        """Check the plan (unless ``checked``), post every source's READ, then wait for all;
+        raises :class:`TransferError`. Each read is a ``decode.nixl_read`` span, from
+        posting to the end of its wait."""
+        reads = (
+            check_plan(plan, session.region_index, session.tp_rank) if checked is None else checked
+        )
+        if isinstance(reads, PlanRejected):
+            raise reads
         transfers: list[Read] = []
         spans: dict[int, Span] = {}  # open read spans by source index
         try:

@@ -16,6 +16,14 @@ from clients.transport import Region, RegionIndex, TransferError, descriptor_arr
 
 # Reductions called as ufuncs (no Python wrapper per call: a plan's rows are few).
 _min, _max, _sum, _any = np.minimum.reduce, np.maximum.reduce, np.add.reduce, np.logical_or.reduce
+#: Bytes of one packed ``(addr, len, dev_id)`` descriptor.
+_ROW_BYTES = 24
+#: Memory kind names by protobuf value (others: unknown).
+_KIND_NAMES = {
+    value: MEMORY_KIND.from_proto(value, "memory_kind").name
+    for value in pb.MemoryKind.values()
+    if value != pb.MEMORY_KIND_UNSPECIFIED
+}
 
 
 class PlanRejected(TransferError):
@@ -31,6 +39,10 @@ class SourceRead:
     remote: np.ndarray
     local_kind: str
     remote_kind: str
+
+
+#: A plan checked: its reads, or its refusal.
+Checked = list[SourceRead] | PlanRejected
 
 
 def check_plan(
@@ -83,6 +95,113 @@ def check_plan(
     return reads
 
 
+def check_plans(
+    plans: Sequence[pb.GetTransferPlanResponse],
+    regions: Sequence[Region] | RegionIndex,
+    tp_rank: int,
+) -> list[Checked]:
+    """:func:`check_plan` of each of decode rank ``tp_rank``'s ``plans`` (a step's), with
+    the checks run over all of them at once: each plan's reads, or the refusal of that plan
+    alone (the others stand). Plans failing any check together are checked again one by
+    one, so each refusal names what :func:`check_plan` names."""
+    index = regions if isinstance(regions, RegionIndex) else RegionIndex(regions)
+    together = _checked_together(plans, index) if len(plans) > 1 else None
+    if together is not None:
+        return together
+    checked: list[Checked] = []
+    for plan in plans:
+        try:
+            checked.append(check_plan(plan, index, tp_rank))
+        except PlanRejected as refused:
+            checked.append(refused)
+    return checked
+
+
+def check_each(
+    plans: Sequence[tuple[pb.GetTransferPlanResponse, RegionIndex, int]],
+) -> list[Checked]:
+    """Each ``(plan, decode rank's regions, decode rank)`` checked, every rank's plans at
+    once (:func:`check_plans`), in order."""
+    by_rank: dict[int, list[int]] = {}
+    for i, (_, _, tp_rank) in enumerate(plans):
+        by_rank.setdefault(tp_rank, []).append(i)
+    checked: dict[int, Checked] = {}
+    for tp_rank, mine in by_rank.items():
+        index = plans[mine[0]][1]
+        checked.update(zip(mine, check_plans([plans[i][0] for i in mine], index, tp_rank)))
+    return [checked[i] for i in range(len(plans))]
+
+
+def _checked_together(
+    plans: Sequence[pb.GetTransferPlanResponse], index: RegionIndex
+) -> list[Checked] | None:
+    """Every plan's reads when all of ``plans`` pass every check of :func:`check_plan`;
+    None otherwise (check them one by one)."""
+    local_bytes: list[bytes] = []
+    remote_bytes: list[bytes] = []
+    sources: list[pb.SourcePlan] = []
+    counts: list[int] = []
+    kinds: list[tuple[str, str]] = []
+    for plan in plans:
+        for source in plan.sources:
+            packed_local, packed_remote = source.local_descriptors, source.remote_descriptors
+            count = len(packed_local) // _ROW_BYTES
+            local_kind = _KIND_NAMES.get(source.local_memory_kind)
+            remote_kind = _KIND_NAMES.get(source.remote_memory_kind)
+            if (
+                not count
+                or len(packed_local) % _ROW_BYTES
+                or len(packed_remote) != len(packed_local)
+                or count != source.num_descriptors
+                or local_kind is None
+                or remote_kind is None
+            ):
+                return None
+            local_bytes.append(packed_local)
+            remote_bytes.append(packed_remote)
+            sources.append(source)
+            counts.append(count)
+            kinds.append((local_kind, remote_kind))
+    if not sources:
+        return None
+    local = descriptor_array(b"".join(local_bytes))
+    remote = descriptor_array(b"".join(remote_bytes))
+    lengths = local[:, 1]
+    if _any(lengths != remote[:, 1]):
+        return None
+    rows = np.array(counts)
+    local_kinds = sorted({k for k, _ in kinds})
+    if len(local_kinds) == 1:
+        if not index.covers(local, local_kinds[0]):
+            return None
+    else:
+        row_kinds = np.repeat([k for k, _ in kinds], rows)
+        if not all(index.covers(local[row_kinds == k], k) for k in local_kinds):
+            return None
+    starts = np.zeros(len(counts), dtype=np.intp)
+    np.cumsum(rows[:-1], out=starts[1:])
+    sums = np.add.reduceat(lengths, starts).tolist()
+    if any(nbytes != source.total_bytes for nbytes, source in zip(sums, sources)):
+        return None
+    per_plan = [len(plan.sources) for plan in plans]
+    if _overlap(local, np.repeat(np.repeat(np.arange(len(plans)), per_plan), rows)):
+        return None
+    checked: list[Checked] = []
+    first = row = 0
+    for plan, n in zip(plans, per_plan):
+        mine = range(first, first + n)
+        if sum(sources[i].total_bytes for i in mine) != plan.total_bytes:
+            return None
+        reads = []
+        for i in mine:
+            end = row + counts[i]
+            reads.append(SourceRead(sources[i], local[row:end], remote[row:end], *kinds[i]))
+            row = end
+        checked.append(reads)
+        first += n
+    return checked
+
+
 def _where(plan: pb.GetTransferPlanResponse, i: int) -> str:
     return f"plan {plan.plan_id} source {i} (prefill rank {plan.sources[i].prefill_rank})"
 
@@ -122,18 +241,22 @@ def _by_kind(reads: list[SourceRead], local: np.ndarray) -> list[tuple[str, np.n
     return [(k, np.concatenate([r.local for r in reads if r.local_kind == k])) for k in kinds]
 
 
-def _overlap(writes: np.ndarray) -> bool:
+def _overlap(writes: np.ndarray, plan: np.ndarray | None = None) -> bool:
     """Whether two ``(addr, len, dev_id)`` rows (inside registered regions: no sum wraps)
-    share a byte of one device."""
+    share a byte of one device; with ``plan`` (each row's plan), two rows of one plan."""
     if len(writes) < 2:
         return False
     device = writes[:, 2]
-    if _min(device) == _max(device):  # one device: by address
+    if plan is None and _min(device) == _max(device):  # one device: by address
         addr = writes[:, 0]
         order = addr.argsort()
         start = addr[order]
         end = start + writes[:, 1][order]
         return bool(_any(start[1:] < end[:-1]))
-    writes = writes[np.lexsort((writes[:, 0], device))]  # by device, then address
-    same_device = writes[1:, 2] == writes[:-1, 2]
-    return bool((same_device & (writes[1:, 0] < writes[:-1, 0] + writes[:-1, 1])).any())
+    keys = (writes[:, 0], device) if plan is None else (writes[:, 0], device, plan)
+    order = np.lexsort(keys)  # by plan, device, then address
+    writes = writes[order]
+    together = writes[1:, 2] == writes[:-1, 2]
+    if plan is not None:
+        together &= plan[order][1:] == plan[order][:-1]
+    return bool(_any(together & (writes[1:, 0] < writes[:-1, 0] + writes[:-1, 1])))

@@ -1,7 +1,8 @@
 """The timed decode clients of the control-plane benchmark
 (:mod:`harness.control_plane_bench`): each an :class:`~clients.decode.AsyncDecodeClient` on
-its own channel, spread over a few processes, asking for plans, checking each as a rank does
-before posting its reads (:func:`~clients.plan_check.check_plan`), then reporting them.
+its own channel, spread over a few processes, asking for plans, checking them as ranks do
+before posting their reads (a rank's plans of one call at once:
+:func:`~clients.plan_check.check_each`), then reporting them.
 
 At batch 1 each client asks one plan per call (``GetTransferPlan``) and hosts the ranks it
 asks as (:func:`client_ranks`), as a decode engine's worker processes do; at batch *K* each
@@ -31,7 +32,7 @@ from broker.client_security import PLAINTEXT, ChannelSecurity
 from broker.layout import EngineLayout
 from broker.v1 import broker_pb2 as pb
 from clients.decode import AsyncDecodeClient, PlanAsk, PlanReport
-from clients.plan_check import check_plan
+from clients.plan_check import PlanRejected, check_each
 from clients.protocol import BrokerCallError, call
 from clients.transport import NoMemoryTransport, fake_memory
 from harness.bench_engines import (
@@ -211,12 +212,14 @@ class _BenchClient:
                 await self._report(await _ask(self.client, chunk, self.batch, self.decode_ids))
 
     async def plans(self, stop_at: float) -> Timed:
-        """Ask for the jobs' plans, checking each after its call (as a rank does before
-        posting its reads)."""
+        """Ask for the jobs' plans, checking each call's after it (as its ranks do before
+        posting their reads, each rank's plans at once)."""
 
         def check(held: list[Held]) -> None:
-            for rank, plan in held:
-                check_plan(plan, self.client.sessions[rank].region_index, rank)
+            sessions = self.client.sessions
+            for checked in check_each([(p, sessions[r].region_index, r) for r, p in held]):
+                if isinstance(checked, PlanRejected):
+                    raise checked
             self.held += held
 
         return await _timed_calls(

@@ -11,7 +11,8 @@ scenario (:class:`~harness.bench_engines.BenchEngines`); ``P`` publishes the tra
 Decode clients, each an :class:`~clients.decode.AsyncDecodeClient` on its own channel,
 spread over a few processes, then ask for plans: every transfer once per decode rank, as in
 serving, the first ask claiming it (which plans every decode rank), and check each plan as a
-rank does before posting its reads (:func:`~clients.plan_check.check_plan`). At batch 1 each
+rank does before posting its reads (:func:`~clients.plan_check.check_each`: a rank's plans of
+a call at once). At batch 1 each
 client asks one plan per call (``GetTransferPlan``) and hosts the ranks it asks as
 (:func:`~harness.bench_clients.client_ranks`), as a decode engine's worker processes do; at batch *K* each client is
 a decode engine of its own hosting every rank, as its scheduler does, and asks *K* (transfer,

@@ -6,6 +6,7 @@ proxy that tampers with its plans, real prefill and decode clients with NIXL age
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -17,7 +18,7 @@ from prerequisites import require_module
 from broker.limits import LIMITS
 from broker.v1 import broker_pb2 as pb
 from broker.wire import pack
-from clients.plan_check import PlanRejected, check_plan
+from clients.plan_check import PlanRejected, SourceRead, check_plan, check_plans
 from clients.transport import DRAM, VRAM, Region
 
 REGIONS = (Region(1 << 20, 4096), Region(2 << 20, 4096), Region(1 << 20, 4096, 1, VRAM))
@@ -186,6 +187,83 @@ def test_descriptors_that_do_not_pair_are_refused() -> None:
     )
     with pytest.raises(PlanRejected, match="source 1 .*: no descriptors"):
         check_plan(empty, REGIONS, 0)
+
+
+TORN = [
+    (
+        "unpaired",
+        lambda p: setattr(p.sources[0], "remote_descriptors", p.sources[0].remote_descriptors[:24]),
+        "2 local descriptors for 1 remote",
+    ),
+    ("torn", lambda p: setattr(p.sources[0], "local_descriptors", b"\0" * 25), "25 bytes"),
+    (
+        "longer remote",
+        lambda p: setattr(p.sources[1], "remote_descriptors", pack(np.array([[3 << 30, 4095, 0]]))),
+        "local and remote descriptor lengths differ",
+    ),
+    (
+        "source and plan total_bytes both short",
+        lambda p: (setattr(p.sources[1], "total_bytes", 4095), setattr(p, "total_bytes", 4095)),
+        "source 1's descriptors add up to 4096 bytes, not its total_bytes 4095",
+    ),
+]
+
+
+def _same_reads(a: list[SourceRead], b: list[SourceRead]) -> bool:
+    return [(r.source, r.local_kind, r.remote_kind) for r in a] == [
+        (r.source, r.local_kind, r.remote_kind) for r in b
+    ] and all(
+        np.array_equal(x.local, y.local) and np.array_equal(x.remote, y.remote)
+        for x, y in zip(a, b)
+    )
+
+
+def test_a_steps_plans_are_checked_together_as_one_by_one() -> None:
+    """A rank checks a step's plans at once (:func:`check_plans`): each plan gets the reads
+    :func:`check_plan` gives it, out of one array of every plan's descriptors. Plans may
+    write between each other's bytes, and two plans of a step are not checked against each
+    other (each is checked as on its own)."""
+    between = plan(source([((1 << 20) + 100, 100, 0)]), source([((2 << 20) + 8, 8, 0)]))
+    plans = [GOOD, between, plan(), GOOD]
+    together = check_plans(plans, REGIONS, 0)
+    for p, reads in zip(plans, together):
+        assert not isinstance(reads, PlanRejected)
+        assert _same_reads(reads, check_plan(p, REGIONS, 0))
+    bases = {id(r.local.base) for reads in together for r in reads}  # type: ignore[union-attr]
+    assert len(bases) == 1  # checked together, not one by one
+
+
+@pytest.mark.parametrize(
+    "change,message", [r[1:] for r in REFUSED + TORN], ids=[r[0] for r in REFUSED + TORN]
+)
+def test_a_bad_plan_among_a_steps_is_refused_alone(change, message: str) -> None:
+    """One plan of a step failing a check is refused naming it, as on its own; the step's
+    other plans are read."""
+    checked = check_plans([GOOD, _tampered(change), GOOD], REGIONS, 3)
+    assert isinstance(checked[1], PlanRejected) and re.search(message, str(checked[1]))
+    for reads in (checked[0], checked[2]):
+        assert not isinstance(reads, PlanRejected) and _same_reads(
+            reads, check_plan(GOOD, REGIONS, 3)
+        )
+
+
+OUTSIDE_DRAM = [r for r in REFUSED[:6] if r[0] != "on the wrong device"]
+
+
+@pytest.mark.parametrize(
+    "change,message", [r[1:] for r in OUTSIDE_DRAM], ids=[r[0] for r in OUTSIDE_DRAM]
+)
+def test_a_write_outside_the_regions_is_refused_in_a_step_on_one_memory_kind(
+    change, message: str
+) -> None:
+    """As above, with every plan of the step writing one memory kind (the common case)."""
+    dram = plan(GOOD.sources[0], GOOD.sources[1])
+    bad = pb.GetTransferPlanResponse()
+    bad.CopyFrom(dram)
+    change(bad)
+    checked = check_plans([dram, bad], REGIONS, 3)
+    assert isinstance(checked[1], PlanRejected) and re.search(message, str(checked[1]))
+    assert not isinstance(checked[0], PlanRejected)
 
 
 # --------------------------------------------------------------------------- through NIXL

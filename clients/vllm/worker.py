@@ -43,9 +43,10 @@ from broker.wire import TRANSFER_STATE
 from clients.decode import AsyncDecodeClient, Fetch, FetchError
 from clients.fetches import PlanReport, TransferEnded
 from clients.nixl_transport import NixlTransport, UnavailableBackendError
+from clients.plan_check import Checked, check_plans
 from clients.prefill import AsyncPrefillClient, Release
 from clients.protocol import BrokerCallError
-from clients.session import AsyncEngineClient, LoopThread
+from clients.session import AsyncEngineClient, LoopThread, RankSession
 from clients.vllm.layout import ModelFacts, derive_rank_memory, model_fingerprint
 from clients.vllm.metadata import (
     ConnectorSettings,
@@ -186,10 +187,14 @@ class WorkerHalf:
         published transfers and the loads to fail."""
         self._sends.update(metadata.sends)
         self._failing |= metadata.failed_loads
+        handed = HandedPlans(
+            {r: plan for r, spec in metadata.loads.items() if (plan := spec.plan_of(self.tp_rank))}
+        )
         for request_id, spec in metadata.loads.items():
-            plan = spec.plan_of(self.tp_rank)
             self._loads[request_id] = self._submit(
-                self._execute(spec, plan) if plan else self._load(spec)
+                self._execute(request_id, spec, handed)
+                if request_id in handed.serialized
+                else self._load(spec)
             )
 
     def get_transfer_results(self) -> KVConnectorTransferResults:
@@ -264,12 +269,14 @@ class WorkerHalf:
         assert self._loop is not None, "register_kv_caches() first"
         return self._loop.submit(coro)
 
-    async def _execute(self, spec: LoadSpec, serialized: bytes) -> Fetch | PlanReport:
-        """Read the plan the scheduler handed this rank; load on its own (:meth:`_load`)
-        when the plan names a prefill agent this rank's agent lost."""
+    async def _execute(
+        self, request_id: str, spec: LoadSpec, handed: HandedPlans
+    ) -> Fetch | PlanReport:
+        """Read the plan the scheduler handed this rank for ``request_id``; load on its own
+        (:meth:`_load`) when the plan names a prefill agent this rank's agent lost."""
         client = self.client
         assert isinstance(client, AsyncDecodeClient)
-        plan = pb.GetTransferPlanResponse.FromString(serialized)
+        plan, checked = handed.checked(request_id, client.sessions[self.tp_rank])
         if client.lost_agent(self.tp_rank, plan):
             log.info(
                 "rank %d lacks a prefill agent plan %s reads from; it asks for the plan again",
@@ -277,7 +284,7 @@ class WorkerHalf:
                 plan.plan_id,
             )
             return await self._load(spec)
-        return await client.execute(self.tp_rank, spec.transfer_id, plan)
+        return await client.execute(self.tp_rank, spec.transfer_id, plan, checked=checked)
 
     def _on_release(self, release: Release) -> None:
         with self._released_lock:
@@ -333,6 +340,28 @@ class WorkerHalf:
             await client.abort(spec.transfer_id, reason, spec.prefill_engine)
         except BrokerCallError as exc:
             log.warning("cannot abort transfer %s: %s", spec.transfer_id, exc)
+
+
+class HandedPlans:
+    """A step's plans handed to this rank (serialized, by request id), parsed and checked
+    together (:func:`~clients.plan_check.check_plans`) when the first is read, on the
+    client's loop thread."""
+
+    def __init__(self, serialized: dict[str, bytes]) -> None:
+        self.serialized = serialized
+        self._checked: dict[str, tuple[pb.GetTransferPlanResponse, Checked]] | None = None
+
+    def checked(
+        self, request_id: str, session: RankSession
+    ) -> tuple[pb.GetTransferPlanResponse, Checked]:
+        """``request_id``'s plan and its check on ``session``'s rank."""
+        if self._checked is None:
+            plans = {
+                r: pb.GetTransferPlanResponse.FromString(b) for r, b in self.serialized.items()
+            }
+            checks = check_plans(list(plans.values()), session.region_index, session.tp_rank)
+            self._checked = {r: (plan, c) for (r, plan), c in zip(plans.items(), checks)}
+        return self._checked[request_id]
 
 
 def engine_layout(
