@@ -240,6 +240,32 @@ def calls_per_transfer(address: str, sc: Scenario, batch_transfers: int) -> dict
     return found
 
 
+#: A phase's numbers that name it rather than measure it.
+_NOT_MEDIANS = ("clients", "batch", "client_procs", "run")
+
+
+def median_phases(phases: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One phase per client count, batch and way, in first-run order: each figure the
+    median of its runs' (``ran_out`` if any run ran out), the runs under ``runs``."""
+    by_key: dict[tuple[int, int, str], list[dict[str, Any]]] = {}
+    for p in phases:
+        by_key.setdefault((p["clients"], p["batch"], p["way"]), []).append(p)
+    merged = []
+    for runs in by_key.values():
+        if len(runs) == 1:
+            merged.append(runs[0])
+            continue
+        phase = dict(runs[0])
+        for key, value in runs[0].items():
+            if isinstance(value, bool):
+                phase[key] = any(r[key] for r in runs)
+            elif isinstance(value, (int, float)) and key not in _NOT_MEDIANS:
+                phase[key] = round(statistics.median(r[key] for r in runs), 3)
+        phase["runs"] = runs
+        merged.append(phase)
+    return merged
+
+
 def realistic_batch(decode_tp: int) -> int:
     """Entries of a decode engine's plan call at the realistic point: every rank of
     :data:`REALISTIC_TRANSFERS` transfers."""
@@ -265,18 +291,25 @@ def control_plane(
     batches: Sequence[int] = (1,),
     count_sc: Scenario | None = None,
     ways: Sequence[str] = WAYS,
+    rounds: int = 1,
 ) -> dict:
     """Per client count and batch size, plans over ``seconds`` and reports of them, a
-    batch larger than 1 in each of ``ways`` (:data:`WAYS`) one after the other (and
-    ``ListEngines`` alike per client count with ``baseline``), then first contact of
-    ``pairs`` new decode engines per way, then the calls per transfer of ``count_sc``'s
-    engines (if given); one broker."""
+    batch larger than 1 in each of ``ways`` (:data:`WAYS`) one after the other, ``rounds``
+    times with the ways' order reversed every other round, each figure the median of the
+    rounds' (and ``ListEngines`` alike per client count with ``baseline``), then first
+    contact of ``pairs`` new decode engines per way, then the calls per transfer of
+    ``count_sc``'s engines (if given); one broker."""
     d_tp = sc.decode.tp_size
     for n in clients:
         client_ranks(n, d_tp)  # a count that maps onto no decode engine fails before the run
     load_before = os.getloadavg()[0]
     warmup = [f"warm-{i}" for i in range(20)]
-    runs = [(b, way) for b in batches for way in (("calls",) if b == 1 else ways)]
+    runs = [
+        (b, way)
+        for r in range(rounds)
+        for b in batches
+        for way in (("calls",) if b == 1 else ways[:: -1 if r % 2 else 1])
+    ]
     phase_sizes = {b: phase_transfers(seconds, b, d_tp) for b in batches}
     warm_count = len(clients) * len(runs) * max(clients)  # at most one per engine
     proc, address = start_broker(
@@ -298,12 +331,12 @@ def control_plane(
             plan = engines.plan(warmup)  # the pair's planner warm
             for k, n in enumerate(clients):
                 procs = min(n, client_procs)
-                for batch, way in runs:
+                for run, (batch, way) in enumerate(runs):
                     progress.phase(
                         f"{n} clients ({k + 1}/{len(clients)}), batch {batch} ({way}), "
-                        f"{seconds:g} s"
+                        f"{seconds:g} s" + (f", run {run + 1}/{len(runs)}" if rounds > 1 else "")
                     )
-                    name = f"c{k}b{batch}{way}"
+                    name = f"c{k}r{run}b{batch}{way}"
                     transfer_ids = [f"{name}-{i}" for i in range(phase_sizes[batch])]
                     specs = client_specs(name, transfer_ids, d_tp, n, True, batch)
                     engines.publish(transfer_ids + warm_transfers(specs))
@@ -324,6 +357,7 @@ def control_plane(
                         "clients": n,
                         "batch": batch,
                         "way": way,
+                        "run": run,
                         "client_procs": procs,
                         "ran_out": plans.ran_out,
                     }
@@ -350,6 +384,7 @@ def control_plane(
             engines.close()
     finally:
         stop_broker(proc)
+    phases = median_phases(phases)
     unary = {p["clients"]: p for p in phases if p["batch"] == 1}
     calls = {(p["clients"], p["batch"]): p for p in phases if p["way"] == "calls"}
     for p in phases:
@@ -368,6 +403,7 @@ def control_plane(
         "descriptors_per_plan": int(plan.num_descriptors),
         "bytes_per_plan": int(plan.total_bytes),
         "seconds_per_phase": seconds,
+        "rounds": rounds,
         "realistic_batch": realistic_batch(d_tp),
         "cpus": os.cpu_count(),
         "load_average_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -135,6 +136,41 @@ def test_bench_control_plane_times_unary_and_batched_calls_side_by_side(
     (rate,) = (t for t in result["targets"] if t["target"] == "rank-plans/s, batch 16, 2 clients")
     assert (rate["measured"], rate["way"]) == (fastest["plan_per_s"], fastest["way"])
     assert result["descriptors_per_plan"] > 0
+
+
+def test_bench_control_plane_rounds_alternate_the_ways_and_report_medians(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """With rounds, every stage runs once a round, the ways in turn first; each figure is
+    the median of the rounds' and the rounds are kept."""
+    result = run_json(
+        capsys,
+        "control-plane",
+        "--clients", "2",
+        "--batch", "16",
+        "--seconds", "0.3",
+        "--pairs", "1",
+        "--rounds", "2",
+        "--no-vllm",
+    )["control_plane"]  # fmt: skip
+    assert result["rounds"] == 2
+    order = {(p["batch"], p["way"]): [r["run"] for r in p["runs"]] for p in result["phases"]}
+    assert order == {(1, "calls"): [0, 3], (16, "calls"): [1, 5], (16, "session"): [2, 4]}
+    for phase in result["phases"]:
+        assert phase["clients"] == 2 and not phase["ran_out"]
+        for key in (
+            "plan_per_s",
+            "plan_p99_ms",
+            "report_client_cpu_us",
+            "engine_cpu_us_per_request",
+        ):
+            runs = [r[key] for r in phase["runs"]]
+            assert min(runs) <= phase[key] <= max(runs)
+            assert phase[key] == pytest.approx(statistics.median(runs), abs=1e-3)
+    session = result["phases"][2]
+    assert session["session_vs_calls"]["plan_per_s"] == pytest.approx(
+        session["plan_per_s"] / result["phases"][1]["plan_per_s"], abs=0.01
+    )
 
 
 def test_bench_control_plane_compares_worker_counts(capsys: pytest.CaptureFixture[str]) -> None:

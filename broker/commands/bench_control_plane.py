@@ -48,6 +48,13 @@ def add_control_plane(kinds: argparse._SubParsersAction) -> argparse.ArgumentPar
     )
     control.add_argument("--seconds", type=positive_float, default=3.0, help="timed per stage")
     control.add_argument(
+        "--rounds",
+        type=positive_int,
+        default=1,
+        help="times every stage runs, the ways' order reversed every other round; each "
+        "figure is the median of its rounds'",
+    )
+    control.add_argument(
         "--client-procs", type=positive_int, default=2, help="processes the clients are spread over"
     )
     control.add_argument(
@@ -145,6 +152,7 @@ def run_control_plane(args: argparse.Namespace, progress: Progress) -> int:
         batches,
         count_sc,
         args.ways,
+        args.rounds,
     )
     r["vllm_decode_us_per_request"] = vllm_us
     r["vllm_scope"] = f"{VLLM_SCOPE}, summed over every decode rank" if vllm_us else None
@@ -243,6 +251,7 @@ def _control_plane_table(r: dict) -> str:
             f"{r['descriptors_per_plan']} descriptors, {r['bytes_per_plan']:,} bytes per plan; "
             f"{r['cpus']} CPUs, 1-min load average {r['load_average_1m'][0]} -> "
             f"{r['load_average_1m'][1]}"
+            + (f"; each figure the median of {r['rounds']} rounds" if r["rounds"] > 1 else "")
         ),
         (
             f"{'':21} {'plans (per rank-plan: CPU us)':-^66}  {'reports (per report)':-^48}"
