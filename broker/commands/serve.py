@@ -52,8 +52,10 @@ log = logging.getLogger("broker.serve")
 _DEFAULTS = ServiceConfig()
 DEFAULT_LISTEN = "127.0.0.1:50151"
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-#: Allocations between young-generation collections (CPython's default is 700).
-GC_YOUNG_THRESHOLD = 50_000
+#: Net allocations between young-generation collections (CPython's default is 700). A
+#: young collection walks about this many objects (mostly the reference cycles grpc.aio's
+#: server leaves behind every call), so this bounds its pause (docs/BENCHMARKS.md §13).
+GC_YOUNG_THRESHOLD = 5_000
 #: Connections a port holds at once: two per rank of a full broker (``max_ranks``), as an
 #: engine reconnecting may briefly hold its old and its new one.
 MAX_CONNECTIONS = 2 * _DEFAULTS.max_ranks
@@ -547,8 +549,9 @@ async def _serve(server: BrokerServer, bound: Callable[[], None]) -> None:
     await _start(server)
     # GC tuning for tail latency: keep the import-time heap out of full collections (they
     # then walk only the broker's own records), and collect the young generation every
-    # GC_YOUNG_THRESHOLD allocations rather than 700: a plan allocates hundreds of
-    # short-lived objects that reference counting frees anyway.
+    # GC_YOUNG_THRESHOLD net allocations rather than 700: a plan's short-lived objects,
+    # freed by reference counting, do not count, and fewer, longer pauses would hold every
+    # call they land in.
     gc.freeze()
     gc.set_threshold(GC_YOUNG_THRESHOLD, 20, 100)
     stop = asyncio.Event()
