@@ -1,6 +1,7 @@
 """What Python gRPC alone allows on this machine: a grpc.aio server answering each request
 with ``--response-bytes`` of bytes (default 1.4 KB, about a plan's size), optionally after
-spinning ``--handler-us`` of Python, loaded by asyncio clients on loopback like
+spinning ``--handler-us`` of Python or awaiting ``--wait-us`` (as a client waits for a busy
+broker: a client's loop that goes idle costs it a wake-up), loaded by asyncio clients on loopback like
 ``benchmarks/plan_throughput.py``'s. Each way of ``--ways`` runs in turn: ``unary`` (one
 unary call per request) and ``stream`` (one bidirectional stream per client, a request
 written and its answer read per exchange).
@@ -11,6 +12,7 @@ another grpcio (a venv with only ``grpcio``) to compare versions; it needs nothi
 
     python benchmarks/grpc_floor.py --clients 2 --client-procs 2 --handler-us 150
     python benchmarks/grpc_floor.py --clients 2 --client-procs 2 --response-bytes 32768 --ways unary,stream
+    python benchmarks/grpc_floor.py --clients 1 --ways stream --response-bytes 32768 --wait-us 2000
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def serve(port: int, handler_us: float, response_bytes: int) -> None:
+def serve(port: int, handler_us: float, response_bytes: int, wait_us: float) -> None:
     response = b"x" * response_bytes
 
     def answer() -> bytes:
@@ -46,10 +48,14 @@ def serve(port: int, handler_us: float, response_bytes: int) -> None:
         return response
 
     async def call(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        if wait_us:
+            await asyncio.sleep(wait_us / 1e6)
         return answer()
 
     async def session(requests, context: grpc.aio.ServicerContext):
         async for _ in requests:
+            if wait_us:
+                await asyncio.sleep(wait_us / 1e6)
             yield answer()
 
     async def main() -> None:
@@ -119,6 +125,9 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=12_000, help="calls in all, per way")
     parser.add_argument("--handler-us", type=float, default=0.0, help="Python spun per call")
     parser.add_argument("--response-bytes", type=int, default=1400, help="bytes of each answer")
+    parser.add_argument(
+        "--wait-us", type=float, default=0.0, help="the server awaits this long before each answer"
+    )
     parser.add_argument("--ways", default="unary", help="comma-separated: unary, stream")
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -126,19 +135,20 @@ def main() -> int:
     if not set(ways) <= set(METHODS):
         parser.error(f"--ways: each of {', '.join(METHODS)}, not {args.ways!r}")
     if args.serve is not None:
-        serve(args.serve, args.handler_us, args.response_bytes)
+        serve(args.serve, args.handler_us, args.response_bytes, args.wait_us)
         return 0
     server = subprocess.Popen(
         [sys.executable, __file__, "--serve", "0", "--handler-us", str(args.handler_us)]
-        + ["--response-bytes", str(args.response_bytes)],
+        + ["--response-bytes", str(args.response_bytes), "--wait-us", str(args.wait_us)],
         stdout=subprocess.PIPE,
         text=True,
     )
     assert server.stdout is not None
     address = f"127.0.0.1:{server.stdout.readline().strip()}"
     print(
-        f"grpcio {grpc.__version__}, handler {args.handler_us:g} us, {args.response_bytes} "
-        f"bytes an answer, {args.clients} clients x {args.client_procs} procs:"
+        f"grpcio {grpc.__version__}, handler {args.handler_us:g} us, wait {args.wait_us:g} us, "
+        f"{args.response_bytes} bytes an answer, {args.clients} clients x {args.client_procs} "
+        "procs:"
     )
     first: tuple[float, float] | None = None
     try:
