@@ -4,13 +4,15 @@ call), for :class:`~clients.protocol.FailoverStub`. The stream is opened on the 
 go to when first needed and carries one exchange at a time (one made meanwhile is made as
 the unary call). When it cannot carry one (it broke, the broker refused it, or the broker
 predates it: UNIMPLEMENTED, after which this client makes the unary calls for good) the
-exchange is made as the unary call instead; both
+exchange is made as the unary call instead (for :data:`REFUSED_RETRY_S` after the broker
+refused a stream for want of room); both
 are safe to repeat after an unknown outcome (a plan asked again is the plan handed out
 before, a report again is answered ``duplicate``)."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -24,6 +26,9 @@ SESSION_CALLS = {"GetTransferPlans": "get_transfer_plans", "ReportTransfers": "r
 _STATUS_BY_CODE = {code.value[0]: code for code in grpc.StatusCode}
 #: How long closing a client waits for the broker to end its stream (seconds).
 CLOSE_WAIT_S = 1.0
+#: How long a client whose stream the broker refused (RESOURCE_EXHAUSTED: it holds its
+#: ``--max-session-streams``) makes the unary calls before it asks for a stream again (s).
+REFUSED_RETRY_S = 30.0
 
 
 class EngineSession:
@@ -36,6 +41,8 @@ class EngineSession:
         self._sequence = 0
         #: False once a broker answered UNIMPLEMENTED: this client makes the unary calls.
         self.enabled = True
+        #: ``time.monotonic()`` before which no stream is asked for (one was refused).
+        self._refused_until = 0.0
 
     async def exchange(
         self,
@@ -52,7 +59,7 @@ class EngineSession:
         message the broker refused raises the status the call would have ended with
         (:class:`grpc.aio.AioRpcError`), as does an exchange that takes too long
         (DEADLINE_EXCEEDED: the stream is closed)."""
-        if not self.enabled or self._lock.locked():
+        if not self.enabled or self._lock.locked() or time.monotonic() < self._refused_until:
             return None
         async with self._lock:
             if self._stub is not stub:
@@ -96,6 +103,8 @@ class EngineSession:
         except grpc.aio.AioRpcError as exc:  # the stream ended with a status
             self.close()
             self.enabled = exc.code() is not grpc.StatusCode.UNIMPLEMENTED
+            if exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED:
+                self._refused_until = time.monotonic() + REFUSED_RETRY_S
             return None
         except Exception:  # noqa: BLE001 - the stream is unusable: the call goes unary
             self.close()

@@ -46,6 +46,7 @@ from broker.service import BrokerService
 from broker.servicer import BrokerServicer
 from broker.v1 import broker_pb2 as pb
 from broker.v1 import broker_pb2_grpc as pb_grpc
+from clients import engine_session
 from clients.decode import AsyncDecodeClient
 from clients.fetches import Fetch, FetchAsk, PlanAsk, PlanReport
 from clients.prefill import AsyncPrefillClient
@@ -435,6 +436,56 @@ def test_a_broker_without_the_stream_is_asked_with_unary_calls() -> None:
         "GetTransferPlans",
         "ReportTransfers",
     ]
+
+
+def test_a_client_refused_a_stream_makes_unary_calls_for_a_while(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A broker holding its ``--max-session-streams`` refuses the decode client's stream:
+    that exchange and every one for ``REFUSED_RETRY_S`` are unary calls, without asking for
+    a stream each time; after that the client asks again, and gets one once there is room."""
+    monkeypatch.setattr(engine_session, "REFUSED_RETRY_S", 1.0)
+
+    async def scenario() -> tuple[list[str], int]:
+        calls = _Calls()
+        servicer = BrokerServicer(BrokerService(config=ServiceConfig(max_session_streams=1)))
+        stream = grpc.stream_stream_rpc_method_handler(
+            servicer.EngineSession,
+            request_deserializer=pb.EngineSessionRequest.FromString,
+            response_serializer=pb.EngineSessionResponse.SerializeToString,
+        )
+        try:
+            async with (
+                unary_only(servicer, calls, EngineSession=stream) as address,
+                grpc.aio.insecure_channel(address) as channel,
+                engines(address) as (prefill, decode),
+            ):
+                held = pb_grpc.BrokerStub(channel).EngineSession(timeout=WAIT_S)
+                await held.write(pb.EngineSessionRequest(sequence=1))
+                await held.read()  # the broker's one stream is taken
+                await published(prefill, "t1", "t2", "t3")
+                for transfer_id in ("t1", "t2"):
+                    plans = await decode.plans(asks(transfer_id))
+                    assert not any(isinstance(p, BrokerCallError) for p in plans)
+                await held.done_writing()
+                assert await held.read() is grpc.aio.EOF
+                await asyncio.sleep(1.0)
+                plans = await decode.plans(asks("t3"))
+                assert not any(isinstance(p, BrokerCallError) for p in plans)
+                return calls.methods, servicer.sessions_open
+        finally:
+            servicer.close()
+
+    methods, open_after = asyncio.run(scenario())
+    batched = [m for m in methods if m in ("EngineSession", "GetTransferPlans")]
+    assert batched == [
+        "EngineSession",  # the test's own, holding the one stream
+        "EngineSession",  # the client's, refused
+        "GetTransferPlans",
+        "GetTransferPlans",  # t2: no stream asked for
+        "EngineSession",  # t3, after the wait: there is room again
+    ]
+    assert open_after == 1
 
 
 def test_a_replica_killed_mid_session_loses_nothing(redis_server: RedisServer) -> None:
