@@ -15,7 +15,7 @@ import bisect
 import secrets
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Generic, TypeVar
 
@@ -51,20 +51,30 @@ class Backlog(Generic[K]):
 
     def __init__(self) -> None:
         self._left: deque[K] = deque()
+        self._full = False  # whether the last take was a full batch
 
     def run(
-        self, take: Callable[[], Iterable[K]], unit: Callable[[K], object], until: float
+        self,
+        take: Callable[[], Sequence[K]],
+        unit: Callable[[K], object],
+        until: float,
+        batch: int | None = None,
     ) -> bool:
-        """``unit(key)`` (each its own unit of work) for what is left, else for what ``take()``
-        hands out, none started once ``time.perf_counter()`` reached ``until``; returns
-        whether some are left."""
-        if not self._left:
-            self._left.extend(take())
-        while self._left:
-            if time.perf_counter() >= until:
-                return True
-            unit(self._left.popleft())
-        return False
+        """``unit(key)`` (each its own unit of work) for what is left, else for what
+        ``take()`` hands out, and again while its last take was ``batch`` keys (a full batch:
+        more may be due); none started once ``time.perf_counter()`` reached ``until``.
+        Returns whether some are left."""
+        while True:
+            if not self._left:
+                keys = take()
+                self._left.extend(keys)
+                self._full = batch is not None and len(keys) >= batch
+            while self._left:
+                if time.perf_counter() >= until:
+                    return True
+                unit(self._left.popleft())
+            if not self._full:
+                return False
 
 
 @dataclass(frozen=True)

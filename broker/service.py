@@ -29,6 +29,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from functools import partial
 
 from broker import tracing, transfers
 from broker.api import (
@@ -76,7 +77,7 @@ from broker.records import (
 )
 from broker.registry import REAP_SLICE_S, Backlog, RankLimits, Registry
 from broker.releases import ReleaseFeeds
-from broker.store.contract import StateStore
+from broker.store.contract import DUE_PER_CALL, StateStore
 from broker.store.memory import InMemoryStateStore
 from broker.wire import TransferState
 
@@ -527,9 +528,10 @@ class BrokerService:
         transfers past retention), go on failing departed ranks' transfers: each its own
         unit of work, none started after ``REAP_SLICE_S``. Returns whether work is left."""
         now, until = self.clock.now_ms(), time.perf_counter() + REAP_SLICE_S
+        due = partial(self.store.due_transfers, now, DUE_PER_CALL)
         return (
             self.registry.expire_due(now, until)
-            or self._due.run(lambda: self.store.due_transfers(now), self._reap_transfer, until)
+            or self._due.run(due, self._reap_transfer, until, DUE_PER_CALL)
             or self.registry.tell_losses(until)
         )
 

@@ -148,6 +148,56 @@ def test_the_reaper_expires_due_transfers_a_slice_at_a_time(
     assert service.list_transfers().counts == {TransferState.EXPIRED: held}
 
 
+@pytest.mark.usefixtures("default_store")
+def test_a_pass_takes_due_transfers_a_bounded_number_at_a_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Many transfers due at once: a reaper pass asks the store for at most
+    ``DUE_PER_CALL`` at a time (one reply, one batch of keys), and asks again after a full
+    batch while its slice lasts, so one pass with time to spare expires them all."""
+    clock = FakeClock()
+    service = BrokerService(clock=clock, config=CONFIG)
+    register_engine(service, SC.prefill, "P", Role.PREFILL, 0)
+    held = 50
+    for i in range(held):
+        request = SC.request
+        service.publish(
+            Publication(f"t{i}", "P", request.prefill_block_ids, request.num_tokens, 1_000)
+        )
+    monkeypatch.setattr("broker.service.DUE_PER_CALL", 8)
+    handed: list[int] = []
+    due = service.store.due_transfers
+
+    def counted(now_ms: int, limit: int) -> list[TransferKey]:
+        keys = due(now_ms, limit)
+        handed.append(len(keys))
+        return keys
+
+    monkeypatch.setattr(service.store, "due_transfers", counted)
+    now = SimpleNamespace(perf_counter=lambda: 0.0)
+    monkeypatch.setattr("broker.registry.time", now)
+    monkeypatch.setattr("broker.service.time", now)
+    clock.advance(1_000)
+    assert service.reap() is False  # one pass, all done
+    assert handed == [8] * 6 + [2]  # asked again after each full batch only
+    assert service.list_transfers().counts == {TransferState.EXPIRED: held}
+
+    # Passes ending inside a batch (each unit a quarter of the slice) go on with the rest
+    # of it, then ask again: the reaper says work is left until none is.
+    for i in range(held):
+        request = SC.request
+        service.publish(
+            Publication(f"u{i}", "P", request.prefill_block_ids, request.num_tokens, 1_000)
+        )
+    per_unit = _count_changes_per_unit(service.store)
+    now.perf_counter = lambda: len(per_unit) * REAP_SLICE_S / 4
+    clock.advance(1_000)
+    while service.reap():
+        pass
+    counts = service.list_transfers(include_finished=True).counts
+    assert counts == {TransferState.EXPIRED: 2 * held}, counts
+
+
 def test_a_departure_committed_while_a_replica_reports_makes_it_look_again(
     redis_server: RedisServer,
 ) -> None:

@@ -274,6 +274,17 @@ def test_due_deadlines_come_back_until_handled(store: StateStore) -> None:
     assert store.due_transfers(12 * REDELIVER_MS) == [("P", "t1")]
 
 
+def test_due_transfers_come_a_bounded_number_at_a_time_earliest_first(store: StateStore) -> None:
+    """However many transfers fall due together, one call hands out at most its limit,
+    earliest deadline first, and the next call the next ones."""
+    for i in range(7):
+        store.put_transfer(transfer("P", f"t{i}", deadline=100 - i))  # t6 earliest
+    assert store.due_transfers(200, limit=3) == [("P", "t6"), ("P", "t5"), ("P", "t4")]
+    assert store.due_transfers(200, limit=3) == [("P", "t3"), ("P", "t2"), ("P", "t1")]
+    assert store.due_transfers(200, limit=3) == [("P", "t0")]
+    assert store.due_transfers(200, limit=3) == []
+
+
 # --------------------------------------------------------------------------- through the service
 
 

@@ -545,15 +545,18 @@ def _without(text: str, secret: str | None) -> str:
     return " ".join(text.split())
 
 
-async def _serve(server: BrokerServer, bound: Callable[[], None]) -> None:
-    await _start(server)
-    # GC tuning for tail latency: keep the import-time heap out of full collections (they
-    # then walk only the broker's own records), and collect the young generation every
-    # GC_YOUNG_THRESHOLD net allocations rather than 700: a plan's short-lived objects,
-    # freed by reference counting, do not count, and fewer, longer pauses would hold every
-    # call they land in.
+def tune_collector() -> None:
+    """The broker's collector policy, for tail latency: the heap so far (the imports) kept
+    out of full collections, which then walk only the broker's own records; the young
+    generation collected every :data:`GC_YOUNG_THRESHOLD` net allocations, not 700 (a plan's
+    short-lived objects do not count; longer pauses would hold every call they land in)."""
     gc.freeze()
     gc.set_threshold(GC_YOUNG_THRESHOLD, 20, 100)
+
+
+async def _serve(server: BrokerServer, bound: Callable[[], None]) -> None:
+    await _start(server)
+    tune_collector()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

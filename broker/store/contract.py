@@ -40,6 +40,9 @@ T = TypeVar("T")
 #: How long a due transfer handed out by :meth:`StateStore.due_transfers` waits before it is
 #: handed out again, if whoever took it never put it back (a reaper that died).
 REDELIVER_MS = 5_000
+#: Due transfers :meth:`StateStore.due_transfers` hands out at most in one call: one call's
+#: work (a reply, its keys) stays small however many transfers fall due together.
+DUE_PER_CALL = 256
 
 
 def held_block_ids(record: TransferRecord | None) -> int:
@@ -169,9 +172,10 @@ class StateStore(ABC):
         since deleted or published again: callers look for the plan in its record."""
 
     @abstractmethod
-    def due_transfers(self, now_ms: int) -> list[TransferKey]:
-        """Transfers whose ``deadline_ms <= now_ms``. Each is handed out once, then again
-        every :data:`REDELIVER_MS` until it is put with a new deadline or deleted."""
+    def due_transfers(self, now_ms: int, limit: int = DUE_PER_CALL) -> list[TransferKey]:
+        """At most ``limit`` of the transfers whose ``deadline_ms <= now_ms``, earliest
+        first. Each is handed out once, then again every :data:`REDELIVER_MS` until it is put
+        with a new deadline or deleted."""
 
     @abstractmethod
     def count_transfers(self) -> int: ...

@@ -24,7 +24,7 @@ from broker.records import (
     TransferKey,
     TransferRecord,
 )
-from broker.store.contract import REDELIVER_MS, StateStore, held_block_ids
+from broker.store.contract import DUE_PER_CALL, REDELIVER_MS, StateStore, held_block_ids
 from broker.wire import data_parallel_deployment
 
 T = TypeVar("T")
@@ -130,12 +130,19 @@ class InMemoryStateStore(StateStore):
         if not members:
             del table[key]
 
-    def _take_due(self, heap: list, is_due: Callable[[Any, Any], bool], now_ms: int) -> list:
+    def _take_due(
+        self,
+        heap: list,
+        is_due: Callable[[Any, Any], bool],
+        now_ms: int,
+        limit: int | None = None,
+    ) -> list:
         """Keys of heap entries due at ``now_ms`` that ``is_due(deadline, key)`` still agrees
-        with (stale entries are dropped); what was popped is put back if the unit of work
-        is undone."""
-        due, popped = [], []
-        while heap and heap[0][0] <= now_ms:
+        with (stale entries are dropped), at most ``limit``; what was popped is put back if
+        the unit of work is undone."""
+        due: list = []
+        popped: list = []
+        while heap and heap[0][0] <= now_ms and (limit is None or len(due) < limit):
             entry = heapq.heappop(heap)
             popped.append(entry)
             if is_due(*entry):
@@ -281,9 +288,12 @@ class InMemoryStateStore(StateStore):
     def transfer_of_plan(self, plan_id: str) -> TransferKey | None:
         return self._plans.get(plan_id)
 
-    def due_transfers(self, now_ms: int) -> list[TransferKey]:
+    def due_transfers(self, now_ms: int, limit: int = DUE_PER_CALL) -> list[TransferKey]:
         due = self._take_due(
-            self._deadline_heap, lambda deadline, key: self._deadlines.get(key) == deadline, now_ms
+            self._deadline_heap,
+            lambda deadline, key: self._deadlines.get(key) == deadline,
+            now_ms,
+            limit,
         )
         for key in due:  # handed out again later unless put with a new deadline or deleted
             self._set(self._deadlines, key, now_ms + REDELIVER_MS)

@@ -68,7 +68,7 @@ import redis
 
 from broker.records import RankKey, RankRecord, RankRegistration, TransferKey, TransferRecord
 from broker.store import codec
-from broker.store.contract import REDELIVER_MS, StateStore, held_block_ids
+from broker.store.contract import DUE_PER_CALL, REDELIVER_MS, StateStore, held_block_ids
 from broker.store.redis_link import STORE_TIMEOUT_MS, Availability, client_for, fails_fast
 from broker.store.redis_losses import RedisContacts, RedisRankLosses, decode_losses
 from broker.store.redis_releases import RedisReleaseQueues
@@ -525,8 +525,8 @@ class RedisStateStore(RedisReleaseQueues, RedisRankLosses, RedisContacts, StateS
         value = self.client.get(self._key("plan", plan_id))
         return None if value is None else parse_transfer(value)
 
-    def due_transfers(self, now_ms: int) -> list[TransferKey]:
-        args = [now_ms, now_ms + REDELIVER_MS, self._prefix_of("transfer")]
+    def due_transfers(self, now_ms: int, limit: int = DUE_PER_CALL) -> list[TransferKey]:
+        args = [now_ms, now_ms + REDELIVER_MS, self._prefix_of("transfer"), limit]
         members = self._run("due", [self._key("deadlines")], args, self.client)
         return [parse_transfer(m) for m in members]
 

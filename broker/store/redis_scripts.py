@@ -123,12 +123,12 @@ redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('SREM', KEYS[3], ARGV[1])
 """
 )
-# KEYS: deadlines; ARGV: now, redeliver at, transfer key prefix. Hands each due member out
-# once per redelivery interval (until it is put with a new deadline or deleted); forgets
-# members whose record Redis already forgot.
+# KEYS: deadlines; ARGV: now, redeliver at, transfer key prefix, most members. Hands each
+# due member out once per redelivery interval (until it is put with a new deadline or
+# deleted), the earliest first; forgets members whose record Redis already forgot.
 DUE = """
 local due = {}
-for _, member in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])) do
+for _, member in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, ARGV[4])) do
   if redis.call('EXISTS', ARGV[3] .. member) == 1 then
     redis.call('ZADD', KEYS[1], ARGV[2], member)
     table.insert(due, member)
