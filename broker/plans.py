@@ -11,7 +11,7 @@ thread while its event loop keeps serving, and a direct caller runs them in plac
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,7 +21,7 @@ from broker.descriptors import descriptor_pair
 from broker.engines import Engine, PairPlanning
 from broker.errors import LimitExceededError, PdbrokerError, PreconditionError, RequestError
 from broker.limits import LIMITS
-from broker.planner import RankPlan, TransferRequest
+from broker.planner import RankPlan, SourceReads, TransferRequest
 from broker.records import PlanRecord
 from broker.wire import DESCRIPTOR_BYTES, MemoryKind
 
@@ -111,9 +111,9 @@ class PlanTicket:
     def num_descriptors(self) -> int:
         return self.rank_plan.num_descriptors
 
-    def result(self) -> PlanResult:
-        """Absolute descriptors, each checked to lie in its registered region (any thread)."""
-        sources = []
+    def descriptors(self) -> Iterator[tuple[SourceReads, SourceAgent, np.ndarray, np.ndarray]]:
+        """Per source: its reads, its agent, and the absolute local and remote descriptors,
+        each checked to lie in its registered region (any thread)."""
         for reads, agent in zip(self.rank_plan.sources, self.sources):
             local, remote = descriptor_pair(
                 self.region_table,
@@ -124,22 +124,31 @@ class PlanTicket:
                 reads.length,
                 reads.bounds,
             )
-            sources.append(
-                SourceDescriptors(
-                    reads.prefill_rank,
-                    agent.agent_name,
-                    agent.agent_metadata,
-                    local,
-                    remote,
-                    reads.nbytes,
-                    f"pdbroker:{self.transfer_id}:{self.plan_id}:{reads.prefill_rank}".encode(),
-                    self.memory_kind,
-                    agent.memory_kind,
-                )
+            yield reads, agent, local, remote
+
+    def notification(self, prefill_rank: int) -> bytes:
+        """The NIXL notification of the reads from ``prefill_rank``."""
+        return f"pdbroker:{self.transfer_id}:{self.plan_id}:{prefill_rank}".encode()
+
+    def result(self) -> PlanResult:
+        """Absolute descriptors, each checked to lie in its registered region (any thread)."""
+        sources = tuple(
+            SourceDescriptors(
+                reads.prefill_rank,
+                agent.agent_name,
+                agent.agent_metadata,
+                local,
+                remote,
+                reads.nbytes,
+                self.notification(reads.prefill_rank),
+                self.memory_kind,
+                agent.memory_kind,
             )
+            for reads, agent, local, remote in self.descriptors()
+        )
         return PlanResult(
             self.plan_id,
-            tuple(sources),
+            sources,
             self.rank_plan.naive_bytes,
             self.rank_plan.vllm_descriptors,
             self.expires_at_ms,
