@@ -35,7 +35,9 @@ def absolute_descriptors(
     if int(_min(length)) <= 0:
         raise OutOfRegionError(f"{side}: a descriptor has no length")
     regions, reach = (int(_min(region)), int(_max(region))), int(_max(offset)) + int(_max(length))
-    _check_runs(region_table, region, regions, offset, length, (int(_min(offset)), reach), side)
+    reach_of = (int(_min(offset)), reach)
+    floor = _shortest(region_table)
+    _check_runs(region_table, region, regions, offset, length, reach_of, floor, side)
     out = np.empty((region.size, 3), dtype=np.int64)
     out[:, 1] = length
     _fill(out, region_table, region, offset)
@@ -50,9 +52,11 @@ def descriptor_pair(
     remote_offset: np.ndarray,
     length: np.ndarray,
     bounds: Bounds | None = None,
+    shortest_regions: tuple[int, int] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """:func:`absolute_descriptors` of the same runs on both sides, ``(local, remote)``, made
-    together; ``bounds``: the runs' :func:`run_bounds` (computed when not given)."""
+    together; ``bounds``: the runs' :func:`run_bounds`, ``shortest_regions``: the length of
+    each table's shortest region (each computed when not given)."""
     if not region.size:
         return np.empty((0, 3), dtype=np.int64), np.empty((0, 3), dtype=np.int64)
     lowest, highest, local_low, local_high, remote_low, remote_high, shortest, longest = (
@@ -61,10 +65,14 @@ def descriptor_pair(
     if shortest <= 0:
         raise OutOfRegionError("local and remote: a descriptor has no length")
     regions = (lowest, highest)
+    local_floor, remote_floor = shortest_regions or (
+        _shortest(local_table),
+        _shortest(remote_table),
+    )
     reach = (local_low, local_high + longest)
-    _check_runs(local_table, region, regions, local_offset, length, reach, "local")
+    _check_runs(local_table, region, regions, local_offset, length, reach, local_floor, "local")
     reach = (remote_low, remote_high + longest)
-    _check_runs(remote_table, region, regions, remote_offset, length, reach, "remote")
+    _check_runs(remote_table, region, regions, remote_offset, length, reach, remote_floor, "remote")
     out = np.empty((2, region.size, 3), dtype=np.int64)
     out[:, :, 1] = length
     _fill(out[0], local_table, region, local_offset)
@@ -79,11 +87,12 @@ def _check_runs(
     offset: np.ndarray,
     length: np.ndarray,
     reach: tuple[int, int],
+    floor: int,
     side: str,
 ) -> None:
     """Raise :class:`OutOfRegionError` unless every run (all lengths positive) lies in its
-    region, given the lowest and highest region index and the lowest offset and furthest
-    end a run may have (``reach``)."""
+    region, given the lowest and highest region index, the lowest offset and furthest end a
+    run may have (``reach``) and the length of the table's shortest region (``floor``)."""
     if regions[0] < 0 or regions[1] >= region_table.shape[1]:
         raise OutOfRegionError(
             f"{side}: region index outside the {region_table.shape[1]} registered"
@@ -91,10 +100,13 @@ def _check_runs(
     if reach[0] < 0:
         raise OutOfRegionError(f"{side}: a descriptor has a negative offset")
     # Ending within the shortest region is enough; only otherwise look up each one's length.
-    if reach[1] > int(_min(region_table[1])) and bool(
-        (offset > region_table[1][region] - length).any()
-    ):
+    if reach[1] > floor and bool((offset > region_table[1][region] - length).any()):
         raise OutOfRegionError(f"{side}: a descriptor leaves its registered region")
+
+
+def _shortest(region_table: np.ndarray) -> int:
+    """The length of the table's shortest region."""
+    return int(_min(region_table[1]))
 
 
 def _fill(

@@ -75,6 +75,16 @@ class RankRegistration:
             dtype=np.int64,
         )
 
+    @cached_property
+    def shortest_region(self) -> int:
+        """Bytes of its shortest region: a run that ends within it fits any of them."""
+        return min(r.length_bytes for r in self.regions)
+
+    @property
+    def memory_kind(self) -> MemoryKind:
+        """Where its first region lives: what a plan tells of all its regions."""
+        return self.regions[0].memory_kind
+
 
 @dataclass(frozen=True)
 class RankRecord:

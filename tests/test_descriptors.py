@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from broker_helpers import hybrid
 
 from broker.descriptors import OutOfRegionError, absolute_descriptors, descriptor_pair
-from broker.wire import pack, unpack
+from broker.records import MemoryRegion, RankRegistration
+from broker.wire import MemoryKind, Role, pack, unpack
+from harness.scenarios import build_scenario
 
 #: Two regions: 4 KiB at 0x1000 on device 0, 8 KiB at 0x10000 on device 3.
 TABLE = np.array([[0x1000, 0x10000], [4096, 8192], [0, 3]], dtype=np.int64)
@@ -75,3 +78,22 @@ def test_a_pair_refuses_either_side_leaving_its_region(side, remote_offset) -> N
         descriptor_pair(
             TABLE, TABLE, region, local_offset, np.array(remote_offset, dtype=np.int64), length
         )
+
+
+def test_a_registration_bounds_runs_by_its_shortest_region() -> None:
+    """What a plan's tickets pass as ``shortest_regions``: a run ending within the shortest
+    region needs no look-up of its own region's length, one ending past it is looked up."""
+    regions = tuple(
+        MemoryRegion(int(base), int(size), int(device), MemoryKind.VRAM)
+        for base, size, device in TABLE.T
+    )
+    layout = build_scenario(hybrid(), 1, 1, 100).decode.ranks[0]
+    reg = RankRegistration("D", Role.DECODE, 1, 0, "D-0", b"", regions, layout, "tiny")
+    assert reg.region_table.tolist() == TABLE.tolist() and reg.shortest_region == 4096
+    floors = (reg.shortest_region, reg.shortest_region)
+    region, offset, length = runs([1, 0], [4096, 4000], [4096, 97])  # region 0 ends at 4096
+    with pytest.raises(OutOfRegionError, match="^local:"):
+        descriptor_pair(TABLE, TABLE, region, offset, offset, length, None, floors)
+    region = np.array([1, 1], dtype=np.int64)
+    local, _ = descriptor_pair(TABLE, TABLE, region, offset, offset, length, None, floors)
+    assert local.tolist() == [[0x11000, 4096, 3], [0x10FA0, 97, 3]]
