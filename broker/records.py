@@ -210,11 +210,7 @@ class TransferRecord:
     @property
     def consumers(self) -> dict[int, frozenset[int]]:
         """Per prefill rank, the decode ranks whose plans read from it."""
-        readers: list[set[int]] = [set() for _ in range(self.prefill_tp_size)]
-        for plan in self.plans:
-            for p in plan.prefill_ranks:
-                readers[p].add(plan.decode_rank)
-        return {p: frozenset(r) for p, r in enumerate(readers)}
+        return consumers_of(self.plans, self.prefill_tp_size)
 
     @property
     def parties(self) -> frozenset[str]:
@@ -258,6 +254,15 @@ class ReleaseEvent:
             + len(self.detail)
             + len(self.traceparent)
         )
+
+
+def consumers_of(plans: tuple[PlanRecord, ...], prefill_tp_size: int) -> dict[int, frozenset[int]]:
+    """Per prefill rank (of ``prefill_tp_size``), the decode ranks whose ``plans`` read it."""
+    readers: list[set[int]] = [set() for _ in range(prefill_tp_size)]
+    for plan in plans:
+        for p in plan.prefill_ranks:
+            readers[p].add(plan.decode_rank)
+    return {p: frozenset(r) for p, r in enumerate(readers)}
 
 
 def evolve(record: R, **changes: object) -> R:
