@@ -26,7 +26,7 @@ from broker.wire import (
     names_engine,
 )
 
-R = TypeVar("R", "PlanRecord", "TransferRecord")
+R = TypeVar("R", "PlanRecord", "TransferRecord", "ReleaseEvent")
 
 #: ``(engine_id, tp_rank)`` of one registered rank.
 RankKey = tuple[str, int]
