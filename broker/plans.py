@@ -125,23 +125,18 @@ class PlanTicket:
     def descriptors(self) -> Iterator[tuple[SourceReads, SourceAgent, np.ndarray, np.ndarray]]:
         """Per source: its reads, its agent, and the absolute local and remote descriptors,
         each checked to lie in its registered region (any thread)."""
-        local = self.registration
+        table = self.registration.region_table
         for reads, agent in zip(self.rank_plan.sources, self.sources):
-            remote = agent.registration
-            yield (
-                reads,
-                agent,
-                *descriptor_pair(
-                    local.region_table,
-                    remote.region_table,
-                    reads.region,
-                    reads.local_offset,
-                    reads.remote_offset,
-                    reads.length,
-                    reads.bounds,
-                    (local.shortest_region, remote.shortest_region),
-                ),
+            local, remote = descriptor_pair(
+                table,
+                agent.registration.region_table,
+                reads.region,
+                reads.local_offset,
+                reads.remote_offset,
+                reads.length,
+                reads.bounds,
             )
+            yield reads, agent, local, remote
 
     def notification(self, prefill_rank: int) -> bytes:
         """The NIXL notification of the reads from ``prefill_rank``."""

@@ -14,6 +14,7 @@ from typing import TypeVar
 
 import numpy as np
 
+from broker.descriptors import RegionTable
 from broker.layout import RankLayout
 from broker.planner import RankPlan
 from broker.wire import (
@@ -64,21 +65,19 @@ class RankRegistration:
         return (self.engine_id, self.tp_rank)
 
     @cached_property
-    def region_table(self) -> np.ndarray:
-        """``(3, num_regions)`` int64: base address, length (bytes) and device id per region."""
-        return np.array(
-            [
-                [r.base_addr for r in self.regions],
-                [r.length_bytes for r in self.regions],
-                [r.device_id for r in self.regions],
-            ],
-            dtype=np.int64,
+    def region_table(self) -> RegionTable:
+        """Its regions as descriptors are made from them: base address, length (bytes) and
+        device id per region, and what follows from them."""
+        return RegionTable.of(
+            np.array(
+                [
+                    [r.base_addr for r in self.regions],
+                    [r.length_bytes for r in self.regions],
+                    [r.device_id for r in self.regions],
+                ],
+                dtype=np.int64,
+            )
         )
-
-    @cached_property
-    def shortest_region(self) -> int:
-        """Bytes of its shortest region: a run that ends within it fits any of them."""
-        return min(r.length_bytes for r in self.regions)
 
     @property
     def memory_kind(self) -> MemoryKind:
