@@ -200,11 +200,13 @@ async def transfer_plans(
                     convert.check_entry_engine(entry, engine_id)
                     entry.engine_id = engine_id
                     plan = await servicer.planned(entry, budget, counts[i])
+                    convert.plan_to_proto(plan, into=result.plan)
+                elif tickets[i - start].num_descriptors > OFFLOAD_DESCRIPTORS:
+                    plan = await servicer.pure(True, tickets[i - start].result)
+                    convert.plan_to_proto(plan, into=result.plan)
                 else:
-                    ticket = tickets[i - start]
-                    heavy = ticket.num_descriptors > OFFLOAD_DESCRIPTORS
-                    plan = await servicer.pure(heavy, ticket.result)
-                budget -= convert.plan_to_proto(plan, into=result.plan).ByteSize()
+                    convert.ticket_to_proto(tickets[i - start], result.plan)
+                budget -= result.plan.ByteSize()
             except Exception as exc:  # noqa: BLE001 - an entry's failure is its answer
                 result.ClearField("plan")
                 result.code, result.message = _entry_refusal(exc, "entries", i)

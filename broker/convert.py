@@ -29,6 +29,7 @@ from broker.api import (
 )
 from broker.errors import InvalidFieldError, LimitExceededError, PdbrokerError, RequestError
 from broker.limits import LIMITS
+from broker.plans import PlanTicket
 from broker.records import MemoryRegion, RankRegistration, ReleaseEvent, TransferRecord
 from broker.v1 import broker_pb2 as pb
 from broker.wire import (
@@ -242,6 +243,32 @@ def plan_to_proto(
     msg.expires_at_ms = plan.expires_at_ms
     msg.traceparent = plan.traceparent
     return msg
+
+
+def ticket_to_proto(ticket: PlanTicket, into: pb.GetTransferPlanResponse) -> None:
+    """What :func:`plan_to_proto` writes of ``ticket.result()``, written straight from the
+    ticket's descriptors into ``into`` (a field of a batched answer)."""
+    into.plan_id = ticket.plan_id
+    local_kind = MEMORY_KIND.to_proto(ticket.memory_kind)
+    for reads, agent, local, remote in ticket.descriptors():
+        source = into.sources.add()
+        source.prefill_rank = reads.prefill_rank
+        source.remote_agent_name = agent.agent_name
+        source.remote_agent_metadata = agent.agent_metadata
+        source.local_descriptors = pack(local)
+        source.remote_descriptors = pack(remote)
+        source.num_descriptors = local.shape[0]
+        source.total_bytes = reads.nbytes
+        source.notification = ticket.notification(reads.prefill_rank)
+        source.local_memory_kind = local_kind
+        source.remote_memory_kind = MEMORY_KIND.to_proto(agent.memory_kind)
+    plan = ticket.rank_plan
+    into.total_bytes = plan.nbytes
+    into.num_descriptors = plan.num_descriptors
+    into.naive_bytes = plan.naive_bytes
+    into.vllm_descriptors = plan.vllm_descriptors
+    into.expires_at_ms = ticket.expires_at_ms
+    into.traceparent = ticket.traceparent
 
 
 def plan_chunks(plan: PlanResult, chunk_bytes: int) -> Iterator[bytes]:

@@ -245,7 +245,7 @@ def group_by_source(runs: np.ndarray) -> np.ndarray:
     """Template-table columns ordered by source, keeping their order within one."""
     source = runs[SOURCE]
     if bool((source[1:] < source[:-1]).any()):
-        return runs.take(np.argsort(source, kind="stable"), axis=1)
+        return runs.take(source.argsort(kind="stable"), axis=1)
     return runs
 
 
@@ -263,7 +263,7 @@ def coalesce_columns(runs: np.ndarray, local_bits: int | None) -> np.ndarray:
     else:
         position = (runs[KEY] << local_bits) | runs[LOCAL]
         # Stable: a merge sort runs through the sorted stretches each block pair brings.
-        order = np.argsort(position, kind="stable")
+        order = position.argsort(kind="stable")
         runs, position, key_breaks = runs.take(order, axis=1), position.take(order), None
     n = runs.shape[1]
     if n < 2:

@@ -11,7 +11,7 @@ thread while its event loop keeps serving, and a direct caller runs them in plac
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,8 +21,8 @@ from broker.descriptors import descriptor_pair
 from broker.engines import Engine, PairPlanning
 from broker.errors import LimitExceededError, PdbrokerError, PreconditionError, RequestError
 from broker.limits import LIMITS
-from broker.planner import RankPlan, TransferRequest
-from broker.records import PlanRecord
+from broker.planner import RankPlan, SourceReads, TransferRequest
+from broker.records import PlanRecord, RankRegistration
 from broker.wire import DESCRIPTOR_BYTES, MemoryKind
 
 
@@ -86,12 +86,19 @@ class SourceAgent:
     """What decode needs to know of one prefill rank it reads from."""
 
     prefill_rank: int
-    agent_name: str
+    #: Its registration: agent name, regions and where they live.
+    registration: RankRegistration
     #: Its NIXL agent metadata when this is the decode rank's first contact with it (or the
     #: decode rank asked for it again), else empty.
     agent_metadata: bytes
-    region_table: np.ndarray
-    memory_kind: MemoryKind
+
+    @property
+    def agent_name(self) -> str:
+        return self.registration.agent_name
+
+    @property
+    def memory_kind(self) -> MemoryKind:
+        return self.registration.memory_kind
 
 
 @dataclass(frozen=True)
@@ -101,8 +108,8 @@ class PlanTicket:
     plan_id: str
     transfer_id: str
     rank_plan: RankPlan
-    region_table: np.ndarray
-    memory_kind: MemoryKind
+    #: The decode rank's registration: its regions and where they live.
+    registration: RankRegistration
     sources: tuple[SourceAgent, ...]
     expires_at_ms: int
     traceparent: str
@@ -111,35 +118,49 @@ class PlanTicket:
     def num_descriptors(self) -> int:
         return self.rank_plan.num_descriptors
 
-    def result(self) -> PlanResult:
-        """Absolute descriptors, each checked to lie in its registered region (any thread)."""
-        sources = []
+    @property
+    def memory_kind(self) -> MemoryKind:
+        return self.registration.memory_kind
+
+    def descriptors(self) -> Iterator[tuple[SourceReads, SourceAgent, np.ndarray, np.ndarray]]:
+        """Per source: its reads, its agent, and the absolute local and remote descriptors,
+        each checked to lie in its registered region (any thread)."""
+        table = self.registration.region_table
         for reads, agent in zip(self.rank_plan.sources, self.sources):
             local, remote = descriptor_pair(
-                self.region_table,
-                agent.region_table,
+                table,
+                agent.registration.region_table,
                 reads.region,
                 reads.local_offset,
                 reads.remote_offset,
                 reads.length,
                 reads.bounds,
             )
-            sources.append(
-                SourceDescriptors(
-                    reads.prefill_rank,
-                    agent.agent_name,
-                    agent.agent_metadata,
-                    local,
-                    remote,
-                    reads.nbytes,
-                    f"pdbroker:{self.transfer_id}:{self.plan_id}:{reads.prefill_rank}".encode(),
-                    self.memory_kind,
-                    agent.memory_kind,
-                )
+            yield reads, agent, local, remote
+
+    def notification(self, prefill_rank: int) -> bytes:
+        """The NIXL notification of the reads from ``prefill_rank``."""
+        return f"pdbroker:{self.transfer_id}:{self.plan_id}:{prefill_rank}".encode()
+
+    def result(self) -> PlanResult:
+        """Absolute descriptors, each checked to lie in its registered region (any thread)."""
+        sources = tuple(
+            SourceDescriptors(
+                reads.prefill_rank,
+                agent.agent_name,
+                agent.agent_metadata,
+                local,
+                remote,
+                reads.nbytes,
+                self.notification(reads.prefill_rank),
+                self.memory_kind,
+                agent.memory_kind,
             )
+            for reads, agent, local, remote in self.descriptors()
+        )
         return PlanResult(
             self.plan_id,
-            tuple(sources),
+            sources,
             self.rank_plan.naive_bytes,
             self.rank_plan.vllm_descriptors,
             self.expires_at_ms,

@@ -14,6 +14,7 @@ from typing import TypeVar
 
 import numpy as np
 
+from broker.descriptors import RegionTable
 from broker.layout import RankLayout
 from broker.planner import RankPlan
 from broker.wire import (
@@ -26,7 +27,7 @@ from broker.wire import (
     names_engine,
 )
 
-R = TypeVar("R", "PlanRecord", "TransferRecord")
+R = TypeVar("R", "PlanRecord", "TransferRecord", "ReleaseEvent")
 
 #: ``(engine_id, tp_rank)`` of one registered rank.
 RankKey = tuple[str, int]
@@ -64,16 +65,24 @@ class RankRegistration:
         return (self.engine_id, self.tp_rank)
 
     @cached_property
-    def region_table(self) -> np.ndarray:
-        """``(3, num_regions)`` int64: base address, length (bytes) and device id per region."""
-        return np.array(
-            [
-                [r.base_addr for r in self.regions],
-                [r.length_bytes for r in self.regions],
-                [r.device_id for r in self.regions],
-            ],
-            dtype=np.int64,
+    def region_table(self) -> RegionTable:
+        """Its regions as descriptors are made from them: base address, length (bytes) and
+        device id per region, and what follows from them."""
+        return RegionTable.of(
+            np.array(
+                [
+                    [r.base_addr for r in self.regions],
+                    [r.length_bytes for r in self.regions],
+                    [r.device_id for r in self.regions],
+                ],
+                dtype=np.int64,
+            )
         )
+
+    @property
+    def memory_kind(self) -> MemoryKind:
+        """Where its first region lives: what a plan tells of all its regions."""
+        return self.regions[0].memory_kind
 
 
 @dataclass(frozen=True)
@@ -200,11 +209,7 @@ class TransferRecord:
     @property
     def consumers(self) -> dict[int, frozenset[int]]:
         """Per prefill rank, the decode ranks whose plans read from it."""
-        readers: list[set[int]] = [set() for _ in range(self.prefill_tp_size)]
-        for plan in self.plans:
-            for p in plan.prefill_ranks:
-                readers[p].add(plan.decode_rank)
-        return {p: frozenset(r) for p, r in enumerate(readers)}
+        return consumers_of(self.plans, self.prefill_tp_size)
 
     @property
     def parties(self) -> frozenset[str]:
@@ -248,6 +253,15 @@ class ReleaseEvent:
             + len(self.detail)
             + len(self.traceparent)
         )
+
+
+def consumers_of(plans: tuple[PlanRecord, ...], prefill_tp_size: int) -> dict[int, frozenset[int]]:
+    """Per prefill rank (of ``prefill_tp_size``), the decode ranks whose ``plans`` read it."""
+    readers: list[set[int]] = [set() for _ in range(prefill_tp_size)]
+    for plan in plans:
+        for p in plan.prefill_ranks:
+            readers[p].add(plan.decode_rank)
+    return {p: frozenset(r) for p, r in enumerate(readers)}
 
 
 def evolve(record: R, **changes: object) -> R:

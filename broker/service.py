@@ -402,19 +402,15 @@ class BrokerService:
             agents.append(
                 SourceAgent(
                     reads.prefill_rank,
-                    p_reg.agent_name,
+                    p_reg,
                     p_reg.agent_metadata if first or query.want_agent_metadata else b"",
-                    p_reg.region_table,
-                    p_reg.regions[0].memory_kind,
                 )
             )
-        d_reg = d_rank.registration
         return PlanTicket(
             plan.plan_id,
             t.transfer_id,
             plan.rank_plan,
-            d_reg.region_table,
-            d_reg.regions[0].memory_kind,
+            d_rank.registration,
             tuple(agents),
             t.expires_at_ms,
             traceparent,

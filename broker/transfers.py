@@ -58,7 +58,7 @@ from broker.errors import (
     RequestError,
 )
 from broker.planner import RankPlan
-from broker.records import PlanRecord, TimelineEntry, TransferRecord, evolve
+from broker.records import PlanRecord, TimelineEntry, TransferRecord, consumers_of, evolve
 from broker.wire import BlockIds, ReleaseReason, ReportStatus, TransferState
 
 #: Timeline events about an ended transfer that operators must see (logged at WARNING).
@@ -473,9 +473,9 @@ class _Change:
     def consumers(self) -> dict[int, frozenset[int]]:
         """The record's consumers (:attr:`TransferRecord.consumers`), kept while its plans
         are the same tuple."""
-        plans = self.record.plans
+        plans = self.field("plans")
         if self._consumers is None or self._consumers[0] is not plans:
-            self._consumers = (plans, self.record.consumers)
+            self._consumers = (plans, consumers_of(plans, self._record.prefill_tp_size))
         return self._consumers[1]
 
     @property
@@ -533,10 +533,9 @@ class _Change:
     def settle(self) -> None:
         """Release every prefill rank whose consumers all reported DONE; complete the
         transfer when every plan is DONE."""
-        t = self.record
-        plans = t.plans
+        plans, released = self.field("plans"), self.field("released")  # no record made
         for p, readers in self.consumers().items():
-            if not t.released[p] and all(plans[d].status is ReportStatus.DONE for d in readers):
+            if not released[p] and all(plans[d].status is ReportStatus.DONE for d in readers):
                 self.release(p, ReleaseReason.COMPLETED, "all readers done")
         if all(plan.status is ReportStatus.DONE for plan in plans):
             self.finished(TransferState.COMPLETED)

@@ -78,10 +78,8 @@ class TransferState(Enum):
 
     @property
     def terminal(self) -> bool:
-        return self not in _UNFINISHED
-
-
-_UNFINISHED = frozenset((TransferState.PUBLISHED, TransferState.IN_PROGRESS))
+        # Compared by identity: a set lookup would hash the member in Python (Enum.__hash__).
+        return self is not TransferState.PUBLISHED and self is not TransferState.IN_PROGRESS
 
 
 class EnumCodec(Generic[E, P]):

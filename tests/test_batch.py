@@ -25,8 +25,11 @@ from test_server import (  # noqa: F401 - broker: the live gRPC broker fixture
 
 from broker import batched, convert
 from broker.limits import LIMITS
+from broker.service import BrokerService
 from broker.v1 import broker_pb2 as pb
+from broker.wire import Role
 from clients import protocol
+from clients.transport import DRAM, VRAM, fake_memory
 from harness.scenarios import Scenario, build_scenario
 
 #: Every test runs against the in-memory store and against Redis (tests/conftest.py).
@@ -183,6 +186,50 @@ def test_entries_grouped_for_one_unit_of_work() -> None:
     assert groups() == [2, 3, 4, 5, 6, 7, 8, 8 + convert.GROUP_ENTRIES, len(entries)]
     entries[4].engine_id = "D"  # naming the call's engine is alike
     assert groups()[:3] == [2, 3, 5]
+
+
+def test_a_ticket_is_written_into_the_answer_as_its_plan_result_would_be() -> None:
+    """The batched answer is written from a ticket's descriptors (:func:`convert.ticket_to_proto`)
+    exactly as its :class:`PlanResult` (:func:`convert.plan_to_proto`) is: a decode rank
+    reading two prefill ranks, prefill memory in DRAM and decode memory in VRAM."""
+    sc = build_scenario(hybrid(), 2, 1, 100)
+    service = BrokerService()
+    for layout, engine_id, role, kind in (
+        (sc.prefill, "P", Role.PREFILL, DRAM),
+        (sc.decode, "D", Role.DECODE, VRAM),
+    ):
+        for rank, regions in fake_memory(layout, 1 << 40 if kind == VRAM else 1 << 30).items():
+            regions = tuple(dataclasses.replace(r, kind=kind) for r in regions)
+            service.register_rank(
+                convert.registration_from_proto(
+                    protocol.registration(
+                        layout.ranks[rank],
+                        regions,
+                        engine_id=engine_id,
+                        role=role,
+                        tp_size=layout.tp_size,
+                        agent_name=f"{engine_id}-{rank}",
+                        agent_metadata=b"m" * (rank + 1),
+                        model_fingerprint=layout.model,
+                    )
+                )
+            )
+    service.publish(convert.publication_from_proto(publish_request("t", sc.request), ""))
+    queries = convert.plan_queries_alike([entry("t", 0, sc, "D"), entry("t", 0, sc, "D")])
+    assert queries is not None
+    tickets = service.plan_group(queries, 1 << 30, 1 << 20)
+    assert tickets is not None
+    for ticket in tickets:  # the rank's first contacts with metadata, then without
+        written = pb.GetTransferPlanResponse()
+        convert.ticket_to_proto(ticket, written)
+        expected = convert.plan_to_proto(ticket.result())
+        assert written.SerializeToString() == expected.SerializeToString()
+        assert [s.prefill_rank for s in written.sources] == [0, 1]
+        assert {s.local_memory_kind for s in written.sources} == {pb.MEMORY_KIND_VRAM}
+        assert {s.remote_memory_kind for s in written.sources} == {pb.MEMORY_KIND_DRAM}
+        assert written.total_bytes == sum(s.total_bytes for s in written.sources) > 0
+        assert written.num_descriptors == sum(s.num_descriptors for s in written.sources)
+    assert [bool(s.agent_metadata) for t in tickets for s in t.sources] == [1, 1, 0, 0]
 
 
 def test_reports_are_recorded_each_on_its_own(broker: Broker) -> None:  # noqa: F811

@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from broker_helpers import hybrid
 
-from broker.descriptors import OutOfRegionError, absolute_descriptors, descriptor_pair
-from broker.wire import pack, unpack
+from broker.descriptors import (
+    OutOfRegionError,
+    RegionTable,
+    absolute_descriptors,
+    descriptor_pair,
+)
+from broker.records import MemoryRegion, RankRegistration
+from broker.wire import MemoryKind, Role, pack, unpack
+from harness.scenarios import build_scenario
 
 #: Two regions: 4 KiB at 0x1000 on device 0, 8 KiB at 0x10000 on device 3.
-TABLE = np.array([[0x1000, 0x10000], [4096, 8192], [0, 3]], dtype=np.int64)
+TABLE = RegionTable.of(np.array([[0x1000, 0x10000], [4096, 8192], [0, 3]], dtype=np.int64))
 
 
 def runs(region: list[int], offset: list[int], length: list[int]) -> tuple[np.ndarray, ...]:
@@ -48,7 +56,9 @@ def test_unpack_refuses_a_partial_descriptor() -> None:
 
 
 def test_a_pair_equals_each_side_alone() -> None:
-    remote_table = np.array([[0x80000, 0x90000], [8192, 8192], [1, 1]], dtype=np.int64)
+    remote_table = RegionTable.of(
+        np.array([[0x80000, 0x90000], [8192, 8192], [1, 1]], dtype=np.int64)
+    )
     region, local_offset, length = runs([0, 1, 1], [0, 4096, 100], [4096, 4096, 8])
     remote_offset = np.array([4096, 0, 8000], dtype=np.int64)
     local, remote = descriptor_pair(
@@ -75,3 +85,24 @@ def test_a_pair_refuses_either_side_leaving_its_region(side, remote_offset) -> N
         descriptor_pair(
             TABLE, TABLE, region, local_offset, np.array(remote_offset, dtype=np.int64), length
         )
+
+
+def test_a_registration_derives_its_table_once() -> None:
+    """A registration's table (made once, kept by every plan's ticket): its regions, the
+    descriptor each region starts from, and its shortest length, which spares the look-up of
+    each run's own region when the runs end within it but not when one ends past it."""
+    regions = tuple(
+        MemoryRegion(int(base), int(size), int(device), MemoryKind.VRAM)
+        for base, size, device in TABLE.array.T
+    )
+    layout = build_scenario(hybrid(), 1, 1, 100).decode.ranks[0]
+    table = RankRegistration("D", Role.DECODE, 1, 0, "D-0", b"", regions, layout, "t").region_table
+    assert table.array.tolist() == TABLE.array.tolist() and table.shortest == 4096
+    assert table.rows.tolist() == [[0x1000, 0, 0], [0x10000, 0, 3]]
+    region, offset, length = runs([1, 0], [4096, 4000], [4096, 97])  # region 0 ends at 4096
+    with pytest.raises(OutOfRegionError, match="^local:"):
+        descriptor_pair(table, table, region, offset, offset, length)
+    region = np.array([1, 1], dtype=np.int64)
+    local, remote = descriptor_pair(table, table, region, offset, offset, length)
+    assert local.tolist() == remote.tolist() == [[0x11000, 4096, 3], [0x10FA0, 97, 3]]
+    assert table.rows.tolist() == [[0x1000, 0, 0], [0x10000, 0, 3]]  # never written

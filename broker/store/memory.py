@@ -12,7 +12,6 @@ import bisect
 import heapq
 from array import array
 from collections.abc import Callable, Collection, Hashable, Iterator
-from dataclasses import replace
 from operator import attrgetter
 from typing import Any, TypeVar
 
@@ -23,6 +22,7 @@ from broker.records import (
     ReleaseEvent,
     TransferKey,
     TransferRecord,
+    evolve,
 )
 from broker.store.contract import DUE_PER_CALL, REDELIVER_MS, StateStore, held_block_ids
 from broker.wire import data_parallel_deployment
@@ -342,7 +342,7 @@ class InMemoryStateStore(StateStore):
         # groups already are, and are shared with the record they came from).
         compact = tuple(g if isinstance(g, array) else array("q", g) for g in event.block_ids)
         queue = self._releases.setdefault(key, [])
-        queue.append(replace(event, block_ids=compact))
+        queue.append(evolve(event, block_ids=compact))
         self._on_undo(lambda: self._unappend(key))
         self._add_bytes(key, event.nbytes)
         self._forget_oldest(key, lambda: self._release_bytes[key] > rank_bytes)
