@@ -17,7 +17,7 @@ processes as the phase ran (workers, client processes and Redis;
 one-worker phase's at the same client count, the scaling the host itself would allow the
 workers. A phase names every limit it reached (:func:`limits`): Redis at
 :data:`REDIS_SATURATED` of a core, the host at :data:`HOST_SATURATED` of all its cores, and the
-host's cores where the host's scaling is below :data:`TARGET_SCALING`. Where Redis is not
+host's cores where its efficiency is below :data:`TARGET_SCALING`. Where Redis is not
 reached (a host with fewer cores than Redis could serve), Redis's CPU per plan gives the
 plans/s at which it would be: ``redis_saturated_per_s``, whatever the number of workers and
 replicas.
@@ -110,7 +110,7 @@ def worker_scaling(
             p["scaling"] = round(p["plan_per_s"] / (p["workers"] * alone["plan_per_s"]), 3)
             p["host_scaling"] = round(p["host_efficiency"] / alone["host_efficiency"], 3)
             p["scaling_of_host"] = round(p["scaling"] / p["host_scaling"], 3)
-        p["limit"] = limits(p["redis_cpu_of_core"], p["host_cpu_busy"], p["host_scaling"], cpus)
+        p["limit"] = limits(p["redis_cpu_of_core"], p["host_cpu_busy"], p["host_efficiency"], cpus)
     return {
         "model": sc.model.name,
         "prefill_tp": sc.prefill.tp_size,
@@ -211,19 +211,18 @@ def _phases(
     return phases
 
 
-def limits(redis_of_core: float, host_busy: float, host_scaling: float | None, cpus: int) -> str:
+def limits(redis_of_core: float, host_busy: float, host_efficiency: float, cpus: int) -> str:
     """Every limit a phase reached, '; '-separated ('' for none): Redis with its one core at
     least :data:`REDIS_SATURATED` busy; the host's CPU with all of it at least
-    :data:`HOST_SATURATED` busy; the host's cores where the host's scaling at the phase's
-    process count (its efficiency over the one-worker phase's) is below
-    :data:`TARGET_SCALING`."""
+    :data:`HOST_SATURATED` busy; the host's cores where, at the phase's process count, each
+    probe process ran below :data:`TARGET_SCALING` of one alone."""
     named = []
     if redis_of_core >= REDIS_SATURATED:
         named.append("Redis (one core)")
     if host_busy >= HOST_SATURATED:
         named.append(f"host CPU ({cpus} cores)")
-    if host_scaling is not None and host_scaling < TARGET_SCALING:
-        named.append(f"host cores (host scaling {host_scaling:.2f})")
+    if host_efficiency < TARGET_SCALING:
+        named.append(f"host cores (efficiency {host_efficiency:.3f})")
     return "; ".join(named)
 
 
@@ -265,8 +264,7 @@ def table(r: dict) -> str:
         f"run together, over one alone's ({r['probe_seconds']:g} s each); host scal: host eff "
         "over the 1-worker phase's (same clients), the scaling the host allows; of host: "
         f"scaling / host scal. Limits: Redis at {REDIS_SATURATED:.0%} of its core, host CPU "
-        f"at {HOST_SATURATED:.0%} of all cores, host cores at host scal < "
-        f"{r['target_scaling']}"
+        f"at {HOST_SATURATED:.0%} of all cores, host cores at host eff < {r['target_scaling']}"
     )
     return "\n".join(lines)
 

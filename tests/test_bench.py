@@ -180,16 +180,15 @@ def test_host_calibration_sees_processes_share_the_cores() -> None:
     ("redis", "busy", "host", "named"),
     [
         (0.5, 0.5, 1.0, ""),
-        (0.5, 0.5, None, ""),  # no one-worker phase to set the host against
         (0.5, 0.5, 0.8, ""),
-        (0.5, 0.5, 0.79, "host cores (host scaling 0.79)"),
+        (0.5, 0.5, 0.795, "host cores (efficiency 0.795)"),
         (0.9, 0.5, 0.85, "Redis (one core)"),
         (0.89, 0.9, 0.85, "host CPU (16 cores)"),
-        (0.95, 0.95, 0.6, "Redis (one core); host CPU (16 cores); host cores (host scaling 0.60)"),
+        (0.95, 0.95, 0.6, "Redis (one core); host CPU (16 cores); host cores (efficiency 0.600)"),
     ],
 )
 def test_a_phase_names_every_limit_it_reached(
-    redis: float, busy: float, host: float | None, named: str
+    redis: float, busy: float, host: float, named: str
 ) -> None:
     assert limits(redis, busy, host, 16) == named
 

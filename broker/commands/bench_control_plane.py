@@ -80,7 +80,8 @@ def add_control_plane(kinds: argparse._SubParsersAction) -> argparse.ArgumentPar
         "of each count on a private redis-server, side by side, with the host's own parallel "
         "efficiency at as many busy processes (workers + client processes + Redis) and the "
         "limits reached: Redis at 90%% of its core, the host's CPU at 90%% of all cores, the "
-        "host's cores where that efficiency over the 1-worker phase's is below 0.8",
+        "host's cores where that efficiency (each process's work rate over one alone's) is "
+        "below 0.8",
     )
     return control
 
