@@ -11,10 +11,16 @@ CPU per plan (every worker's), and the scaling: plans/s over N times the one-wor
 at the same client count, measured in the same run (N = 1 must be among the counts). Read
 over the same window, the two limits that stop the scaling: Redis, which runs commands on
 one thread (its commands/s from ``INFO stats``, its CPU from /proc), and the host's cores
-(/proc/stat). A phase names the limit it reached: Redis at :data:`REDIS_SATURATED` of a
-core, the host at :data:`HOST_SATURATED` of all its cores. Where neither is reached (a host
-with fewer cores than Redis could serve), Redis's CPU per plan gives the plans/s at which it
-would be: ``redis_saturated_per_s``, whatever the number of workers and replicas.
+(/proc/stat). After each phase, the host's own parallel efficiency at as many busy
+processes as the phase ran (workers, client processes and Redis;
+:mod:`~harness.host_calibration`), and from it the host's scaling: that efficiency over the
+one-worker phase's at the same client count, the scaling the host itself would allow the
+workers. A phase names every limit it reached (:func:`limits`): Redis at
+:data:`REDIS_SATURATED` of a core, the host at :data:`HOST_SATURATED` of all its cores, and the
+host's cores where its efficiency is below :data:`TARGET_SCALING`. Where Redis is not
+reached (a host with fewer cores than Redis could serve), Redis's CPU per plan gives the
+plans/s at which it would be: ``redis_saturated_per_s``, whatever the number of workers and
+replicas.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from broker.errors import UsageError
 from harness.bench_clients import client_ranks, client_specs, run_clients, warm_transfers
 from harness.bench_engines import BenchEngines, cpu_seconds
 from harness.brokers import OWN_CONNECTIONS, BrokerProcess
+from harness.host_calibration import PROBE_SECONDS, alone_rate, host_efficiency
 from harness.redis_server import RedisServer, start_redis
 from harness.scenarios import Scenario
 
@@ -79,6 +86,8 @@ def worker_scaling(
         raise UsageError("--workers", "brokers of several workers need redis-server on PATH")
     for n in clients:
         client_ranks(n, sc.decode.tp_size)  # a count that maps onto no engine fails first
+    progress.phase("the host alone: one probe process")
+    alone_per_s = alone_rate()
     with tempfile.TemporaryDirectory(prefix="pdbroker-bench-redis-") as directory:
         server = start_redis(Path(directory), binary=binary)
         try:
@@ -87,13 +96,21 @@ def worker_scaling(
             phases = []
             for n in workers:
                 store.flushall()
-                phases += _phases(sc, progress, server, n, clients, seconds, client_procs)
+                phases += _phases(
+                    sc, progress, server, n, clients, seconds, client_procs, alone_per_s
+                )
         finally:
             server.stop()
-    one = {p["clients"]: p["plan_per_s"] for p in phases if p["workers"] == 1}
+    one = {p["clients"]: p for p in phases if p["workers"] == 1}
+    cpus = os.cpu_count() or 1
     for p in phases:
         alone = one.get(p["clients"])
-        p["scaling"] = round(p["plan_per_s"] / (p["workers"] * alone), 3) if alone else None
+        p["scaling"] = p["host_scaling"] = p["scaling_of_host"] = None
+        if alone:
+            p["scaling"] = round(p["plan_per_s"] / (p["workers"] * alone["plan_per_s"]), 3)
+            p["host_scaling"] = round(p["host_efficiency"] / alone["host_efficiency"], 3)
+            p["scaling_of_host"] = round(p["scaling"] / p["host_scaling"], 3)
+        p["limit"] = limits(p["redis_cpu_of_core"], p["host_cpu_busy"], p["host_efficiency"], cpus)
     return {
         "model": sc.model.name,
         "prefill_tp": sc.prefill.tp_size,
@@ -104,6 +121,8 @@ def worker_scaling(
         "cpu_model": cpu_model(),
         "redis_version": version,
         "target_scaling": TARGET_SCALING,
+        "probe_seconds": PROBE_SECONDS,
+        "probe_alone_per_s": round(alone_per_s),
         "phases": phases,
     }
 
@@ -116,8 +135,10 @@ def _phases(
     clients: list[int],
     seconds: float,
     client_procs: int,
+    alone_per_s: float,
 ) -> list[dict]:
-    """The phases of one broker of ``workers`` workers, a client count each."""
+    """The phases of one broker of ``workers`` workers, a client count each, each followed by
+    the host's efficiency at as many busy processes (the broker and Redis idle)."""
     import redis
 
     d_tp = sc.decode.tp_size
@@ -177,7 +198,11 @@ def _phases(
                     "redis_saturated_per_s": round(REDIS_SATURATED * 1e6 / redis_us),
                     "host_cpu_busy": round(busy / total, 3),
                 }
-                phase["limit"] = _limit(redis_cpu / wall, busy / total, os.cpu_count() or 1)
+                busy_processes = workers + procs + 1  # Redis runs commands on one thread
+                progress.phase(f"the host: {busy_processes} probe processes")
+                efficiency = host_efficiency(busy_processes, alone_per_s)
+                phase["host_processes"] = busy_processes
+                phase["host_efficiency"] = round(efficiency, 3)
                 phases.append(phase)
         finally:
             engines.close()
@@ -186,13 +211,19 @@ def _phases(
     return phases
 
 
-def _limit(redis_of_core: float, host_busy: float, cpus: int) -> str:
-    """The limit a phase reached: Redis, the host's cores, or none ('')."""
+def limits(redis_of_core: float, host_busy: float, host_efficiency: float, cpus: int) -> str:
+    """Every limit a phase reached, '; '-separated ('' for none): Redis with its one core at
+    least :data:`REDIS_SATURATED` busy; the host's CPU with all of it at least
+    :data:`HOST_SATURATED` busy; the host's cores where, at the phase's process count, each
+    probe process ran below :data:`TARGET_SCALING` of one alone."""
+    named = []
     if redis_of_core >= REDIS_SATURATED:
-        return "Redis (one core)"
+        named.append("Redis (one core)")
     if host_busy >= HOST_SATURATED:
-        return f"host CPU ({cpus} cores)"
-    return ""
+        named.append(f"host CPU ({cpus} cores)")
+    if host_efficiency < TARGET_SCALING:
+        named.append(f"host cores (efficiency {host_efficiency:.3f})")
+    return "; ".join(named)
 
 
 def table(r: dict) -> str:
@@ -205,24 +236,35 @@ def table(r: dict) -> str:
         (
             f"{'workers':>7} {'clients':>7} {'plans/s':>8} {'p50 ms':>7} {'p99 ms':>7} "
             f"{'broker us':>9} {'scaling':>7} {'redis cmd/s':>11} {'cmd/plan':>8} "
-            f"{'redis cpu':>9} {'redis us':>8} {'redis full':>10} {'host cpu':>8}  limit"
+            f"{'redis cpu':>9} {'redis us':>8} {'redis full':>10} {'host cpu':>8} "
+            f"{'procs':>5} {'host eff':>8} {'host scal':>9} {'of host':>7}  limit"
         ),
     ]
+
+    def figure(x: float | None) -> str:
+        return "-" if x is None else f"{x:.2f}"
+
     for p in r["phases"]:
-        scaling = "-" if p["scaling"] is None else f"{p['scaling']:.2f}"
         lines.append(
             f"{p['workers']:>7} {p['clients']:>7} {p['plan_per_s']:>8,.0f} "
             f"{p['plan_p50_ms']:>7.2f} {p['plan_p99_ms']:>7.2f} {p['plan_broker_cpu_us']:>9.0f} "
-            f"{scaling:>7} {p['redis_commands_per_s']:>11,} {p['redis_commands_per_plan']:>8.1f} "
-            f"{p['redis_cpu_of_core']:>9.0%} {p['redis_cpu_us_per_plan']:>8.0f} "
-            f"{p['redis_saturated_per_s']:>10,} {p['host_cpu_busy']:>8.0%}  {p['limit'] or '-'}"
-            + (" (ran out of transfers)" if p["ran_out"] else "")
+            f"{figure(p['scaling']):>7} {p['redis_commands_per_s']:>11,} "
+            f"{p['redis_commands_per_plan']:>8.1f} {p['redis_cpu_of_core']:>9.0%} "
+            f"{p['redis_cpu_us_per_plan']:>8.0f} {p['redis_saturated_per_s']:>10,} "
+            f"{p['host_cpu_busy']:>8.0%} {p['host_processes']:>5} {p['host_efficiency']:>8.2f} "
+            f"{figure(p['host_scaling']):>9} {figure(p['scaling_of_host']):>7}  "
+            f"{p['limit'] or '-'}" + (" (ran out of transfers)" if p["ran_out"] else "")
         )
     lines.append(
         f"goal: scaling >= {r['target_scaling']} until a limit is named; scaling: plans/s / "
         "(workers x the 1-worker plans/s, same clients); broker us: CPU per plan of every "
         f"worker; redis cpu: of one core; redis us: its CPU per plan; redis full: plans/s at "
-        f"which that is {REDIS_SATURATED:.0%} of a core; host cpu: of all cores"
+        f"which that is {REDIS_SATURATED:.0%} of a core; host cpu: of all cores; host eff: "
+        f"work rate of each of procs (workers + client processes + Redis) probe processes "
+        f"run together, over one alone's ({r['probe_seconds']:g} s each); host scal: host eff "
+        "over the 1-worker phase's (same clients), the scaling the host allows; of host: "
+        f"scaling / host scal. Limits: Redis at {REDIS_SATURATED:.0%} of its core, host CPU "
+        f"at {HOST_SATURATED:.0%} of all cores, host cores at host eff < {r['target_scaling']}"
     )
     return "\n".join(lines)
 

@@ -14,8 +14,10 @@ from prerequisites import require_binary, require_module
 from broker.cli import main
 from broker.planner import PairPlanner
 from broker.presets import resolve_model
+from harness.host_calibration import alone_rate, host_efficiency
 from harness.scale_bench import CALLS, lowest_of
 from harness.scenarios import build_scenario
+from harness.workers_bench import limits
 
 
 def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
@@ -189,6 +191,42 @@ def test_bench_control_plane_compares_worker_counts(capsys: pytest.CaptureFixtur
         full = 0.9e6 / p["redis_cpu_us_per_plan"]  # plans/s at 90% of a core
         assert abs(p["redis_saturated_per_s"] - full) <= 0.01 * full
         assert 0 < p["host_cpu_busy"] <= 1
+        assert p["host_processes"] == p["workers"] + 1 + 1  # one client process, Redis
+        assert 0 < p["host_efficiency"] <= 1.5
+    assert phases[0]["host_scaling"] == 1.0
+    assert phases[1]["host_scaling"] == round(
+        phases[1]["host_efficiency"] / phases[0]["host_efficiency"], 3
+    )
+    assert phases[1]["scaling_of_host"] == round(
+        phases[1]["scaling"] / phases[1]["host_scaling"], 3
+    )
+
+
+def test_host_calibration_sees_processes_share_the_cores() -> None:
+    """One probe per CPU and then twice as many: each of the oversubscribed ones gets at most
+    about half of what one alone does."""
+    cpus = len(os.sched_getaffinity(0))
+    alone = alone_rate(0.5)
+    assert alone > 100_000  # iterations/s of the pure-Python loop
+    full, over = host_efficiency(cpus, alone, 0.5), host_efficiency(2 * cpus, alone, 0.5)
+    assert 0 < over < 0.8 and over < full <= 1.5, (full, over)
+
+
+@pytest.mark.parametrize(
+    ("redis", "busy", "host", "named"),
+    [
+        (0.5, 0.5, 1.0, ""),
+        (0.5, 0.5, 0.8, ""),
+        (0.5, 0.5, 0.795, "host cores (efficiency 0.795)"),
+        (0.9, 0.5, 0.85, "Redis (one core)"),
+        (0.89, 0.9, 0.85, "host CPU (16 cores)"),
+        (0.95, 0.95, 0.6, "Redis (one core); host CPU (16 cores); host cores (efficiency 0.600)"),
+    ],
+)
+def test_a_phase_names_every_limit_it_reached(
+    redis: float, busy: float, host: float, named: str
+) -> None:
+    assert limits(redis, busy, host, 16) == named
 
 
 def test_bench_scale_sweeps_both_stores(capsys: pytest.CaptureFixture[str], tmp_path) -> None:

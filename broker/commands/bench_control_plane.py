@@ -84,7 +84,11 @@ def add_control_plane(kinds: argparse._SubParsersAction) -> argparse.ArgumentPar
         "--workers",
         type=positive_ints,
         help="comma-separated worker counts: instead of the above, unary plans/s of a broker "
-        "of each count on a private redis-server, side by side, with the limit reached",
+        "of each count on a private redis-server, side by side, with the host's own parallel "
+        "efficiency at as many busy processes (workers + client processes + Redis) and the "
+        "limits reached: Redis at 90%% of its core, the host's CPU at 90%% of all cores, the "
+        "host's cores where that efficiency (each process's work rate over one alone's) is "
+        "below 0.8",
     )
     return control
 
