@@ -22,16 +22,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from broker import convert
 from broker.commands.serve import tune_collector
-from broker.config import ServiceConfig
 from broker.presets import resolve_model
-from broker.service import BrokerService
 from broker.store.contract import StateStore
 from broker.store.memory import InMemoryStateStore
-from broker.v1 import broker_pb2 as pb
-from broker.wire import Role, TransferState
-from harness.bench_engines import PREFILL_ADDR, registrations
+from broker.wire import TransferState
+from harness.bench_engines import published_service
 from harness.redis_server import start_redis
 from harness.scenarios import build_scenario
 
@@ -70,22 +66,7 @@ def burst(store: StateStore, transfers: int) -> dict[str, float]:
     collections (ms), passes, total (ms) and transfers expired."""
     sc = build_scenario(resolve_model("nemotron-3-nano-30b-a3b"), 1, 1, 4096)
     clock = SteppedClock()
-    config = ServiceConfig(
-        max_transfers=transfers, max_transfers_per_engine=transfers, lease_ttl_ms=3_600_000
-    )
-    service = BrokerService(store, clock, config)
-    for registration in registrations(sc.prefill, "P", Role.PREFILL, PREFILL_ADDR):
-        service.register_rank(convert.registration_from_proto(registration))
-    published = [pb.BlockIds(ids=g) for g in sc.request.prefill_block_ids]
-    for i in range(transfers):
-        request = pb.PublishBlocksRequest(
-            transfer_id=f"t{i}",
-            engine_id="P",
-            block_ids=published,
-            num_tokens=sc.request.num_tokens,
-            ttl_ms=TTL_MS,
-        )
-        service.publish(convert.publication_from_proto(request, ""))
+    service = published_service(sc, transfers, store, clock, TTL_MS)
     clock.now += TTL_MS
     collector = CollectorClock()
     timed: list[tuple[float, float]] = []  # per pass: seconds, of them collecting

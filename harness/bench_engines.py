@@ -28,7 +28,9 @@ from clients.transport import NoMemoryTransport, fake_memory
 from harness.scenarios import Scenario
 
 if TYPE_CHECKING:
+    from broker.clock import Clock
     from broker.service import BrokerService
+    from broker.store.contract import StateStore
 
 PREFILL_ADDR, DECODE_ADDR = 0x7F00_0000_0000, 0x7E00_0000_0000
 #: Address space of each decode engine's fake regions (below DECODE_ADDR's).
@@ -71,18 +73,28 @@ def register(
         stub.RegisterRank(request)
 
 
-def published_service(sc: Scenario, transfers: int) -> BrokerService:
-    """An in-process broker service (no gRPC) with ``sc``'s prefill ``P`` and decode ``D``
-    registered (fake addresses) and ``transfers`` of its request published by ``P`` as
-    ``t0``, ``t1``, ...: what the in-process handler benchmarks ask plans of."""
+def published_service(
+    sc: Scenario,
+    transfers: int,
+    store: StateStore | None = None,
+    clock: Clock | None = None,
+    ttl_ms: int = 3_600_000,
+) -> BrokerService:
+    """An in-process broker service (no gRPC; on ``store`` and ``clock``, by default in
+    memory and on the system clock) with ``sc``'s prefill ``P`` and decode ``D`` registered
+    (fake addresses, leases of an hour) and ``transfers`` of its request published by ``P``
+    as ``t0``, ``t1``, ... for ``ttl_ms``: what the in-process benchmarks work on."""
     from broker import convert
     from broker.config import ServiceConfig
     from broker.service import BrokerService
 
     config = ServiceConfig(
-        max_transfers=transfers, max_transfers_per_engine=transfers, default_ttl_ms=3_600_000
+        max_transfers=transfers,
+        max_transfers_per_engine=transfers,
+        default_ttl_ms=ttl_ms,
+        lease_ttl_ms=3_600_000,
     )
-    service = BrokerService(config=config)
+    service = BrokerService(store, clock, config)
     for registration in registrations(sc.prefill, "P", Role.PREFILL, PREFILL_ADDR) + registrations(
         sc.decode, "D", Role.DECODE, DECODE_ADDR
     ):

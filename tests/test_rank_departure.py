@@ -41,9 +41,21 @@ SC = build_scenario(hybrid(), 2, 2, 100)
 HELD = 3 * TRANSFERS_PER_UNIT + 5
 
 
-def _publish(service: BrokerService, transfer_id: str) -> None:
+def _publish(service: BrokerService, transfer_id: str, ttl_ms: int = 0) -> None:
     request = SC.request
-    service.publish(Publication(transfer_id, "P", request.prefill_block_ids, request.num_tokens))
+    service.publish(
+        Publication(transfer_id, "P", request.prefill_block_ids, request.num_tokens, ttl_ms)
+    )
+
+
+def _expiring(held: int) -> tuple[BrokerService, FakeClock]:
+    """A broker where ``P`` published ``held`` transfers ``t0``, ... due in 1 s."""
+    clock = FakeClock()
+    service = BrokerService(clock=clock, config=CONFIG)
+    register_engine(service, SC.prefill, "P", Role.PREFILL, 0)
+    for i in range(held):
+        _publish(service, f"t{i}", ttl_ms=1_000)
+    return service, clock
 
 
 def _count_changes_per_unit(store: StateStore, per_unit: list[int] | None = None) -> list[int]:
@@ -121,14 +133,8 @@ def test_the_reaper_expires_due_transfers_a_slice_at_a_time(
     """Each unit of work takes a quarter of the reaper's slice on a clock that moves only
     with them: a pass starts at most four (one more for rounding), and passes go on until
     every transfer expired."""
-    clock = FakeClock()
-    service = BrokerService(clock=clock, config=CONFIG)
-    register_engine(service, SC.prefill, "P", Role.PREFILL, 0)
     held = 50
-    for i in range(held):
-        request = SC.request
-        pub = Publication(f"t{i}", "P", request.prefill_block_ids, request.num_tokens, 1_000)
-        service.publish(pub)
+    service, clock = _expiring(held)
     per_unit = _count_changes_per_unit(service.store)
     unit_s = REAP_SLICE_S / 4
     clocked = SimpleNamespace(perf_counter=lambda: len(per_unit) * unit_s)
@@ -155,15 +161,8 @@ def test_a_pass_takes_due_transfers_a_bounded_number_at_a_time(
     """Many transfers due at once: a reaper pass asks the store for at most
     ``DUE_PER_CALL`` at a time (one reply, one batch of keys), and asks again after a full
     batch while its slice lasts, so one pass with time to spare expires them all."""
-    clock = FakeClock()
-    service = BrokerService(clock=clock, config=CONFIG)
-    register_engine(service, SC.prefill, "P", Role.PREFILL, 0)
     held = 50
-    for i in range(held):
-        request = SC.request
-        service.publish(
-            Publication(f"t{i}", "P", request.prefill_block_ids, request.num_tokens, 1_000)
-        )
+    service, clock = _expiring(held)
     monkeypatch.setattr("broker.service.DUE_PER_CALL", 8)
     handed: list[int] = []
     due = service.store.due_transfers
@@ -185,10 +184,7 @@ def test_a_pass_takes_due_transfers_a_bounded_number_at_a_time(
     # Passes ending inside a batch (each unit a quarter of the slice) go on with the rest
     # of it, then ask again: the reaper says work is left until none is.
     for i in range(held):
-        request = SC.request
-        service.publish(
-            Publication(f"u{i}", "P", request.prefill_block_ids, request.num_tokens, 1_000)
-        )
+        _publish(service, f"u{i}", ttl_ms=1_000)
     per_unit = _count_changes_per_unit(service.store)
     now.perf_counter = lambda: len(per_unit) * REAP_SLICE_S / 4
     clock.advance(1_000)
