@@ -162,6 +162,18 @@ class BrokerMetrics(ServiceObserver):
             "unreachable, or shutting down).",
             registry=r,
         )
+        self.store_thread_busy = Counter(
+            "pdbroker_store_thread_busy_seconds",
+            "Seconds the store thread ran calls on a shared store (one call at a time): "
+            "growing by nearly a second a second, calls queue for it.",
+            registry=r,
+        )
+        self.store_thread_cpu = Counter(
+            "pdbroker_store_thread_cpu_seconds",
+            "CPU seconds of those calls; the rest of their busy seconds they waited for the "
+            "store's replies.",
+            registry=r,
+        )
         self._longest_stall = 0.0
         Gauge(
             "pdbroker_event_loop_longest_stall_seconds",
@@ -243,6 +255,11 @@ class BrokerMetrics(ServiceObserver):
         return MethodMetrics(self, (grpc_type, service, method))
 
     # ------------------------------------------------------------------ exposition
+
+    def store_call(self, seconds: float, cpu_seconds: float) -> None:
+        """A call ran ``seconds`` on the store thread, ``cpu_seconds`` of them on a CPU."""
+        self.store_thread_busy.inc(seconds)
+        self.store_thread_cpu.inc(cpu_seconds)
 
     def loop_stalled(self, seconds: float) -> None:
         """The event loop woke a task ``seconds`` late."""

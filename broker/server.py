@@ -381,7 +381,8 @@ class BrokerServer:
                 *self._connection_options(),
             ],
         )
-        servicer = self._servicer = BrokerServicer(self.service, self._guard)
+        timed = None if self.metrics is None else self.metrics.store_call
+        servicer = self._servicer = BrokerServicer(self.service, self._guard, timed)
         _add_broker(servicer, server, counted, servicer.traced)
         if counted is not None or servicer.traced:
             servicer.observe_message = partial(_observed_message, counted, servicer.traced)

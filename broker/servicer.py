@@ -29,6 +29,7 @@ import asyncio
 import contextvars
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial, wraps
@@ -95,9 +96,16 @@ class BrokerServicer(BatchedCalls, pb_grpc.BrokerServicer):
     """``pdbroker.v1.Broker`` over one :class:`BrokerService`; ``guard`` authorizes every
     call (None: callers are not identified, anyone may call anything)."""
 
-    def __init__(self, service: BrokerService, guard: AccessGuard | None = None) -> None:
+    def __init__(
+        self,
+        service: BrokerService,
+        guard: AccessGuard | None = None,
+        store_timed: Callable[[float, float], None] | None = None,
+    ) -> None:
         self.service = service
         self.guard = guard
+        #: Told each store-thread call's seconds and CPU seconds (None: not timed).
+        self.store_timed = store_timed
         #: Whether this process records spans (fixed when the server starts).
         self.traced = tracing.enabled()
         self._wakeups: dict[RankKey, set[asyncio.Event]] = {}
@@ -130,7 +138,18 @@ class BrokerServicer(BatchedCalls, pb_grpc.BrokerServicer):
         loop = asyncio.get_running_loop()
         self._loop, self._loop_thread = loop, threading.get_ident()
         context = contextvars.copy_context()
-        return await loop.run_in_executor(self._store_thread, context.run, function, *args)
+        return await loop.run_in_executor(self._store_thread, self._timed, context, function, args)
+
+    def _timed(self, context: contextvars.Context, function: Callable[..., T], args: tuple) -> T:
+        """``function(*args)`` in ``context``, on the store thread; its seconds and CPU
+        seconds told to :attr:`store_timed`."""
+        if self.store_timed is None:
+            return context.run(function, *args)
+        wall, cpu = time.perf_counter(), time.thread_time()
+        try:
+            return context.run(function, *args)
+        finally:
+            self.store_timed(time.perf_counter() - wall, time.thread_time() - cpu)
 
     def close(self) -> None:
         self._worker.shutdown(wait=False, cancel_futures=True)

@@ -9,15 +9,17 @@ each client on a connection of its own (the kernel spreads connections over the 
 in processes of their own have a connection each too). Per phase: plans/s, latency, broker
 CPU per plan (every worker's), and the scaling: plans/s over N times the one-worker plans/s
 at the same client count, measured in the same run (N = 1 must be among the counts). Read
-over the same window, the two limits that stop the scaling: Redis, which runs commands on
-one thread (its commands/s from ``INFO stats``, its CPU from /proc), and the host's cores
-(/proc/stat). After each phase, the host's own parallel efficiency at as many busy
+over the same window, the limits that stop the scaling: Redis, which runs commands on one
+thread (its commands/s from ``INFO stats``, its CPU from /proc), the host's cores
+(/proc/stat), and each worker's store thread, where its calls run one at a time (how long it
+ran calls and their CPU, from every worker's ``/metrics``). After each phase, the host's own parallel efficiency at as many busy
 processes as the phase ran (workers, client processes and Redis;
 :mod:`~harness.host_calibration`), and from it the host's scaling: that efficiency over the
 one-worker phase's at the same client count, the scaling the host itself would allow the
 workers. A phase names every limit it reached (:func:`limits`): Redis at
 :data:`REDIS_SATURATED` of a core, the host at :data:`HOST_SATURATED` of all its cores, and the
-host's cores where its efficiency is below :data:`TARGET_SCALING`. Where Redis is not
+host's cores where its efficiency is below :data:`TARGET_SCALING`, a worker's store thread
+at :data:`STORE_THREAD_SATURATED` of the time. Where Redis is not
 reached (a host with fewer cores than Redis could serve), Redis's CPU per plan gives the
 plans/s at which it would be: ``redis_saturated_per_s``, whatever the number of workers and
 replicas.
@@ -31,8 +33,11 @@ import os
 import shutil
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from broker.console import Progress
 from broker.errors import UsageError
@@ -51,6 +56,9 @@ TARGET_SCALING = 0.8
 REDIS_SATURATED = 0.9
 #: Share of all the host's cores at which the host is.
 HOST_SATURATED = 0.9
+#: Share of the wall time at which a worker's store thread (its calls on the store run one
+#: at a time there) is: calls queue for it.
+STORE_THREAD_SATURATED = 0.9
 #: (name, what the bench prints of ``emit(args, progress, name, result, table)``).
 Emit = Callable[[argparse.Namespace, Progress, str, dict, str], None]
 
@@ -110,7 +118,13 @@ def worker_scaling(
             p["scaling"] = round(p["plan_per_s"] / (p["workers"] * alone["plan_per_s"]), 3)
             p["host_scaling"] = round(p["host_efficiency"] / alone["host_efficiency"], 3)
             p["scaling_of_host"] = round(p["scaling"] / p["host_scaling"], 3)
-        p["limit"] = limits(p["redis_cpu_of_core"], p["host_cpu_busy"], p["host_efficiency"], cpus)
+        p["limit"] = limits(
+            p["redis_cpu_of_core"],
+            p["host_cpu_busy"],
+            p["host_efficiency"],
+            p["store_thread_busy"],
+            cpus,
+        )
     return {
         "model": sc.model.name,
         "prefill_tp": sc.prefill.tp_size,
@@ -148,15 +162,27 @@ def _phases(
     progress.phase(f"starting a broker of {workers} workers")
     broker = BrokerProcess(
         *("--workers", str(workers), "--store", server.url, "--log-level", "ERROR"),
+        *("--metrics-port", "0"),
         *("--max-transfers", capacity, "--max-transfers-per-engine", capacity),
         *("--default-ttl-ms", "600000", "--lease-ttl-ms", "600000"),  # outlast the run
     )
     store = redis.Redis.from_url(server.url)
     decode_ids = [list(g) for g in sc.request.decode_block_ids]
 
+    metrics_urls = [line.rsplit(" ", 1)[1] for line in broker.announced if "metrics on" in line]
+    assert len(metrics_urls) == workers, broker.announced
+
     def meter() -> tuple[float, ...]:
         commands = store.info("stats")["total_commands_processed"]
-        return time.monotonic(), commands, cpu_seconds(server.process.pid), *host_cpu_seconds()
+        threads = [store_thread_seconds(url) for url in metrics_urls]
+        return (
+            time.monotonic(),
+            commands,
+            cpu_seconds(server.process.pid),
+            *host_cpu_seconds(),
+            *(busy for busy, _ in threads),
+            *(cpu for _, cpu in threads),
+        )
 
     phases = []
     try:
@@ -183,7 +209,8 @@ def _phases(
                     OWN_CONNECTIONS,
                     meter,
                 )
-                wall, commands, redis_cpu, busy, total = run.metered
+                wall, commands, redis_cpu, busy, total, *threads = run.metered
+                store_busy, store_cpu = threads[:workers], threads[workers:]
                 redis_us = redis_cpu / run.entries * 1e6
                 phase: dict[str, object] = {
                     "workers": workers,
@@ -197,6 +224,8 @@ def _phases(
                     "redis_cpu_us_per_plan": round(redis_us, 1),
                     "redis_saturated_per_s": round(REDIS_SATURATED * 1e6 / redis_us),
                     "host_cpu_busy": round(busy / total, 3),
+                    "store_thread_busy": round(max(store_busy) / wall, 3),
+                    "store_thread_waiting": round(1 - sum(store_cpu) / sum(store_busy), 3),
                 }
                 busy_processes = workers + procs + 1  # Redis runs commands on one thread
                 progress.phase(f"the host: {busy_processes} probe processes")
@@ -211,11 +240,18 @@ def _phases(
     return phases
 
 
-def limits(redis_of_core: float, host_busy: float, host_efficiency: float, cpus: int) -> str:
+def limits(
+    redis_of_core: float,
+    host_busy: float,
+    host_efficiency: float,
+    store_thread_busy: float,
+    cpus: int,
+) -> str:
     """Every limit a phase reached, '; '-separated ('' for none): Redis with its one core at
     least :data:`REDIS_SATURATED` busy; the host's CPU with all of it at least
     :data:`HOST_SATURATED` busy; the host's cores where, at the phase's process count, each
-    probe process ran below :data:`TARGET_SCALING` of one alone."""
+    probe process ran below :data:`TARGET_SCALING` of one alone; a worker's store thread
+    busy at least :data:`STORE_THREAD_SATURATED` of the time (its calls queue for it)."""
     named = []
     if redis_of_core >= REDIS_SATURATED:
         named.append("Redis (one core)")
@@ -223,7 +259,25 @@ def limits(redis_of_core: float, host_busy: float, host_efficiency: float, cpus:
         named.append(f"host CPU ({cpus} cores)")
     if host_efficiency < TARGET_SCALING:
         named.append(f"host cores (efficiency {host_efficiency:.3f})")
+    if store_thread_busy >= STORE_THREAD_SATURATED:
+        named.append("a worker's store thread")
     return "; ".join(named)
+
+
+def store_thread_seconds(metrics_url: str) -> tuple[float, float]:
+    """A broker process's store thread: seconds it ran calls and their CPU seconds, from its
+    ``/metrics``."""
+    with urllib.request.urlopen(metrics_url, timeout=5) as page:
+        text = page.read().decode()
+    found = {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+    return (
+        found["pdbroker_store_thread_busy_seconds_total"],
+        found["pdbroker_store_thread_cpu_seconds_total"],
+    )
 
 
 def table(r: dict) -> str:
@@ -237,7 +291,8 @@ def table(r: dict) -> str:
             f"{'workers':>7} {'clients':>7} {'plans/s':>8} {'p50 ms':>7} {'p99 ms':>7} "
             f"{'broker us':>9} {'scaling':>7} {'redis cmd/s':>11} {'cmd/plan':>8} "
             f"{'redis cpu':>9} {'redis us':>8} {'redis full':>10} {'host cpu':>8} "
-            f"{'procs':>5} {'host eff':>8} {'host scal':>9} {'of host':>7}  limit"
+            f"{'procs':>5} {'host eff':>8} {'host scal':>9} {'of host':>7} {'store':>5} "
+            f"{'waits':>5}  limit"
         ),
     ]
 
@@ -252,7 +307,8 @@ def table(r: dict) -> str:
             f"{p['redis_commands_per_plan']:>8.1f} {p['redis_cpu_of_core']:>9.0%} "
             f"{p['redis_cpu_us_per_plan']:>8.0f} {p['redis_saturated_per_s']:>10,} "
             f"{p['host_cpu_busy']:>8.0%} {p['host_processes']:>5} {p['host_efficiency']:>8.2f} "
-            f"{figure(p['host_scaling']):>9} {figure(p['scaling_of_host']):>7}  "
+            f"{figure(p['host_scaling']):>9} {figure(p['scaling_of_host']):>7} "
+            f"{p['store_thread_busy']:>5.0%} {p['store_thread_waiting']:>5.0%}  "
             f"{p['limit'] or '-'}" + (" (ran out of transfers)" if p["ran_out"] else "")
         )
     lines.append(
@@ -263,8 +319,11 @@ def table(r: dict) -> str:
         f"work rate of each of procs (workers + client processes + Redis) probe processes "
         f"run together, over one alone's ({r['probe_seconds']:g} s each); host scal: host eff "
         "over the 1-worker phase's (same clients), the scaling the host allows; of host: "
-        f"scaling / host scal. Limits: Redis at {REDIS_SATURATED:.0%} of its core, host CPU "
-        f"at {HOST_SATURATED:.0%} of all cores, host cores at host eff < {r['target_scaling']}"
+        "scaling / host scal; store: the busiest worker's store thread, its share of the time "
+        "running calls; waits: the share of the store threads' busy time spent waiting for "
+        f"Redis. Limits: Redis at {REDIS_SATURATED:.0%} of its core, host CPU at "
+        f"{HOST_SATURATED:.0%} of all cores, host cores at host eff < {r['target_scaling']}, "
+        f"a worker's store thread at {STORE_THREAD_SATURATED:.0%}"
     )
     return "\n".join(lines)
 

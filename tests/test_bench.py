@@ -193,6 +193,8 @@ def test_bench_control_plane_compares_worker_counts(capsys: pytest.CaptureFixtur
         assert 0 < p["host_cpu_busy"] <= 1
         assert p["host_processes"] == p["workers"] + 1 + 1  # one client process, Redis
         assert 0 < p["host_efficiency"] <= 1.5
+        # Every plan's calls ran on a store thread, for part of the phase, partly waiting.
+        assert 0 < p["store_thread_busy"] <= 1.05 and 0 < p["store_thread_waiting"] < 1
     assert phases[0]["host_scaling"] == 1.0
     assert phases[1]["host_scaling"] == round(
         phases[1]["host_efficiency"] / phases[0]["host_efficiency"], 3
@@ -213,20 +215,30 @@ def test_host_calibration_sees_processes_share_the_cores() -> None:
 
 
 @pytest.mark.parametrize(
-    ("redis", "busy", "host", "named"),
+    ("redis", "busy", "host", "store", "named"),
     [
-        (0.5, 0.5, 1.0, ""),
-        (0.5, 0.5, 0.8, ""),
-        (0.5, 0.5, 0.795, "host cores (efficiency 0.795)"),
-        (0.9, 0.5, 0.85, "Redis (one core)"),
-        (0.89, 0.9, 0.85, "host CPU (16 cores)"),
-        (0.95, 0.95, 0.6, "Redis (one core); host CPU (16 cores); host cores (efficiency 0.600)"),
+        (0.5, 0.5, 1.0, 0.5, ""),
+        (0.5, 0.5, 0.8, 0.89, ""),
+        (0.5, 0.5, 0.795, 0.5, "host cores (efficiency 0.795)"),
+        (0.9, 0.5, 0.85, 0.5, "Redis (one core)"),
+        (0.89, 0.9, 0.85, 0.5, "host CPU (16 cores)"),
+        (0.5, 0.5, 0.85, 0.9, "a worker's store thread"),
+        (
+            0.95,
+            0.95,
+            0.6,
+            0.95,
+            (
+                "Redis (one core); host CPU (16 cores); host cores (efficiency 0.600); "
+                "a worker's store thread"
+            ),
+        ),
     ],
 )
 def test_a_phase_names_every_limit_it_reached(
-    redis: float, busy: float, host: float, named: str
+    redis: float, busy: float, host: float, store: float, named: str
 ) -> None:
-    assert limits(redis, busy, host, 16) == named
+    assert limits(redis, busy, host, store, 16) == named
 
 
 def test_bench_scale_sweeps_both_stores(capsys: pytest.CaptureFixture[str], tmp_path) -> None:

@@ -88,7 +88,7 @@ def add_control_plane(kinds: argparse._SubParsersAction) -> argparse.ArgumentPar
         "efficiency at as many busy processes (workers + client processes + Redis) and the "
         "limits reached: Redis at 90%% of its core, the host's CPU at 90%% of all cores, the "
         "host's cores where that efficiency (each process's work rate over one alone's) is "
-        "below 0.8",
+        "below 0.8, a worker's store thread busy 90%% of the time",
     )
     return control
 
