@@ -15,10 +15,13 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import grpc
+import numpy as np
 import pytest
+from test_decode_checks import GOOD, REGIONS
 from test_vllm_connector import (
     DEADLINE_S,
     assert_poison_elsewhere,
@@ -36,18 +39,23 @@ from vllm_engines import (
 
 # isort: split
 # vllm_engines first: it configures vLLM for CPU and skips this module without vLLM.
+from google.protobuf.message import DecodeError
 from prometheus_client.parser import text_string_to_metric_families
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.request import RequestStatus
 
 from broker.v1 import broker_pb2 as pb
 from broker.v1 import broker_pb2_grpc as pb_grpc
+from broker.wire import pack
+from clients.plan_check import PlanRejected
+from clients.transport import RegionIndex
 from clients.vllm.metadata import (
     PREFILL_ENGINE,
     TRANSFER_ID,
     PdBrokerMetadata,
     PdBrokerWorkerMetadata,
 )
+from clients.vllm.worker import HandedPlans
 from harness.brokers import BrokerProcess
 
 #: The decode engine's calls about loads (the prefill engine makes none of these).
@@ -114,6 +122,33 @@ def decode_together(
             return {r: (blocks[r], tokens[r]) for r in legs}, metadata
         time.sleep(0.005)
     raise AssertionError(f"decode did not finish: {[q.status for q in requests.values()]}")
+
+
+def test_a_steps_handed_plans_are_checked_together_and_fail_alone() -> None:
+    """A worker parses and checks its rank's plans of a step at once when the first is read:
+    each load gets its plan and check; a plan that does not parse fails its load alone, and
+    one outside the rank's regions is refused alone."""
+    outside = pb.GetTransferPlanResponse()
+    outside.CopyFrom(GOOD)
+    outside.sources[1].local_descriptors = pack(np.array([[(2 << 20) + 1, 4096, 0]]))
+    outside.sources[1].remote_descriptors = pack(np.array([[(3 << 30) + 1, 4096, 0]]))
+    handed = HandedPlans(
+        {
+            "a": GOOD.SerializeToString(),
+            "b": b"\xff\xff\xff",
+            "c": outside.SerializeToString(),
+            "d": GOOD.SerializeToString(),
+        }
+    )
+    rank = SimpleNamespace(region_index=RegionIndex(REGIONS), tp_rank=0)
+    for request_id in ("a", "d"):
+        plan, checked = handed.checked(request_id, rank)  # type: ignore[arg-type]
+        assert plan == GOOD and not isinstance(checked, PlanRejected)
+        assert [r.source for r in checked] == list(GOOD.sources)
+    with pytest.raises(DecodeError):
+        handed.checked("b", rank)  # type: ignore[arg-type]
+    plan, checked = handed.checked("c", rank)  # type: ignore[arg-type]
+    assert isinstance(checked, PlanRejected) and "outside rank 0's" in str(checked)
 
 
 @pytest.mark.parametrize(

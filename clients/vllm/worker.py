@@ -34,6 +34,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import torch
+from google.protobuf.message import DecodeError
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
 
@@ -350,17 +351,24 @@ class HandedPlans:
     def __init__(self, serialized: dict[str, bytes]) -> None:
         self.serialized = serialized
         self._checked: dict[str, tuple[pb.GetTransferPlanResponse, Checked]] | None = None
+        self._unreadable: dict[str, DecodeError] = {}
 
     def checked(
         self, request_id: str, session: RankSession
     ) -> tuple[pb.GetTransferPlanResponse, Checked]:
-        """``request_id``'s plan and its check on ``session``'s rank."""
+        """``request_id``'s plan and its check on ``session``'s rank; raises ``DecodeError``
+        for a plan that does not parse (that load alone fails)."""
         if self._checked is None:
-            plans = {
-                r: pb.GetTransferPlanResponse.FromString(b) for r, b in self.serialized.items()
-            }
+            plans = {}
+            for r, serialized in self.serialized.items():
+                try:
+                    plans[r] = pb.GetTransferPlanResponse.FromString(serialized)
+                except DecodeError as exc:
+                    self._unreadable[r] = exc
             checks = check_plans(list(plans.values()), session.region_index, session.tp_rank)
             self._checked = {r: (plan, c) for (r, plan), c in zip(plans.items(), checks)}
+        if request_id in self._unreadable:
+            raise self._unreadable[request_id]
         return self._checked[request_id]
 
 
