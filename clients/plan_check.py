@@ -74,12 +74,7 @@ def check_plan(
         if _overlap(local):
             raise PlanRejected(f"plan {plan.plan_id} writes some bytes of rank {tp_rank} twice")
         # Inside the regions and disjoint: every sum below is bounded by the registered bytes.
-        lengths = local[:, 1]
-        if len(reads) == 1:
-            sums = [int(_sum(lengths))]
-        else:
-            starts = np.cumsum([0] + [len(r.local) for r in reads[:-1]])
-            sums = np.add.reduceat(lengths, starts).tolist()
+        sums = _source_sums(local[:, 1], [len(r.local) for r in reads])
         for i, (read, nbytes) in enumerate(zip(reads, sums)):
             if nbytes != read.source.total_bytes:
                 raise PlanRejected(
@@ -166,40 +161,39 @@ def _checked_together(
         return None
     local = descriptor_array(b"".join(local_bytes))
     remote = descriptor_array(b"".join(remote_bytes))
-    lengths = local[:, 1]
-    if _any(lengths != remote[:, 1]):
+    if _any(local[:, 1] != remote[:, 1]):
         return None
-    rows = np.array(counts)
-    local_kinds = sorted({k for k, _ in kinds})
-    if len(local_kinds) == 1:
-        if not index.covers(local, local_kinds[0]):
-            return None
-    else:
-        row_kinds = np.repeat([k for k, _ in kinds], rows)
-        if not all(index.covers(local[row_kinds == k], k) for k in local_kinds):
-            return None
-    starts = np.zeros(len(counts), dtype=np.intp)
-    np.cumsum(rows[:-1], out=starts[1:])
-    sums = np.add.reduceat(lengths, starts).tolist()
-    if any(nbytes != source.total_bytes for nbytes, source in zip(sums, sources)):
+    reads, row = [], 0
+    for source, count, (local_kind, remote_kind) in zip(sources, counts, kinds):
+        end = row + count
+        reads.append(SourceRead(source, local[row:end], remote[row:end], local_kind, remote_kind))
+        row = end
+    if not all(index.covers(rows, kind) for kind, rows in _by_kind(reads, local)):
         return None
     per_plan = [len(plan.sources) for plan in plans]
-    if _overlap(local, np.repeat(np.repeat(np.arange(len(plans)), per_plan), rows)):
+    if _overlap(local, np.repeat(np.repeat(np.arange(len(plans)), per_plan), counts)):
+        return None
+    # Inside the regions and disjoint: every sum below is bounded by the registered bytes.
+    sums = _source_sums(local[:, 1], counts)
+    if any(nbytes != source.total_bytes for nbytes, source in zip(sums, sources)):
         return None
     checked: list[Checked] = []
-    first = row = 0
+    first = 0
     for plan, n in zip(plans, per_plan):
-        mine = range(first, first + n)
-        if sum(sources[i].total_bytes for i in mine) != plan.total_bytes:
+        mine, first = reads[first : first + n], first + n
+        if sum(r.source.total_bytes for r in mine) != plan.total_bytes:
             return None
-        reads = []
-        for i in mine:
-            end = row + counts[i]
-            reads.append(SourceRead(sources[i], local[row:end], remote[row:end], *kinds[i]))
-            row = end
-        checked.append(reads)
-        first += n
+        checked.append(mine)
     return checked
+
+
+def _source_sums(lengths: np.ndarray, counts: Sequence[int]) -> list[int]:
+    """The sum of each run of ``counts`` consecutive ``lengths``."""
+    if len(counts) == 1:
+        return [int(_sum(lengths))]
+    starts = np.zeros(len(counts), dtype=np.intp)
+    np.cumsum(counts[:-1], out=starts[1:])
+    return np.add.reduceat(lengths, starts).tolist()
 
 
 def _where(plan: pb.GetTransferPlanResponse, i: int) -> str:
