@@ -1,7 +1,9 @@
 """Times every garbage collection of a ``pdbroker serve`` process: with this folder on
 ``PYTHONPATH`` and ``PDBROKER_GC_PROBE_DIR`` set, each broker process the command starts
 writes ``<pid>.json`` there when it exits (seconds since start, generation, ms, objects
-collected); ``benchmarks/gc_pauses.py DIR`` summarises them.
+collected); ``benchmarks/gc_pauses.py DIR`` summarises them. On ``SIGUSR1`` it writes
+``<pid>-garbage-<n>.json``: what a full collection frees then, counted by type
+(``benchmarks/gc_garbage.py`` asks for it around a number of calls).
 
     PDBROKER_GC_PROBE_DIR=/tmp/gc PYTHONPATH=.:benchmarks/gc_probe \\
         .venv/bin/python -m broker.cli bench scale --engines 256 --held 100 --tp 8 \\
@@ -15,8 +17,10 @@ import atexit
 import gc
 import json
 import os
+import signal
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 _DIR = os.environ.get("PDBROKER_GC_PROBE_DIR")
@@ -38,5 +42,16 @@ if _DIR and "serve" in sys.argv:
         path = Path(_DIR) / f"{os.getpid()}.json"
         path.write_text(json.dumps({"argv": sys.argv, "collections": _records}))
 
+    def _census(signum: int, frame: object) -> None:
+        gc.set_debug(gc.DEBUG_SAVEALL)  # keep what a collection would free, to count it
+        gc.collect()
+        found = Counter(f"{type(o).__module__}.{type(o).__qualname__}" for o in gc.garbage)
+        gc.garbage.clear()
+        gc.set_debug(0)
+        done = len(list(Path(_DIR).glob(f"{os.getpid()}-garbage-*.json")))
+        path = Path(_DIR) / f"{os.getpid()}-garbage-{done}.json"
+        path.write_text(json.dumps(found.most_common()))
+
     gc.callbacks.append(_timed)
     atexit.register(_write)
+    signal.signal(signal.SIGUSR1, _census)
