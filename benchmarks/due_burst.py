@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from broker.commands.serve import tune_collector
+from broker.commands.collector import tune_collector
 from broker.presets import resolve_model
 from broker.store.contract import StateStore
 from broker.store.memory import InMemoryStateStore
