@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+#: Threads that run a broker process's calls on a shared store (they take turns running
+#: service code, and wait for Redis together: :mod:`broker.store.turns`).
+STORE_THREADS = 4
+
 
 @dataclass(frozen=True)
 class ServiceConfig:

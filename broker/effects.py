@@ -12,6 +12,7 @@ then the refusal's error is raised; any other exception commits nothing.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from functools import partial, wraps
 from typing import Any, Protocol, TypeVar
@@ -70,6 +71,12 @@ def atomic(method: Callable[..., T]) -> Callable[..., T]:
     return call
 
 
+class _InProgress(threading.local):
+    """A thread's unit of work's side effects (None: no unit is in progress)."""
+
+    queued: list[Callable[[], object]] | None = None
+
+
 class Effects:
     """Applies transfer decisions to the store and runs side effects after the commit.
 
@@ -88,8 +95,16 @@ class Effects:
         self.rules = rules
         self.release_budget = release_budget
         self.listeners: list[Callable[[RankKey], None]] = []
-        #: Side effects of the unit of work in progress (None: none is).
-        self.queued: list[Callable[[], object]] | None = None
+        self._in_progress = _InProgress()
+
+    @property
+    def queued(self) -> list[Callable[[], object]] | None:
+        """Side effects of this thread's unit of work in progress (None: none is)."""
+        return self._in_progress.queued
+
+    @queued.setter
+    def queued(self, queued: list[Callable[[], object]] | None) -> None:
+        self._in_progress.queued = queued
 
     def later(self, effect: Callable[..., object], *args: Any, **kwargs: Any) -> None:
         """Run ``effect`` once the unit in progress committed (now outside any unit)."""

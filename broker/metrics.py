@@ -162,16 +162,28 @@ class BrokerMetrics(ServiceObserver):
             "unreachable, or shutting down).",
             registry=r,
         )
+        self.store_threads = Gauge(
+            "pdbroker_store_threads",
+            "Threads that run calls on a shared store (--store-threads).",
+            registry=r,
+        )
         self.store_thread_busy = Counter(
             "pdbroker_store_thread_busy_seconds",
-            "Seconds the store thread ran calls on a shared store (one call at a time): "
-            "growing by nearly a second a second, calls queue for it.",
+            "Seconds the store threads ran calls on a shared store, summed over the threads: "
+            "growing by nearly pdbroker_store_threads a second, calls queue for them.",
             registry=r,
         )
         self.store_thread_cpu = Counter(
             "pdbroker_store_thread_cpu_seconds",
             "CPU seconds of those calls; the rest of their busy seconds they waited for the "
-            "store's replies.",
+            "store's replies or for their turn.",
+            registry=r,
+        )
+        self.store_turn = Counter(
+            "pdbroker_store_turn_seconds",
+            "Seconds those calls held the turn to run service code (one call at a time, "
+            "waits for the store excluded): growing by nearly a second a second, calls queue "
+            "for the turn.",
             registry=r,
         )
         self._longest_stall = 0.0
@@ -256,10 +268,12 @@ class BrokerMetrics(ServiceObserver):
 
     # ------------------------------------------------------------------ exposition
 
-    def store_call(self, seconds: float, cpu_seconds: float) -> None:
-        """A call ran ``seconds`` on the store thread, ``cpu_seconds`` of them on a CPU."""
+    def store_call(self, seconds: float, cpu_seconds: float, turn_seconds: float) -> None:
+        """A call ran ``seconds`` on a store thread, ``cpu_seconds`` of them on a CPU and
+        ``turn_seconds`` holding the turn."""
         self.store_thread_busy.inc(seconds)
         self.store_thread_cpu.inc(cpu_seconds)
+        self.store_turn.inc(turn_seconds)
 
     def loop_stalled(self, seconds: float) -> None:
         """The event loop woke a task ``seconds`` late."""

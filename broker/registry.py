@@ -241,7 +241,7 @@ class Registry:
         if start + TRANSFERS_PER_UNIT < len(keys):
             store.put_loss(replace(loss, done_through=keys[start + TRANSFERS_PER_UNIT - 1]))
             return True
-        del self._loss_keys[loss.key]
+        self._loss_keys.pop(loss.key, None)  # another thread's call may have told it too
         if stored:
             store.delete_loss(loss)
         return False
@@ -251,7 +251,7 @@ class Registry:
         ``time.perf_counter()`` reaches ``until``; returns whether some are left."""
         losses = self.store.losses()
         for key in self._loss_keys.keys() - {loss.key for loss in losses}:
-            del self._loss_keys[key]  # finished elsewhere, or its unit did not commit
+            self._loss_keys.pop(key, None)  # finished elsewhere, or its unit did not commit
         for loss in losses:
             while True:
                 if time.perf_counter() >= until:

@@ -37,6 +37,7 @@ from grpc_reflection.v1alpha import reflection
 from broker import tracing
 from broker.auth import Authenticator
 from broker.calls import OFFLOAD_REQUEST_BYTES, Refused, abort
+from broker.config import STORE_THREADS
 from broker.errors import (
     StoreUnavailableError,
 )
@@ -310,6 +311,9 @@ class BrokerServer:
     ``reuse_port``: bind both ports with ``SO_REUSEPORT``, so that other processes doing the
     same serve them too (the kernel spreads connections over them); without it a port in
     use fails :meth:`start`.
+
+    ``store_threads``: threads that run calls on a shared store, taking turns running
+    service code (:mod:`broker.store.turns`): while one waits for Redis, another works.
     """
 
     def __init__(
@@ -324,9 +328,13 @@ class BrokerServer:
         idle_timeout_ms: int | None = None,
         metrics: BrokerMetrics | None = None,
         reuse_port: bool = False,
+        store_threads: int = STORE_THREADS,
     ) -> None:
+        if store_threads < 1:
+            raise ValueError(f"store_threads: {store_threads} is not a positive count")
         self.service = service
         self.reuse_port = reuse_port
+        self.store_threads = store_threads
         self.metrics = metrics
         self.max_connections = max_connections
         self.handshake_timeout_ms = handshake_timeout_ms
@@ -381,8 +389,13 @@ class BrokerServer:
                 *self._connection_options(),
             ],
         )
-        timed = None if self.metrics is None else self.metrics.store_call
-        servicer = self._servicer = BrokerServicer(self.service, self._guard, timed)
+        timed = None
+        if self.metrics is not None:
+            timed = self.metrics.store_call
+            self.metrics.store_threads.set(self.store_threads if self.service.store.blocking else 0)
+        servicer = self._servicer = BrokerServicer(
+            self.service, self._guard, timed, self.store_threads
+        )
         _add_broker(servicer, server, counted, servicer.traced)
         if counted is not None or servicer.traced:
             servicer.observe_message = partial(_observed_message, counted, servicer.traced)

@@ -9,11 +9,13 @@ Translating is pure, and for a registration (its layout's validation) or a reque
 block ids it is the costly part of a call: those run on a worker thread
 (:meth:`BrokerServicer.offload`), as do planning large transfers and turning large plans into
 descriptors and bytes, so the event loop keeps answering health checks and keep-alives
-meanwhile. Calls into the service (and authorization, which reads the store) run one at a
-time, in order: on the loop for a store in memory, on a thread of their own for a store that
-waits on I/O (:attr:`~broker.store.contract.StateStore.blocking`, Redis;
-:meth:`BrokerServicer.stored`), so a slow round trip to Redis holds only the calls that wait
-for the store, never health checks, streams or the loop.
+meanwhile. Calls into the service (and authorization, which reads the store) run on the loop
+for a store in memory, one at a time; for a store that waits on I/O
+(:attr:`~broker.store.contract.StateStore.blocking`, Redis; :meth:`BrokerServicer.stored`) on
+a few store threads that take turns running service code and wait for Redis together
+(:mod:`broker.store.turns`), so a slow round trip to Redis holds only the calls that wait for
+the store, never health checks, streams or the loop, and one call's round trips overlap
+others' work.
 
 Trace context: ``PublishBlocks`` keeps the ``traceparent`` its caller sent in metadata with
 the transfer (tracing on or off here, so engines that trace get one trace per transfer through
@@ -59,6 +61,7 @@ from broker.limits import LIMITS
 from broker.plans import Planned, PlanTicket
 from broker.records import RankKey
 from broker.service import BrokerService
+from broker.store.turns import Turns, last_held
 from broker.v1 import broker_pb2 as pb
 from broker.v1 import broker_pb2_grpc as pb_grpc
 from broker.wire import count_block_ids, ident, optional_ident, text
@@ -100,11 +103,13 @@ class BrokerServicer(BatchedCalls, pb_grpc.BrokerServicer):
         self,
         service: BrokerService,
         guard: AccessGuard | None = None,
-        store_timed: Callable[[float, float], None] | None = None,
+        store_timed: Callable[[float, float, float], None] | None = None,
+        store_threads: int = 1,
     ) -> None:
         self.service = service
         self.guard = guard
-        #: Told each store-thread call's seconds and CPU seconds (None: not timed).
+        #: Told each store call's seconds, CPU seconds and seconds holding the turn (None:
+        #: not timed).
         self.store_timed = store_timed
         #: Whether this process records spans (fixed when the server starts).
         self.traced = tracing.enabled()
@@ -112,10 +117,11 @@ class BrokerServicer(BatchedCalls, pb_grpc.BrokerServicer):
         service.add_release_listener(self.wake_from_any_thread)
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="pdbroker-work")
         self._store_thread = (
-            ThreadPoolExecutor(1, thread_name_prefix="pdbroker-store")
+            ThreadPoolExecutor(store_threads, thread_name_prefix="pdbroker-store")
             if service.store.blocking
             else None
         )
+        self._turns = Turns()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: int | None = None
 
@@ -131,8 +137,8 @@ class BrokerServicer(BatchedCalls, pb_grpc.BrokerServicer):
 
     async def stored(self, function: Callable[..., T], *args: Any) -> T:
         """``function(*args)``, a call that reads or writes the store: here for a store in
-        memory, else on the store thread (calls still run one at a time, in the order made),
-        in this task's context (its trace)."""
+        memory, else on a store thread, taking turns with the others' calls
+        (:mod:`broker.store.turns`), in this task's context (its trace)."""
         if self._store_thread is None:
             return function(*args)
         loop = asyncio.get_running_loop()
@@ -141,15 +147,15 @@ class BrokerServicer(BatchedCalls, pb_grpc.BrokerServicer):
         return await loop.run_in_executor(self._store_thread, self._timed, context, function, args)
 
     def _timed(self, context: contextvars.Context, function: Callable[..., T], args: tuple) -> T:
-        """``function(*args)`` in ``context``, on the store thread; its seconds and CPU
-        seconds told to :attr:`store_timed`."""
+        """``function(*args)`` in ``context``, on a store thread holding the turn; its
+        seconds, CPU seconds and seconds holding the turn told to :attr:`store_timed`."""
         if self.store_timed is None:
-            return context.run(function, *args)
+            return self._turns.run(context.run, function, *args)
         wall, cpu = time.perf_counter(), time.thread_time()
         try:
-            return context.run(function, *args)
+            return self._turns.run(context.run, function, *args)
         finally:
-            self.store_timed(time.perf_counter() - wall, time.thread_time() - cpu)
+            self.store_timed(time.perf_counter() - wall, time.thread_time() - cpu, last_held())
 
     def close(self) -> None:
         self._worker.shutdown(wait=False, cancel_futures=True)

@@ -1,9 +1,12 @@
 """Shared pieces of the broker tests: a hand-driven clock, small hybrid models, fake memory
-regions and registrations built from :mod:`broker.models` layouts."""
+regions and registrations built from :mod:`broker.models` layouts, and a TCP proxy that
+delays replies."""
 
 from __future__ import annotations
 
 import asyncio
+import socket
+import threading
 import time
 
 import numpy as np
@@ -176,6 +179,54 @@ async def longest_loop_gap(stop: asyncio.Event, tick_s: float) -> float:
         now = time.perf_counter()
         longest, last = max(longest, now - last), now
     return longest
+
+
+class SlowProxy:
+    """A TCP proxy to ``port`` on the loopback that holds every reply ``delay_s``;
+    :attr:`most_held` is the most replies it held at once (on all its connections)."""
+
+    def __init__(self, port: int, delay_s: float) -> None:
+        self.target, self.delay_s = port, delay_s
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.most_held = 0
+        self._held = 0
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.target))
+            except OSError:  # the server stopped
+                client.close()
+                continue
+            for source, sink, delay in ((client, upstream, 0.0), (upstream, client, self.delay_s)):
+                threading.Thread(target=self._pipe, args=(source, sink, delay), daemon=True).start()
+
+    def _pipe(self, source: socket.socket, sink: socket.socket, delay_s: float) -> None:
+        try:
+            while data := source.recv(1 << 16):
+                if delay_s:
+                    with self._lock:
+                        self._held += 1
+                        self.most_held = max(self.most_held, self._held)
+                    time.sleep(delay_s)
+                    with self._lock:
+                        self._held -= 1
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            source.close()
+            sink.close()
+
+    def close(self) -> None:
+        self.listener.close()
 
 
 def reap_all(service: BrokerService) -> None:

@@ -339,14 +339,14 @@ def test_an_engine_read_ahead_is_watched(redis_server: RedisServer) -> None:
     assert prefill is not None
     interleave(store_a, "engine_ranks", lambda: service_b.keep_alive(prefill.lease_id))
     commits: list[bool] = []
-    commit = store_a._unit_link.commit
+    commit = store_a._units.link.commit
 
     def counted(commands: list) -> object:
         replies = commit(commands)
         commits.append(replies is not None)
         return replies
 
-    store_a._unit_link.commit = counted  # type: ignore[method-assign]
+    store_a._units.link.commit = counted  # type: ignore[method-assign]
     service_a.get_plan(query(sc, 0))
     assert commits == [False, True]
 

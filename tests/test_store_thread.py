@@ -8,8 +8,6 @@ several round trips fails once its deadline passed."""
 from __future__ import annotations
 
 import asyncio
-import socket
-import threading
 import time
 
 import grpc
@@ -18,7 +16,7 @@ from prerequisites import require_module
 
 redis = require_module("redis", "dev")
 
-from broker_helpers import hybrid, longest_loop_gap, register_request
+from broker_helpers import SlowProxy, hybrid, longest_loop_gap, register_request
 from conftest import RedisServer
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -105,45 +103,6 @@ def test_a_paused_redis_holds_only_the_calls_that_wait_for_it(redis_server: Redi
     assert timings["store call failed after"] < 3 * TIMEOUT_MS / 1000, timings
     assert timings["longest loop stall"] < 0.1, timings
     assert timings["SERVING again after"] >= PAUSE_MS / 1000 - 0.05, timings
-
-
-class SlowProxy:
-    """A TCP proxy to ``port`` on the loopback that holds every reply ``delay_s``."""
-
-    def __init__(self, port: int, delay_s: float) -> None:
-        self.target, self.delay_s = port, delay_s
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            try:
-                upstream = socket.create_connection(("127.0.0.1", self.target))
-            except OSError:  # the server stopped
-                client.close()
-                continue
-            for source, sink, delay in ((client, upstream, 0.0), (upstream, client, self.delay_s)):
-                threading.Thread(target=_pipe, args=(source, sink, delay), daemon=True).start()
-
-    def close(self) -> None:
-        self.listener.close()
-
-
-def _pipe(source: socket.socket, sink: socket.socket, delay_s: float) -> None:
-    try:
-        while data := source.recv(1 << 16):
-            time.sleep(delay_s)
-            sink.sendall(data)
-    except OSError:
-        pass
-    finally:
-        source.close()
-        sink.close()
 
 
 def test_a_call_of_many_round_trips_fails_at_its_deadline(redis_server: RedisServer) -> None:

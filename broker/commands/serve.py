@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import logging
 import os
 import re
@@ -33,10 +32,11 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from broker.commands.collector import tune_collector
 from broker.commands.native_log import native_log_held
 from broker.commands.options import from_environment, listen_address, port, positive_int
 from broker.commands.serve_announce import Bound, announce_serving, announcer
-from broker.config import ServiceConfig
+from broker.config import STORE_THREADS, ServiceConfig
 from broker.errors import UsageError
 from broker.logs import FORMATS, configure_logging
 from broker.service import BrokerService
@@ -52,10 +52,6 @@ log = logging.getLogger("broker.serve")
 _DEFAULTS = ServiceConfig()
 DEFAULT_LISTEN = "127.0.0.1:50151"
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-#: Net allocations between young-generation collections (CPython's default is 700). A
-#: young collection walks about this many objects (mostly the reference cycles grpc.aio's
-#: server leaves behind every call), so this bounds its pause (docs/BENCHMARKS.md §13).
-GC_YOUNG_THRESHOLD = 5_000
 #: Connections a port holds at once: two per rank of a full broker (``max_ranks``), as an
 #: engine reconnecting may briefly hold its old and its new one.
 MAX_CONNECTIONS = 2 * _DEFAULTS.max_ranks
@@ -188,6 +184,15 @@ _INT_OPTIONS = (
         (
             "broker processes serving the port (and --health-port) together on a Redis "
             "--store; worker k of them serves metrics on port --metrics-port+k-1"
+        ),
+    ),
+    (
+        "--store-threads",
+        "PDBROKER_STORE_THREADS",
+        STORE_THREADS,
+        (
+            "threads per worker running calls on a Redis --store: they take turns running "
+            "the service's code, and wait for Redis together"
         ),
     ),
     (
@@ -448,6 +453,7 @@ def _server(
             idle_timeout_ms=args.idle_timeout_ms,
             metrics=metrics,
             reuse_port=args.workers > 1,
+            store_threads=args.store_threads,
         )
     except ValueError as exc:  # a bad certificate, key or tokens file, named by its flag
         raise UsageError.of(exc) from None
@@ -543,15 +549,6 @@ def _without(text: str, secret: str | None) -> str:
     if secret:
         text = text.replace(secret, "***")
     return " ".join(text.split())
-
-
-def tune_collector() -> None:
-    """The broker's collector policy, for tail latency: the heap so far (the imports) kept
-    out of full collections, which then walk only the broker's own records; the young
-    generation collected every :data:`GC_YOUNG_THRESHOLD` net allocations, not 700 (a plan's
-    short-lived objects do not count; longer pauses would hold every call they land in)."""
-    gc.freeze()
-    gc.set_threshold(GC_YOUNG_THRESHOLD, 20, 100)
 
 
 async def _serve(server: BrokerServer, bound: Callable[[], None]) -> None:

@@ -77,8 +77,8 @@ from broker.store.redis_unit import (
     Command,
     PlanBlobs,
     Recent,
+    ThreadUnits,
     Unit,
-    UnitLink,
     exchange,
     parse_rank,
     parse_transfer,
@@ -102,8 +102,8 @@ class RedisStateStore(RedisReleaseQueues, RedisRankLosses, RedisContacts, StateS
 
     ``rank_ttl_ms`` must exceed the service's lease TTL and ``transfer_ttl_ms`` the longest
     transfer TTL plus retention, so Redis never forgets what the service still needs.
-    Not thread-safe, like the service: use it from one thread (callbacks of
-    :meth:`subscribe_releases` run on their own).
+    Its caches are not thread-safe: threads take turns (:mod:`broker.store.turns`), each
+    thread's unit of work its own, on its own connection (:class:`ThreadUnits`).
     """
 
     blocking = True
@@ -121,8 +121,7 @@ class RedisStateStore(RedisReleaseQueues, RedisRankLosses, RedisContacts, StateS
         self.rank_ttl_ms = rank_ttl_ms
         self.transfer_ttl_ms = transfer_ttl_ms
         self.link = Availability(client)
-        self._unit: Unit | None = None
-        self._unit_link = UnitLink(client.connection_pool)
+        self._units = ThreadUnits(client.connection_pool)
         #: The tp ranks of each engine when last read in a unit of work.
         self._engine_members: dict[str, tuple[int, ...]] = {}
         #: Registrations by rank: (generation, decoded, encoded as stored).
@@ -161,11 +160,12 @@ class RedisStateStore(RedisReleaseQueues, RedisRankLosses, RedisContacts, StateS
     # ------------------------------------------------------------------ units of work
 
     def transact(self, operation: Callable[[], T], attempts: int = 32) -> T:
-        if self._unit is not None:
+        units = self._units
+        if units.unit is not None:
             return operation()
-        link = self._unit_link
+        link = units.link
         for _ in range(attempts):
-            self._unit = unit = Unit()
+            units.unit = unit = Unit()
             try:
                 result = operation()
                 if self.link.outage is not None:  # nothing can be committed
@@ -180,7 +180,7 @@ class RedisStateStore(RedisReleaseQueues, RedisRankLosses, RedisContacts, StateS
                 link.stale = link.stale or bool(unit.watched)
                 raise
             finally:
-                self._unit = None
+                units.unit = None
             return result
         raise ConflictError(f"gave up after {attempts} conflicting attempts")
 
@@ -194,7 +194,7 @@ class RedisStateStore(RedisReleaseQueues, RedisRankLosses, RedisContacts, StateS
     def _fetch(self, watch: Iterable[bytes], commands: list[Command]) -> list[Any]:
         """The raw replies to ``commands``, in one round trip; in a unit of work, on its link
         after ``WATCH`` of the keys of ``watch`` it does not watch yet."""
-        unit = self._unit
+        units, unit = self._units, self._units.unit
         if not commands:
             return []
         if unit is None:
@@ -207,15 +207,15 @@ class RedisStateStore(RedisReleaseQueues, RedisRankLosses, RedisContacts, StateS
         new = [k for k in dict.fromkeys(watch) if k not in unit.watched]
         unit.watched.update(new)
         if new:
-            return self._unit_link.exchange([("WATCH", *new), *commands])[1:]
-        return self._unit_link.exchange(commands)
+            return units.link.exchange([("WATCH", *new), *commands])[1:]
+        return units.link.exchange(commands)
 
     def _write(self, op: Callable[[Any], Any], record: object = None) -> None:
         """Apply ``op`` to the client now, or queue it for the unit's ``EXEC``."""
-        if self._unit is None:
+        if self._units.unit is None:
             op(self.client)
         else:
-            self._unit.queue(op, record)
+            self._units.unit.queue(op, record)
 
     def _run(self, name: str, keys: list[bytes], args: list[Any], client: Any) -> Any:
         """Script ``name`` now (by its digest), or queued for a unit's ``EXEC`` in full:
@@ -273,8 +273,8 @@ class RedisStateStore(RedisReleaseQueues, RedisRankLosses, RedisContacts, StateS
         self._registrations[key] = (record.generation, reg, encoded)
         self._indexed_ranks.put(keys[3], key)
         self._indexed_ranks.put(keys[8], key)
-        if self._unit is not None:
-            self._unit.ranks[key] = record
+        if self._units.unit is not None:
+            self._units.unit.ranks[key] = record
         self._write(lambda c: self._run("put_rank", keys, args, c), ("rank", key))
 
     def get_rank(self, key: RankKey) -> RankRecord | None:
@@ -283,7 +283,7 @@ class RedisStateStore(RedisReleaseQueues, RedisRankLosses, RedisContacts, StateS
     def _rank_at(self, index: bytes, matches: Callable[[RankRecord], bool]) -> RankRecord | None:
         """The rank an index key names, if it still ``matches`` (pending writes first); the
         rank it named when last seen is read in the same round trip."""
-        pending = {} if self._unit is None else self._unit.ranks
+        pending = {} if self._units.unit is None else self._units.unit.ranks
         guess = self._indexed_ranks.get(index)
         guessed = (
             [] if guess is None or guess in pending else [self._key("rank", rank_member(guess))]
@@ -318,19 +318,19 @@ class RedisStateStore(RedisReleaseQueues, RedisRankLosses, RedisContacts, StateS
             *self._deployment_key(key[0]),
         ]
         args = [rank_member(key), key[1], self._prefix_of("lease"), self._prefix_of("agent")]
-        if self._unit is not None:
-            self._unit.ranks[key] = None
+        if self._units.unit is not None:
+            self._units.unit.ranks[key] = None
         self._write(lambda c: self._run("delete_rank", keys, args, c), ("rank", key))
 
     def engine_ranks(self, engine_id: str) -> list[RankRecord]:
         engine_key = self._key("engine", engine_id)
-        if self._unit is None:  # one round trip
+        if self._units.unit is None:  # one round trip
             rows = self._run(
                 "engine", [engine_key], [self._prefix_of("rank"), engine_id], self.client
             )
             records = (self._decode_rank((engine_id, int(tp)), row) for tp, *row in rows)
             return sorted((r for r in records if r is not None), key=lambda r: r.key[1])
-        unit = self._unit
+        unit = self._units.unit
         if engine_id not in unit.engines_ahead:
             self._read_engines([engine_id, *sorted(unit.near_engines - {engine_id})])
             unit.near_engines = frozenset()
@@ -350,7 +350,7 @@ class RedisStateStore(RedisReleaseQueues, RedisRankLosses, RedisContacts, StateS
         """Read (and watch) the engines' sets of ranks in one round trip, each with the ranks
         it had when last read here (so one round trip unless they changed), for the unit's
         :meth:`engine_ranks` to take."""
-        assert self._unit is not None
+        assert self._units.unit is not None
         watch: list[bytes] = []
         reads: list[Command] = []
         guesses = []
@@ -363,7 +363,7 @@ class RedisStateStore(RedisReleaseQueues, RedisRankLosses, RedisContacts, StateS
             guesses.append(guess)
         replies = self._fetch(watch, reads)
         for engine_id, guess in zip(engine_ids, guesses):
-            self._unit.engines_ahead[engine_id] = (guess, replies[: 1 + len(guess)])
+            self._units.unit.engines_ahead[engine_id] = (guess, replies[: 1 + len(guess)])
             del replies[: 1 + len(guess)]
 
     def count_ranks(self) -> int:
@@ -378,7 +378,7 @@ class RedisStateStore(RedisReleaseQueues, RedisRankLosses, RedisContacts, StateS
         ordered = list(names)
         keys = [self._key(index, name) for name in ordered for index in ("engine", "deployment")]
         members = self._run("named", keys, [self._prefix_of("rank"), *ordered], self.client)
-        pending = {} if self._unit is None else self._unit.ranks
+        pending = {} if self._units.unit is None else self._units.unit.ranks
         found = {parse_rank(m) for m in members} - pending.keys()
         found.update(k for k, r in pending.items() if r is not None and names_engine(names, k[0]))
         return sorted(found)
@@ -390,8 +390,8 @@ class RedisStateStore(RedisReleaseQueues, RedisRankLosses, RedisContacts, StateS
 
     def ranks(self) -> list[RankRecord]:
         keys = [parse_rank(m) for m in self.client.smembers(self._key("ranks"))]
-        if self._unit is not None:
-            keys = list(set(keys) | set(self._unit.ranks))
+        if self._units.unit is not None:
+            keys = list(set(keys) | set(self._units.unit.ranks))
         found = self._ranks(keys, watch=False)
         gone = [rank_member(k) for k, r in zip(keys, found) if r is None and not self._pending(k)]
         if gone:
@@ -399,12 +399,12 @@ class RedisStateStore(RedisReleaseQueues, RedisRankLosses, RedisContacts, StateS
         return sorted((r for r in found if r is not None), key=lambda r: r.key)
 
     def _pending(self, key: object) -> bool:
-        unit = self._unit
+        unit = self._units.unit
         return unit is not None and (key in unit.ranks or key in unit.transfers)
 
     def _ranks(self, keys: list[RankKey], watch: bool = True) -> list[RankRecord | None]:
         """The records at ``keys`` (``None`` where missing), in one round trip."""
-        pending = {} if self._unit is None else self._unit.ranks
+        pending = {} if self._units.unit is None else self._units.unit.ranks
         remote = [k for k in keys if k not in pending]
         rank_keys = [self._key("rank", rank_member(k)) for k in remote]
         reads: list[Command] = [("HMGET", k, *_RANK_FIELDS) for k in rank_keys]
@@ -435,14 +435,14 @@ class RedisStateStore(RedisReleaseQueues, RedisRankLosses, RedisContacts, StateS
             self._key("named", record.transfer_id),
             *(self._key("party", engine) for engine in sorted(record.parties)),
         ]
-        if self._unit is not None:
-            self._unit.transfers[key] = record
+        if self._units.unit is not None:
+            self._units.unit.transfers[key] = record
         for plan in record.plans:
             self._plan_transfers.put(plan.plan_id, key)
         named = self._named.get(keys[4]) or ()
         if key not in named:
             self._named.put(keys[4], (*named, key))
-        token, blob = self._plans.token_of(record, self._unit)
+        token, blob = self._plans.token_of(record, self._units.unit)
 
         def put(client: Any) -> Any:  # the record encoded once, when written
             text = codec.encode_transfer(record, token)
@@ -469,8 +469,8 @@ class RedisStateStore(RedisReleaseQueues, RedisRankLosses, RedisContacts, StateS
         member = transfer_member(key)
         keys = [self._key("transfer", member), self._key("deadlines"), self._key("transfers")]
         args = [member, self._prefix_of("plan"), self._prefix_of("party")]
-        if self._unit is not None:
-            self._unit.transfers[key] = None
+        if self._units.unit is not None:
+            self._units.unit.transfers[key] = None
         self._write(lambda c: self._run("delete_transfer", keys, args, c), ("transfer", key))
 
     def _indexed(
@@ -482,7 +482,7 @@ class RedisStateStore(RedisReleaseQueues, RedisRankLosses, RedisContacts, StateS
         """Transfer keys in set ``index``, with this unit's own writes (``belongs``). In a
         unit, the records of ``ahead`` (and the rank losses, if not read yet) are read and
         watched in the same round trip, for :meth:`_transfers` to take."""
-        unit = self._unit
+        unit = self._units.unit
         reads: list[Command] = [("SMEMBERS", index)]
         ahead = [] if unit is None else [k for k in ahead if k not in unit.transfers]
         hash_keys = [self._key("transfer", transfer_member(k)) for k in ahead]
@@ -515,8 +515,8 @@ class RedisStateStore(RedisReleaseQueues, RedisRankLosses, RedisContacts, StateS
         return self._indexed(self._key("party", engine_id), lambda t: engine_id in t.parties)
 
     def transfer_of_plan(self, plan_id: str) -> TransferKey | None:
-        if self._unit is not None:
-            for record in self._unit.transfers.values():
+        if self._units.unit is not None:
+            for record in self._units.unit.transfers.values():
                 if record is not None and record.plan_by_id(plan_id) is not None:
                     return record.key
         known = self._plan_transfers.get(plan_id)
@@ -540,8 +540,8 @@ class RedisStateStore(RedisReleaseQueues, RedisRankLosses, RedisContacts, StateS
 
     def transfers(self) -> Iterator[TransferRecord]:
         keys = {parse_transfer(m) for m in self.client.smembers(self._key("transfers"))}
-        if self._unit is not None:
-            keys |= set(self._unit.transfers)
+        if self._units.unit is not None:
+            keys |= set(self._units.unit.transfers)
         ordered = sorted(keys)
         found = self._transfers(ordered, watch=False)
         gone = [
@@ -556,7 +556,7 @@ class RedisStateStore(RedisReleaseQueues, RedisRankLosses, RedisContacts, StateS
     ) -> list[TransferRecord | None]:
         """The records of ``keys`` (``None`` where missing) in one round trip, plus one for
         the plans blobs whose token is not cached here."""
-        unit = self._unit
+        unit = self._units.unit
         pending = {} if unit is None else unit.transfers
         ahead = {} if unit is None else unit.read_ahead
         remote = [k for k in keys if k not in pending]

@@ -18,7 +18,7 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Callable
-from functools import wraps
+from functools import partial, wraps
 from types import FunctionType
 from typing import Any, TypeVar
 
@@ -29,6 +29,7 @@ from redis.retry import Retry
 from redis.utils import SENTINEL
 
 from broker.errors import StoreUnavailableError
+from broker.store.turns import waiting
 
 T = TypeVar("T")
 
@@ -73,11 +74,19 @@ DEADLINE = CallDeadline()
 
 
 class _Deadlined:
-    """A connection whose replies wait no longer than their call's :data:`DEADLINE`."""
+    """A connection whose replies wait no longer than their call's :data:`DEADLINE`, and
+    whose connects, sends and replies hand this thread's turn on
+    (:func:`~broker.store.turns.waiting`)."""
+
+    def connect(self) -> None:
+        waiting(super().connect)  # type: ignore[misc]
+
+    def send_packed_command(self, *args: Any, **kwargs: Any) -> None:
+        waiting(partial(super().send_packed_command, *args, **kwargs))  # type: ignore[misc]
 
     def read_response(self, *args: Any, timeout: Any = SENTINEL, **kwargs: Any) -> Any:
-        return super().read_response(  # type: ignore[misc]
-            *args, timeout=DEADLINE.remaining(timeout), **kwargs
+        return waiting(
+            partial(super().read_response, *args, timeout=DEADLINE.remaining(timeout), **kwargs)  # type: ignore[misc]
         )
 
 

@@ -13,7 +13,7 @@ import redis
 
 from broker.records import RankKey, RankLoss
 from broker.store.redis_link import fails_fast
-from broker.store.redis_unit import Unit, rank_member
+from broker.store.redis_unit import ThreadUnits, rank_member
 
 
 @fails_fast
@@ -21,7 +21,7 @@ class RedisRankLosses:
     """Rank losses for :class:`~broker.store.redis.RedisStateStore`."""
 
     transfer_ttl_ms: int
-    _unit: Unit | None
+    _units: ThreadUnits
     #: The store's key naming, reads and queued writes.
     _key: Callable[..., bytes]
     _fetch: Callable[..., list[Any]]
@@ -30,18 +30,18 @@ class RedisRankLosses:
     def put_loss(self, loss: RankLoss) -> None:
         key, field = self._key("losses"), _loss_field(loss)
         value, ttl = json.dumps([*loss.key, loss.why, *loss.done_through]), self.transfer_ttl_ms
-        if self._unit is not None:
-            self._unit.loss_writes[loss.key] = loss
+        if self._units.unit is not None:
+            self._units.unit.loss_writes[loss.key] = loss
         self._write(lambda c: (c.hset(key, field, value), c.pexpire(key, ttl)), ("loss", loss.key))
 
     def delete_loss(self, loss: RankLoss) -> None:
         key, field = self._key("losses"), _loss_field(loss)
-        if self._unit is not None:
-            self._unit.loss_writes[loss.key] = None
+        if self._units.unit is not None:
+            self._units.unit.loss_writes[loss.key] = None
         self._write(lambda c: c.hdel(key, field), ("loss", loss.key))
 
     def losses(self, engine_ids: Collection[str] | None = None) -> list[RankLoss]:
-        unit = self._unit
+        unit = self._units.unit
         read = None if unit is None else unit.losses_read
         if read is None:
             key = self._key("losses")
@@ -66,23 +66,23 @@ class RedisContacts:
 
     client: redis.Redis
     rank_ttl_ms: int
-    _unit: Unit | None
+    _units: ThreadUnits
     _key: Callable[..., bytes]
     _fetch: Callable[..., list[Any]]
     _write: Callable[..., None]
 
     def add_contact(self, decode: RankKey, agent: str) -> bool:
         key = self._key("contacts", rank_member(decode))
-        if self._unit is None:
+        if self._units.unit is None:
             with self.client.pipeline(transaction=False) as pipe:
                 pipe.sadd(key, agent)
                 pipe.pexpire(key, self.rank_ttl_ms)
                 added, _ = pipe.execute()
             return bool(added)
         (known,) = self._fetch([key], [("SISMEMBER", key, agent)])
-        if (decode, agent) in self._unit.contacts or known:
+        if (decode, agent) in self._units.unit.contacts or known:
             return False
-        self._unit.contacts.add((decode, agent))
+        self._units.unit.contacts.add((decode, agent))
         ttl = self.rank_ttl_ms
         self._write(lambda c: (c.sadd(key, agent), c.pexpire(key, ttl)))
         return True

@@ -6,6 +6,7 @@ records are named in Redis keys, and the decoded plans kept across units
 from __future__ import annotations
 
 import secrets
+import threading
 from collections.abc import Callable, Hashable
 from typing import Any, Generic, TypeVar
 
@@ -14,6 +15,7 @@ import redis
 from broker.planner import RankPlan
 from broker.records import RankKey, RankLoss, RankRecord, TransferKey, TransferRecord
 from broker.store import codec
+from broker.store.turns import waiting
 
 Command = tuple[Any, ...]
 K = TypeVar("K", bound=Hashable)
@@ -39,12 +41,16 @@ def pack(commands: list[Command]) -> bytes:
 
 
 def exchange(connection: Any, commands: list[Command]) -> list[Any]:
-    """The raw replies to ``commands``, sent on ``connection`` at once (one round trip). An
-    error reply, or no reply in time, raises and drops the connection (its other replies
-    unread)."""
-    connection.send_packed_command([pack(commands)])
+    """The raw replies to ``commands``, sent on ``connection`` at once (one round trip), with
+    this thread's turn handed on meanwhile (:func:`~broker.store.turns.waiting`). An error
+    reply, or no reply in time, raises and drops the connection (its other replies unread)."""
+    return waiting(_exchange, connection, pack(commands), len(commands))
+
+
+def _exchange(connection: Any, packed: bytes, count: int) -> list[Any]:
+    connection.send_packed_command([packed])
     try:
-        return [connection.read_response() for _ in commands]
+        return [connection.read_response() for _ in range(count)]
     except BaseException:
         connection.disconnect()
         raise
@@ -119,6 +125,15 @@ class Unit:
         slot = object() if record is None else record
         self.ops.pop(slot, None)
         self.ops[slot] = op
+
+
+class ThreadUnits(threading.local):
+    """A thread's unit of work in progress, and the connection its units watch and commit
+    on."""
+
+    def __init__(self, pool: redis.ConnectionPool) -> None:
+        self.unit: Unit | None = None
+        self.link = UnitLink(pool)
 
 
 def transfer_member(key: TransferKey) -> str:
