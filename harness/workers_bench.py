@@ -11,15 +11,16 @@ CPU per plan (every worker's), and the scaling: plans/s over N times the one-wor
 at the same client count, measured in the same run (N = 1 must be among the counts). Read
 over the same window, the limits that stop the scaling: Redis, which runs commands on one
 thread (its commands/s from ``INFO stats``, its CPU from /proc), the host's cores
-(/proc/stat), and each worker's store thread, where its calls run one at a time (how long it
-ran calls and their CPU, from every worker's ``/metrics``). After each phase, the host's own parallel efficiency at as many busy
+(/proc/stat), and each worker's store threads, which run its calls taking turns at its
+service code (how long they ran calls, their CPU and how long they held the turn, from every
+worker's ``/metrics``); with ``--store-threads`` several counts, every phase for each. After each phase, the host's own parallel efficiency at as many busy
 processes as the phase ran (workers, client processes and Redis;
 :mod:`~harness.host_calibration`), and from it the host's scaling: that efficiency over the
 one-worker phase's at the same client count, the scaling the host itself would allow the
 workers. A phase names every limit it reached (:func:`limits`): Redis at
 :data:`REDIS_SATURATED` of a core, the host at :data:`HOST_SATURATED` of all its cores, and the
-host's cores where its efficiency is below :data:`TARGET_SCALING`, a worker's store thread
-at :data:`STORE_THREAD_SATURATED` of the time. Where Redis is not
+host's cores where its efficiency is below :data:`TARGET_SCALING`, a worker's store threads
+all busy, or its turn held, :data:`STORE_THREAD_SATURATED` of the time. Where Redis is not
 reached (a host with fewer cores than Redis could serve), Redis's CPU per plan gives the
 plans/s at which it would be: ``redis_saturated_per_s``, whatever the number of workers and
 replicas.
@@ -44,6 +45,7 @@ from broker.errors import UsageError
 from harness.bench_clients import client_ranks, client_specs, run_clients, warm_transfers
 from harness.bench_engines import BenchEngines, cpu_seconds
 from harness.brokers import OWN_CONNECTIONS, BrokerProcess
+from harness.delay_proxy import DelayProxy
 from harness.host_calibration import PROBE_SECONDS, alone_rate, host_efficiency
 from harness.redis_server import RedisServer, start_redis
 from harness.scenarios import Scenario
@@ -56,8 +58,8 @@ TARGET_SCALING = 0.8
 REDIS_SATURATED = 0.9
 #: Share of all the host's cores at which the host is.
 HOST_SATURATED = 0.9
-#: Share of the wall time at which a worker's store thread (its calls on the store run one
-#: at a time there) is: calls queue for it.
+#: Share of the wall time at which a worker's store threads (all of them busy), or its turn
+#: at service code (held by one call at a time), are saturated: calls queue for them.
 STORE_THREAD_SATURATED = 0.9
 #: (name, what the bench prints of ``emit(args, progress, name, result, table)``).
 Emit = Callable[[argparse.Namespace, Progress, str, dict, str], None]
@@ -85,8 +87,11 @@ def worker_scaling(
     clients: list[int],
     seconds: float,
     client_procs: int,
+    store_threads: list[int],
+    redis_delay_us: int = 0,
 ) -> dict:
-    """Every (workers, clients) phase on one private redis-server, with the scaling."""
+    """Every (store threads, workers, clients) phase on one private redis-server, with the
+    scaling."""
     import redis
 
     binary = shutil.which("redis-server")
@@ -98,21 +103,27 @@ def worker_scaling(
     alone_per_s = alone_rate()
     with tempfile.TemporaryDirectory(prefix="pdbroker-bench-redis-") as directory:
         server = start_redis(Path(directory), binary=binary)
+        proxy = DelayProxy.start(server.port, redis_delay_us) if redis_delay_us else None
+        broker_url = server.url if proxy is None else proxy.url()
         try:
             store = redis.Redis.from_url(server.url)
             version = store.info("server")["redis_version"]
             phases = []
-            for n in workers:
-                store.flushall()
-                phases += _phases(
-                    sc, progress, server, n, clients, seconds, client_procs, alone_per_s
-                )
+            for threads in store_threads:
+                for n in workers:
+                    store.flushall()
+                    phases += _phases(
+                        sc, progress, (server, broker_url), (n, threads), clients, seconds,
+                        client_procs, alone_per_s,
+                    )  # fmt: skip
         finally:
+            if proxy is not None:
+                proxy.stop()
             server.stop()
-    one = {p["clients"]: p for p in phases if p["workers"] == 1}
+    one = {(p["store_threads"], p["clients"]): p for p in phases if p["workers"] == 1}
     cpus = os.cpu_count() or 1
     for p in phases:
-        alone = one.get(p["clients"])
+        alone = one.get((p["store_threads"], p["clients"]))
         p["scaling"] = p["host_scaling"] = p["scaling_of_host"] = None
         if alone:
             p["scaling"] = round(p["plan_per_s"] / (p["workers"] * alone["plan_per_s"]), 3)
@@ -123,6 +134,7 @@ def worker_scaling(
             p["host_cpu_busy"],
             p["host_efficiency"],
             p["store_thread_busy"],
+            p["store_turn"],
             cpus,
         )
     return {
@@ -134,6 +146,7 @@ def worker_scaling(
         "cpus": os.cpu_count(),
         "cpu_model": cpu_model(),
         "redis_version": version,
+        "redis_delay_us": redis_delay_us,
         "target_scaling": TARGET_SCALING,
         "probe_seconds": PROBE_SECONDS,
         "probe_alone_per_s": round(alone_per_s),
@@ -144,24 +157,28 @@ def worker_scaling(
 def _phases(
     sc: Scenario,
     progress: Progress,
-    server: RedisServer,
-    workers: int,
+    redis_at: tuple[RedisServer, str],
+    broker_shape: tuple[int, int],
     clients: list[int],
     seconds: float,
     client_procs: int,
     alone_per_s: float,
 ) -> list[dict]:
-    """The phases of one broker of ``workers`` workers, a client count each, each followed by
-    the host's efficiency at as many busy processes (the broker and Redis idle)."""
+    """The phases of one broker of ``(workers, store threads each)``, a client count each,
+    each followed by the host's efficiency at as many busy processes (the broker and Redis
+    idle)."""
     import redis
 
+    workers, threads = broker_shape
+    server, broker_url = redis_at  # the brokers' URL: the server's, or a delaying proxy's
     d_tp = sc.decode.tp_size
     per_phase = math.ceil(seconds * PLANS_PER_S_PER_WORKER * workers / d_tp)  # transfers
     warmup = [f"warm-{i}" for i in range(20)]
     capacity = str(per_phase * len(clients) + sum(clients) + len(warmup) + 100)
-    progress.phase(f"starting a broker of {workers} workers")
+    progress.phase(f"starting a broker of {workers} workers, {threads} store threads each")
     broker = BrokerProcess(
-        *("--workers", str(workers), "--store", server.url, "--log-level", "ERROR"),
+        *("--workers", str(workers), "--store", broker_url, "--log-level", "ERROR"),
+        *("--store-threads", str(threads)),
         *("--metrics-port", "0"),
         *("--max-transfers", capacity, "--max-transfers-per-engine", capacity),
         *("--default-ttl-ms", "600000", "--lease-ttl-ms", "600000"),  # outlast the run
@@ -174,14 +191,15 @@ def _phases(
 
     def meter() -> tuple[float, ...]:
         commands = store.info("stats")["total_commands_processed"]
-        threads = [store_thread_seconds(url) for url in metrics_urls]
+        seconds = [store_thread_seconds(url) for url in metrics_urls]
         return (
             time.monotonic(),
             commands,
             cpu_seconds(server.process.pid),
             *host_cpu_seconds(),
-            *(busy for busy, _ in threads),
-            *(cpu for _, cpu in threads),
+            *(busy for busy, _, _ in seconds),
+            *(cpu for _, cpu, _ in seconds),
+            *(turn for _, _, turn in seconds),
         )
 
     phases = []
@@ -191,7 +209,7 @@ def _phases(
             engines.publish(warmup)
             engines.plan(warmup)
             for k, n in enumerate(clients):
-                progress.phase(f"{workers} workers, {n} clients, {seconds:g} s")
+                progress.phase(f"{workers} workers x {threads} threads, {n} clients, {seconds:g} s")
                 transfer_ids = [f"c{k}-{i}" for i in range(per_phase)]
                 specs = client_specs(f"c{k}", transfer_ids, d_tp, n, warm=True)
                 engines.publish(transfer_ids + warm_transfers(specs))
@@ -209,11 +227,13 @@ def _phases(
                     OWN_CONNECTIONS,
                     meter,
                 )
-                wall, commands, redis_cpu, busy, total, *threads = run.metered
-                store_busy, store_cpu = threads[:workers], threads[workers:]
+                wall, commands, redis_cpu, busy, total, *stores = run.metered
+                store_busy, store_cpu = stores[:workers], stores[workers : 2 * workers]
+                store_turn = stores[2 * workers :]
                 redis_us = redis_cpu / run.entries * 1e6
                 phase: dict[str, object] = {
                     "workers": workers,
+                    "store_threads": threads,
                     "clients": n,
                     "client_procs": procs,
                     "ran_out": run.ran_out,
@@ -224,7 +244,8 @@ def _phases(
                     "redis_cpu_us_per_plan": round(redis_us, 1),
                     "redis_saturated_per_s": round(REDIS_SATURATED * 1e6 / redis_us),
                     "host_cpu_busy": round(busy / total, 3),
-                    "store_thread_busy": round(max(store_busy) / wall, 3),
+                    "store_thread_busy": round(max(store_busy) / threads / wall, 3),
+                    "store_turn": round(max(store_turn) / wall, 3),
                     "store_thread_waiting": round(1 - sum(store_cpu) / sum(store_busy), 3),
                 }
                 busy_processes = workers + procs + 1  # Redis runs commands on one thread
@@ -245,13 +266,15 @@ def limits(
     host_busy: float,
     host_efficiency: float,
     store_thread_busy: float,
+    store_turn: float,
     cpus: int,
 ) -> str:
     """Every limit a phase reached, '; '-separated ('' for none): Redis with its one core at
     least :data:`REDIS_SATURATED` busy; the host's CPU with all of it at least
     :data:`HOST_SATURATED` busy; the host's cores where, at the phase's process count, each
-    probe process ran below :data:`TARGET_SCALING` of one alone; a worker's store thread
-    busy at least :data:`STORE_THREAD_SATURATED` of the time (its calls queue for it)."""
+    probe process ran below :data:`TARGET_SCALING` of one alone; a worker's store threads
+    all busy, or its turn held, at least :data:`STORE_THREAD_SATURATED` of the time (its
+    calls queue for them)."""
     named = []
     if redis_of_core >= REDIS_SATURATED:
         named.append("Redis (one core)")
@@ -260,13 +283,15 @@ def limits(
     if host_efficiency < TARGET_SCALING:
         named.append(f"host cores (efficiency {host_efficiency:.3f})")
     if store_thread_busy >= STORE_THREAD_SATURATED:
-        named.append("a worker's store thread")
+        named.append("a worker's store threads")
+    if store_turn >= STORE_THREAD_SATURATED:
+        named.append("a worker's turn")
     return "; ".join(named)
 
 
-def store_thread_seconds(metrics_url: str) -> tuple[float, float]:
-    """A broker process's store thread: seconds it ran calls and their CPU seconds, from its
-    ``/metrics``."""
+def store_thread_seconds(metrics_url: str) -> tuple[float, float, float]:
+    """A broker process's store threads: seconds they ran calls, their CPU seconds and the
+    seconds those held the turn, from its ``/metrics``."""
     with urllib.request.urlopen(metrics_url, timeout=5) as page:
         text = page.read().decode()
     found = {
@@ -277,6 +302,7 @@ def store_thread_seconds(metrics_url: str) -> tuple[float, float]:
     return (
         found["pdbroker_store_thread_busy_seconds_total"],
         found["pdbroker_store_thread_cpu_seconds_total"],
+        found["pdbroker_store_turn_seconds_total"],
     )
 
 
@@ -285,14 +311,20 @@ def table(r: dict) -> str:
     lines = [
         (
             f"{r['model']} {r['tokens']} tokens TP{r['prefill_tp']}->TP{r['decode_tp']}, "
-            f"redis-server {r['redis_version']}; {r['cpus']} CPUs ({r['cpu_model']})"
+            f"redis-server {r['redis_version']}"
+            + (
+                f" behind a proxy holding replies {r['redis_delay_us']} us"
+                if r["redis_delay_us"]
+                else ""
+            )
+            + f"; {r['cpus']} CPUs ({r['cpu_model']})"
         ),
         (
-            f"{'workers':>7} {'clients':>7} {'plans/s':>8} {'p50 ms':>7} {'p99 ms':>7} "
+            f"{'workers':>7} {'threads':>7} {'clients':>7} {'plans/s':>8} {'p50 ms':>7} {'p99 ms':>7} "
             f"{'broker us':>9} {'scaling':>7} {'redis cmd/s':>11} {'cmd/plan':>8} "
             f"{'redis cpu':>9} {'redis us':>8} {'redis full':>10} {'host cpu':>8} "
             f"{'procs':>5} {'host eff':>8} {'host scal':>9} {'of host':>7} {'store':>5} "
-            f"{'waits':>5}  limit"
+            f"{'turn':>5} {'waits':>5}  limit"
         ),
     ]
 
@@ -301,29 +333,31 @@ def table(r: dict) -> str:
 
     for p in r["phases"]:
         lines.append(
-            f"{p['workers']:>7} {p['clients']:>7} {p['plan_per_s']:>8,.0f} "
+            f"{p['workers']:>7} {p['store_threads']:>7} {p['clients']:>7} {p['plan_per_s']:>8,.0f} "
             f"{p['plan_p50_ms']:>7.2f} {p['plan_p99_ms']:>7.2f} {p['plan_broker_cpu_us']:>9.0f} "
             f"{figure(p['scaling']):>7} {p['redis_commands_per_s']:>11,} "
             f"{p['redis_commands_per_plan']:>8.1f} {p['redis_cpu_of_core']:>9.0%} "
             f"{p['redis_cpu_us_per_plan']:>8.0f} {p['redis_saturated_per_s']:>10,} "
             f"{p['host_cpu_busy']:>8.0%} {p['host_processes']:>5} {p['host_efficiency']:>8.2f} "
             f"{figure(p['host_scaling']):>9} {figure(p['scaling_of_host']):>7} "
-            f"{p['store_thread_busy']:>5.0%} {p['store_thread_waiting']:>5.0%}  "
+            f"{p['store_thread_busy']:>5.0%} {p['store_turn']:>5.0%} "
+            f"{p['store_thread_waiting']:>5.0%}  "
             f"{p['limit'] or '-'}" + (" (ran out of transfers)" if p["ran_out"] else "")
         )
     lines.append(
         f"goal: scaling >= {r['target_scaling']} until a limit is named; scaling: plans/s / "
-        "(workers x the 1-worker plans/s, same clients); broker us: CPU per plan of every "
+        "(workers x the 1-worker plans/s, same threads and clients); broker us: CPU per plan of every "
         f"worker; redis cpu: of one core; redis us: its CPU per plan; redis full: plans/s at "
         f"which that is {REDIS_SATURATED:.0%} of a core; host cpu: of all cores; host eff: "
         f"work rate of each of procs (workers + client processes + Redis) probe processes "
         f"run together, over one alone's ({r['probe_seconds']:g} s each); host scal: host eff "
         "over the 1-worker phase's (same clients), the scaling the host allows; of host: "
-        "scaling / host scal; store: the busiest worker's store thread, its share of the time "
-        "running calls; waits: the share of the store threads' busy time spent waiting for "
-        f"Redis. Limits: Redis at {REDIS_SATURATED:.0%} of its core, host CPU at "
+        "scaling / host scal; store: the busiest worker's store threads, their share of the "
+        "time running calls; turn: the busiest worker's turn at service code, its share of the "
+        "time held; waits: the share of the store threads' busy time not on a CPU (waiting for "
+        f"Redis or the turn). Limits: Redis at {REDIS_SATURATED:.0%} of its core, host CPU at "
         f"{HOST_SATURATED:.0%} of all cores, host cores at host eff < {r['target_scaling']}, "
-        f"a worker's store thread at {STORE_THREAD_SATURATED:.0%}"
+        f"a worker's store threads or turn at {STORE_THREAD_SATURATED:.0%}"
     )
     return "\n".join(lines)
 
@@ -333,6 +367,9 @@ def bench_workers(args: argparse.Namespace, progress: Progress, sc: Scenario, em
     for flag, given in (("--baseline", args.baseline), ("--profile", args.profile)):
         if given:
             raise UsageError(flag, "not with --workers")
-    r = worker_scaling(sc, progress, args.workers, args.clients, args.seconds, args.client_procs)
+    r = worker_scaling(
+        sc, progress, args.workers, args.clients, args.seconds, args.client_procs,
+        args.store_threads, args.redis_delay_us,
+    )  # fmt: skip
     emit(args, progress, "control_plane_workers", {"control_plane_workers": r}, table(r))
     return 0

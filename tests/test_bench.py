@@ -181,10 +181,22 @@ def test_bench_control_plane_compares_worker_counts(capsys: pytest.CaptureFixtur
     require_binary("redis-server", "bash scripts/test.sh installs it with apt-get")
     flags = ("--workers", "1,2", "--clients", "2", "--client-procs", "1", "--seconds", "0.5")
     pair = ("--prefill-tp", "1", "--decode-tp", "1", "--tokens", "4096")
-    phases = run_json(capsys, "control-plane", *flags, *pair)["control_plane_workers"]["phases"]
-    assert [(p["workers"], p["clients"]) for p in phases] == [(1, 2), (2, 2)]
+    threads = ("--store-threads", "1,3")
+    result = run_json(capsys, "control-plane", *flags, *pair, *threads)
+    every = result["control_plane_workers"]["phases"]
+    assert [(p["store_threads"], p["workers"], p["clients"]) for p in every] == [
+        (1, 1, 2), (1, 2, 2), (3, 1, 2), (3, 2, 2)
+    ]  # fmt: skip
+    # Each thread count scales against its own one-worker phase.
+    assert every[2]["scaling"] == 1.0
+    assert every[3]["scaling"] == round(every[3]["plan_per_s"] / 2 / every[2]["plan_per_s"], 3)
+    phases = every[:2]
     assert phases[0]["scaling"] == 1.0
     assert phases[1]["scaling"] == round(phases[1]["plan_per_s"] / 2 / phases[0]["plan_per_s"], 3)
+    for p in every:
+        # The turn is held only for service code: never longer than the threads ran calls.
+        busy = p["store_thread_busy"] * p["store_threads"]
+        assert 0 < p["store_turn"] <= busy + 0.01, p
     for p in phases:
         assert p["plan_calls"] > 0 and p["plan_broker_cpu_us"] > 100  # the workers' CPU
         assert p["redis_commands_per_plan"] > 1 and 0 < p["redis_cpu_of_core"] < 1.5
@@ -215,30 +227,32 @@ def test_host_calibration_sees_processes_share_the_cores() -> None:
 
 
 @pytest.mark.parametrize(
-    ("redis", "busy", "host", "store", "named"),
+    ("redis", "busy", "host", "store", "turn", "named"),
     [
-        (0.5, 0.5, 1.0, 0.5, ""),
-        (0.5, 0.5, 0.8, 0.89, ""),
-        (0.5, 0.5, 0.795, 0.5, "host cores (efficiency 0.795)"),
-        (0.9, 0.5, 0.85, 0.5, "Redis (one core)"),
-        (0.89, 0.9, 0.85, 0.5, "host CPU (16 cores)"),
-        (0.5, 0.5, 0.85, 0.9, "a worker's store thread"),
+        (0.5, 0.5, 1.0, 0.5, 0.5, ""),
+        (0.5, 0.5, 0.8, 0.89, 0.89, ""),
+        (0.5, 0.5, 0.795, 0.5, 0.5, "host cores (efficiency 0.795)"),
+        (0.9, 0.5, 0.85, 0.5, 0.5, "Redis (one core)"),
+        (0.89, 0.9, 0.85, 0.5, 0.5, "host CPU (16 cores)"),
+        (0.5, 0.5, 0.85, 0.9, 0.5, "a worker's store threads"),
+        (0.5, 0.5, 0.85, 0.5, 0.9, "a worker's turn"),
         (
             0.95,
             0.95,
             0.6,
             0.95,
+            0.95,
             (
                 "Redis (one core); host CPU (16 cores); host cores (efficiency 0.600); "
-                "a worker's store thread"
+                "a worker's store threads; a worker's turn"
             ),
         ),
     ],
 )
 def test_a_phase_names_every_limit_it_reached(
-    redis: float, busy: float, host: float, store: float, named: str
+    redis: float, busy: float, host: float, store: float, turn: float, named: str
 ) -> None:
-    assert limits(redis, busy, host, store, 16) == named
+    assert limits(redis, busy, host, store, turn, 16) == named
 
 
 def test_bench_scale_sweeps_both_stores(capsys: pytest.CaptureFixture[str], tmp_path) -> None:

@@ -9,7 +9,8 @@ import importlib.util
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from broker.commands.options import positive_float, positive_int, positive_ints
+from broker.commands.options import non_negative_int, positive_float, positive_int, positive_ints
+from broker.config import STORE_THREADS
 from broker.console import Progress
 
 if TYPE_CHECKING:
@@ -88,7 +89,21 @@ def add_control_plane(kinds: argparse._SubParsersAction) -> argparse.ArgumentPar
         "efficiency at as many busy processes (workers + client processes + Redis) and the "
         "limits reached: Redis at 90%% of its core, the host's CPU at 90%% of all cores, the "
         "host's cores where that efficiency (each process's work rate over one alone's) is "
-        "below 0.8, a worker's store thread busy 90%% of the time",
+        "below 0.8, a worker's store threads all busy or its turn held 90%% of the time",
+    )
+    control.add_argument(
+        "--store-threads",
+        type=positive_ints,
+        default=str(STORE_THREADS),
+        help="with --workers: comma-separated store threads per worker (pdbroker serve "
+        "--store-threads), every worker count run with each",
+    )
+    control.add_argument(
+        "--redis-delay-us",
+        type=non_negative_int,
+        default=0,
+        help="with --workers: the brokers reach Redis through a proxy holding every reply this "
+        "long, as a Redis on another host would",
     )
     return control
 
