@@ -1,6 +1,6 @@
 """Summarise the collections ``benchmarks/gc_probe`` recorded: per broker process, the
-collections of each generation after its first second (start-up), their total time and the
-longest ones.
+collections of each generation after its first second (start-up), their total time, the
+longest ones and the longest of each generation.
 
     .venv/bin/python benchmarks/gc_pauses.py /tmp/gc
 """
@@ -17,9 +17,11 @@ def main(folder: str) -> None:
         records = [r for r in json.loads(path.read_text())["collections"] if r[0] > 1.0]
         per_generation = [sum(1 for r in records if r[1] == g) for g in range(3)]
         pauses = sorted((r[2] for r in records), reverse=True)
+        longest = [max((r[2] for r in records if r[1] == g), default=0.0) for g in range(3)]
         print(
             f"{path.stem}: {len(records)} collections (by generation {per_generation}), "
-            f"{sum(pauses):.1f} ms in all, longest {[round(p, 1) for p in pauses[:4]]} ms"
+            f"{sum(pauses):.1f} ms in all, longest {[round(p, 1) for p in pauses[:4]]} ms, "
+            f"longest by generation {[round(p, 1) for p in longest]} ms"
         )
 
 

@@ -157,3 +157,16 @@ def test_store_passwords_stay_out_of_errors_and_logs(tmp_path) -> None:
     finally:
         redis.terminate()
         redis.wait(10)
+
+
+def test_the_collector_policy_bounds_every_generation_it_collects() -> None:
+    """``pdbroker serve``'s collector policy, in an interpreter of its own: the import-time
+    heap frozen, the young generation collected every 5,000 net allocations and the middle one
+    every 20 young collections (each threshold bounds what a collection walks)."""
+    probe = (
+        "import gc; from broker.commands.collector import tune_collector; tune_collector(); "
+        "print(gc.get_threshold(), gc.get_freeze_count() > 1_000)"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[0] == "(5000, 20, 100) True", done.stdout
