@@ -11,7 +11,7 @@ GC_YOUNG_THRESHOLD = 5_000
 #: Young collections between collections of the middle generation (CPython's default is 10).
 #: A middle collection walks what the young ones kept since the last, so this trades its
 #: pause against how often one lands in a call: at 2,048 ranks 5 held the longest to 5–8 ms
-#: where 20 let it reach 14–23 ms, but batched plans' p99 rose from 5.0–5.2 to 7.6–8.7 ms
+#: where 20 let it reach 14–23 ms, but batched plans' p99 rose from 4.9–5.2 to 7.6–8.7 ms
 #: (docs/BENCHMARKS.md §13).
 GC_MIDDLE_THRESHOLD = 20
 
