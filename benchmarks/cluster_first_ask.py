@@ -37,7 +37,7 @@ def measure(prefill_engines: int, decode_engines: int) -> dict[str, float]:
     from broker.layout import EngineLayout
     from broker.observer import ServiceObserver
     from broker.presets import resolve_model
-    from broker.records import MemoryRegion, RankRegistration
+    from broker.records import MemoryRegion, RankRegistration, region_rows
     from broker.service import BrokerService
     from broker.wire import MemoryKind, Role
     from harness.scenarios import build_scenario
@@ -69,7 +69,7 @@ def measure(prefill_engines: int, decode_engines: int) -> dict[str, float]:
                     rank.tp_rank,
                     f"{engine_id}-{rank.tp_rank}",
                     b"metadata",
-                    tuple(regions),
+                    region_rows(regions),
                     rank,
                     layout.model,
                 )

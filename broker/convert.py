@@ -28,9 +28,16 @@ from broker.api import (
     TransferName,
 )
 from broker.errors import InvalidFieldError, LimitExceededError, PdbrokerError, RequestError
+from broker.layout import shared_layout
 from broker.limits import LIMITS
 from broker.plans import PlanTicket
-from broker.records import MemoryRegion, RankRegistration, ReleaseEvent, TransferRecord
+from broker.records import (
+    MemoryRegion,
+    RankRegistration,
+    ReleaseEvent,
+    TransferRecord,
+    region_rows,
+)
 from broker.v1 import broker_pb2 as pb
 from broker.wire import (
     DESCRIPTOR_BYTES,
@@ -108,7 +115,7 @@ def registration_from_proto(msg: pb.RegisterRankRequest) -> RankRegistration:
     _check_disjoint(regions)
     if not msg.HasField("layout"):
         raise InvalidFieldError("layout", "missing")
-    layout = rank_layout_from_proto(msg.layout, msg.tp_rank)
+    layout = shared_layout(rank_layout_from_proto(msg.layout, msg.tp_rank))
     fingerprint = ident(msg.model_fingerprint, "model_fingerprint")
     return RankRegistration(
         engine_id,
@@ -117,7 +124,7 @@ def registration_from_proto(msg: pb.RegisterRankRequest) -> RankRegistration:
         msg.tp_rank,
         agent_name,
         msg.agent_metadata,
-        regions,
+        region_rows(regions),
         layout,
         fingerprint,
     )

@@ -191,22 +191,21 @@ def check_regions(reg: RankRegistration) -> None:
     as int64 and of one memory kind: what makes every planned descriptor land in a region."""
     if not 0 <= reg.tp_rank < reg.tp_size:
         raise InvalidFieldError("tp_rank", f"{reg.tp_rank} outside [0, {reg.tp_size})")
-    if len(reg.regions) != reg.layout.num_regions:
+    rows = reg.region_rows
+    if len(rows) != reg.layout.num_regions:
         raise InvalidFieldError(
             "regions",
-            f"{len(reg.regions)} regions registered, "
-            f"layout.num_regions is {reg.layout.num_regions}",
+            f"{len(rows)} regions registered, layout.num_regions is {reg.layout.num_regions}",
         )
-    for i, region in enumerate(reg.regions):
-        if region.length_bytes < reg.layout.region_bytes:
+    for i, (base_addr, length_bytes, _, memory_kind) in enumerate(rows):
+        if length_bytes < reg.layout.region_bytes:
             raise InvalidFieldError(
                 f"regions[{i}].length_bytes",
-                f"{region.length_bytes} is less than num_blocks * page_bytes "
-                f"= {reg.layout.region_bytes}",
+                f"{length_bytes} is less than num_blocks * page_bytes = {reg.layout.region_bytes}",
             )
-        if region.base_addr + region.length_bytes >= 1 << 63:
+        if base_addr + length_bytes >= 1 << 63:
             raise InvalidFieldError(f"regions[{i}].base_addr", "region ends past 2**63")
-        if region.memory_kind is not reg.regions[0].memory_kind:
+        if memory_kind != rows[0][3]:
             raise InvalidFieldError(
                 f"regions[{i}].memory_kind", "all regions of a rank need the same memory kind"
             )

@@ -15,6 +15,7 @@ Nothing here does I/O; everything is frozen and validated on construction.
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -345,6 +346,24 @@ class RankLayout:
     @property
     def region_bytes(self) -> int:
         return self.num_blocks * self.page_bytes
+
+
+#: Rank layouts held by some registration, by hash (see :func:`shared_layout`).
+_IN_USE: weakref.WeakValueDictionary[int, RankLayout] = weakref.WeakValueDictionary()
+
+
+def shared_layout(layout: RankLayout) -> RankLayout:
+    """An equal layout some registration already holds, else ``layout`` (then the one held):
+    the ranks of a cluster's engines of one model and TP size declare equal layouts, kept
+    once rather than once per rank, so a cluster's records are fewer objects for memory and
+    for the garbage collector to walk. A layout is dropped when no registration holds it."""
+    key = hash(layout)
+    held = _IN_USE.get(key)
+    if held is not None and held == layout:
+        return held
+    if held is None:
+        _IN_USE[key] = layout
+    return layout
 
 
 def _check_disjoint(group: GroupLayout, gwhere: str) -> None:

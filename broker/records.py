@@ -8,6 +8,7 @@ milliseconds since the Unix epoch on the broker's clock (``*_at_ms``), sizes byt
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cached_property
 from typing import TypeVar
@@ -35,6 +36,15 @@ RankKey = tuple[str, int]
 TransferKey = tuple[str, str]
 
 
+#: One registered region as a registration holds it: ``(base_addr, length_bytes,
+#: device_id, memory kind's value)``. A plain tuple of plain values, which the garbage
+#: collector stops tracking once it has seen it: a cluster's regions (one per layer of each
+#: rank) were most of the objects its records held, walked by every collection of the middle
+#: generation (docs/BENCHMARKS.md §13).
+RegionRow = tuple[int, int, int, str]
+_KINDS = {kind.value: kind for kind in MemoryKind}
+
+
 @dataclass(frozen=True)
 class MemoryRegion:
     """One registered tensor: ``length_bytes`` from virtual address ``base_addr``."""
@@ -43,6 +53,20 @@ class MemoryRegion:
     length_bytes: int
     device_id: int
     memory_kind: MemoryKind
+
+    @property
+    def row(self) -> RegionRow:
+        return (self.base_addr, self.length_bytes, self.device_id, self.memory_kind.value)
+
+    @classmethod
+    def of(cls, row: RegionRow) -> MemoryRegion:
+        base_addr, length_bytes, device_id, kind = row
+        return cls(base_addr, length_bytes, device_id, _KINDS[kind])
+
+
+def region_rows(regions: Iterable[MemoryRegion]) -> tuple[RegionRow, ...]:
+    """``regions`` as a registration holds them."""
+    return tuple(r.row for r in regions)
 
 
 @dataclass(frozen=True)
@@ -56,7 +80,7 @@ class RankRegistration:
     tp_rank: int
     agent_name: str
     agent_metadata: bytes
-    regions: tuple[MemoryRegion, ...]
+    region_rows: tuple[RegionRow, ...]
     layout: RankLayout
     model_fingerprint: str
 
@@ -64,25 +88,21 @@ class RankRegistration:
     def key(self) -> RankKey:
         return (self.engine_id, self.tp_rank)
 
+    @property
+    def regions(self) -> tuple[MemoryRegion, ...]:
+        return tuple(map(MemoryRegion.of, self.region_rows))
+
     @cached_property
     def region_table(self) -> RegionTable:
         """Its regions as descriptors are made from them: base address, length (bytes) and
         device id per region, and what follows from them."""
-        return RegionTable.of(
-            np.array(
-                [
-                    [r.base_addr for r in self.regions],
-                    [r.length_bytes for r in self.regions],
-                    [r.device_id for r in self.regions],
-                ],
-                dtype=np.int64,
-            )
-        )
+        array = np.array([r[:3] for r in self.region_rows], dtype=np.int64).reshape(-1, 3)
+        return RegionTable.of(np.ascontiguousarray(array.T))
 
     @property
     def memory_kind(self) -> MemoryKind:
         """Where its first region lives: what a plan tells of all its regions."""
-        return self.regions[0].memory_kind
+        return _KINDS[self.region_rows[0][3]]
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import numpy as np
 from broker.api import Lease, PlanResult
 from broker.layout import EngineLayout, GroupKind
 from broker.models import AttentionParams, MambaParams, ModelSpec, build_engine_layout
-from broker.records import MemoryRegion, RankRegistration
+from broker.records import MemoryRegion, RankRegistration, region_rows
 from broker.service import BrokerService
 from broker.v1 import broker_pb2 as pb
 from broker.v1 import broker_pb2_grpc as pb_grpc
@@ -91,7 +91,7 @@ def registration(
         tp_rank,
         f"{engine_id}-agent{tp_rank}",
         f"metadata of {engine_id} rank {tp_rank}".encode(),
-        fake_regions(layout, engine_index, tp_rank),
+        region_rows(fake_regions(layout, engine_index, tp_rank)),
         layout.ranks[tp_rank],
         layout.model,
     )

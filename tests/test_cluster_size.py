@@ -4,22 +4,35 @@ authorization read the caller's own ranks only. On both stores."""
 
 from __future__ import annotations
 
+import gc
+import weakref
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 import pytest
-from broker_helpers import FakeClock, assert_inside_regions, hybrid, register_engine, registration
+from broker_helpers import (
+    FakeClock,
+    assert_inside_regions,
+    hybrid,
+    register_engine,
+    register_request,
+    registration,
+)
 
 import broker.engines
+from broker import convert
 from broker.api import PlanQuery, PlanResult, Publication
 from broker.auth import AccessGuard, Authenticator, Identity
 from broker.config import ServiceConfig
 from broker.errors import IncompatibleLayoutsError, LimitExceededError
 from broker.observer import ServiceObserver
 from broker.planner import PairPlanner, RankPlan
+from broker.presets import resolve_model
 from broker.service import BrokerService
 from broker.store.contract import StateStore
+from broker.store.redis import RedisStateStore
+from broker.v1 import broker_pb2 as pb
 from broker.wire import Role
 from harness.scenarios import Scenario, build_scenario
 
@@ -212,3 +225,61 @@ def test_registration_and_authorization_read_only_the_callers_ranks(
     among_others = reads_of(calls, 200)
     assert among_others == alone
     assert not {"ranks", "transfers"} & set(alone)  # no operator listing
+
+
+# A real model's layout: many segments per group, the objects equal layouts no longer repeat.
+NANO_TP8 = build_scenario(resolve_model("nemotron-3-nano-30b-a3b"), 8, 8, 1024)
+
+
+def register_converted(service: BrokerService, engines: int, first: int = 0) -> list[str]:
+    """Register ``engines`` TP8 decode engines of one model as the server does, each rank's
+    request converted afresh; returns their lease ids."""
+    return [
+        service.register_rank(
+            convert.registration_from_proto(
+                register_request(NANO_TP8.decode, f"D{e}", pb.ROLE_DECODE, rank, e)
+            )
+        ).lease_id
+        for e in range(first, first + engines)
+        for rank in range(8)
+    ]
+
+
+def test_ranks_of_equal_layouts_hold_one_layout_until_none_does() -> None:
+    """Engines of one model and TP size declare equal layouts: every rank's registration,
+    as converted from its request and as a store gives it back (on Redis, a replica too,
+    decoding what it reads), holds the one layout of its tp rank; the layout goes when the
+    last registration holding it does, once each store has seen the ranks gone."""
+    service, _ = make_service()
+    leases = register_converted(service, 3)
+    stores = [service.store]
+    if isinstance(service.store, RedisStateStore):
+        stores.append(RedisStateStore(service.store.client, service.store.prefix))
+    for store in stores:
+        ranks = [r for e in ("D0", "D1", "D2") for r in store.engine_ranks(e)]
+        by_rank = [{id(r.registration.layout) for r in ranks if r.key[1] == n} for n in range(8)]
+        assert all(len(layouts) == 1 for layouts in by_rank)
+        assert len(set().union(*by_rank)) == 8  # one per tp rank: their shards differ
+    kept = weakref.ref(ranks[0].registration.layout)
+    for lease in leases:
+        service.deregister(lease)
+    for store in stores:  # each reads them gone
+        assert not any(store.get_rank(r.key) for r in ranks)
+    del ranks
+    gc.collect()
+    assert kept() is None
+
+
+def test_a_registered_rank_leaves_the_collector_few_objects() -> None:
+    """What a registered rank keeps, once collected, is a handful of objects the garbage
+    collector walks (its record, its registration, what the store indexes it by): its
+    layout is shared and its regions are plain values, which the collector stops tracking;
+    so a collection of the middle generation after a cluster registered stays short."""
+    service, _ = make_service()
+    register_converted(service, 1)  # the store's and catalog's first objects
+    gc.collect()
+    before = len(gc.get_objects())
+    register_converted(service, 8, first=1)
+    gc.collect()
+    per_rank = (len(gc.get_objects()) - before) / 64
+    assert per_rank <= 6, f"{per_rank:.1f} tracked objects per registered rank"

@@ -12,7 +12,7 @@ from broker.descriptors import (
     absolute_descriptors,
     descriptor_pair,
 )
-from broker.records import MemoryRegion, RankRegistration
+from broker.records import MemoryRegion, RankRegistration, region_rows
 from broker.wire import MemoryKind, Role, pack, unpack
 from harness.scenarios import build_scenario
 
@@ -96,7 +96,9 @@ def test_a_registration_derives_its_table_once() -> None:
         for base, size, device in TABLE.array.T
     )
     layout = build_scenario(hybrid(), 1, 1, 100).decode.ranks[0]
-    table = RankRegistration("D", Role.DECODE, 1, 0, "D-0", b"", regions, layout, "t").region_table
+    table = RankRegistration(
+        "D", Role.DECODE, 1, 0, "D-0", b"", region_rows(regions), layout, "t"
+    ).region_table
     assert table.array.tolist() == TABLE.array.tolist() and table.shortest == 4096
     assert table.rows.tolist() == [[0x1000, 0, 0], [0x10000, 0, 3]]
     region, offset, length = runs([1, 0], [4096, 4000], [4096, 97])  # region 0 ends at 4096

@@ -630,11 +630,12 @@ def test_registration_validation() -> None:
     reg = registration(sc.prefill, "Q", Role.PREFILL, 0, 5)
     cases = [
         (dataclasses.replace(reg, agent_name="P-agent0"), AlreadyExistsError, "agent_name"),
-        (dataclasses.replace(reg, regions=reg.regions[:1]), InvalidFieldError, "regions"),
+        (dataclasses.replace(reg, region_rows=reg.region_rows[:1]), InvalidFieldError, "regions"),
         (
             dataclasses.replace(
                 reg,
-                regions=(dataclasses.replace(reg.regions[0], length_bytes=8),) + reg.regions[1:],
+                region_rows=(dataclasses.replace(reg.regions[0], length_bytes=8).row,)
+                + reg.region_rows[1:],
             ),
             InvalidFieldError,
             "regions[0].length_bytes",

@@ -16,10 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from broker.layout import GroupKind, GroupLayout, RankLayout, Segment
+from broker.layout import GroupKind, GroupLayout, RankLayout, Segment, shared_layout
 from broker.planner import RankPlan, SourceReads
 from broker.records import (
-    MemoryRegion,
     PlanRecord,
     RankRegistration,
     ReleaseEvent,
@@ -74,9 +73,7 @@ def encode_registration(reg: RankRegistration) -> str:
             "role": reg.role.value,
             "tp": [reg.tp_size, reg.tp_rank],
             "agent": reg.agent_name,
-            "regions": [
-                [r.base_addr, r.length_bytes, r.device_id, r.memory_kind.value] for r in reg.regions
-            ],
+            "regions": reg.region_rows,
             "layout": [
                 layout.num_regions,
                 layout.num_blocks,
@@ -151,10 +148,10 @@ def decode_registration(text: bytes | str, agent_metadata: bytes) -> RankRegistr
         values["agent"],
         agent_metadata,
         tuple(
-            MemoryRegion(base, length, device, MemoryKind(kind))
+            (base, length, device, MemoryKind(kind).value)
             for base, length, device, kind in values["regions"]
         ),
-        layout,
+        shared_layout(layout),
         values["model"],
     )
 

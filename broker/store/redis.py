@@ -103,8 +103,7 @@ class RedisStateStore(RedisReleaseQueues, RedisRankLosses, RedisContacts, StateS
     ``rank_ttl_ms`` must exceed the service's lease TTL and ``transfer_ttl_ms`` the longest
     transfer TTL plus retention, so Redis never forgets what the service still needs.
     Its caches are not thread-safe: threads take turns (:mod:`broker.store.turns`), each
-    thread's unit of work its own, on its own connection (:class:`ThreadUnits`).
-    """
+    thread's unit of work its own, on its own connection (:class:`ThreadUnits`)."""
 
     blocking = True
 
@@ -124,8 +123,8 @@ class RedisStateStore(RedisReleaseQueues, RedisRankLosses, RedisContacts, StateS
         self._units = ThreadUnits(client.connection_pool)
         #: The tp ranks of each engine when last read in a unit of work.
         self._engine_members: dict[str, tuple[int, ...]] = {}
-        #: Registrations by rank: (generation, decoded, encoded as stored).
-        self._registrations: dict[RankKey, tuple[int, RankRegistration, bytes | str]] = {}
+        #: Registrations by rank (generation, decoded, encoded as stored), the newest 16,384.
+        self._registrations: Recent[RankKey, tuple[int, RankRegistration, bytes | str]] = Recent()
         #: Decoded plans by blob token.
         self._plans = PlanBlobs()
         #: The rank each lease and agent key named when last read or written here (such a
@@ -270,7 +269,7 @@ class RedisStateStore(RedisReleaseQueues, RedisRankLosses, RedisContacts, StateS
             self._prefix_of("agent"),
             reg.agent_name,
         ]
-        self._registrations[key] = (record.generation, reg, encoded)
+        self._registrations.put(key, (record.generation, reg, encoded))
         self._indexed_ranks.put(keys[3], key)
         self._indexed_ranks.put(keys[8], key)
         if self._units.unit is not None:
@@ -414,12 +413,13 @@ class RedisStateStore(RedisReleaseQueues, RedisRankLosses, RedisContacts, StateS
     def _decode_rank(self, key: RankKey, row: list[bytes | None]) -> RankRecord | None:
         reg, meta, lease, expires, registered, generation = row
         if reg is None or generation is None or lease is None:
+            self._registrations.forget(key)  # gone: removed here or by another broker
             return None
         gen = int(generation)
         cached = self._registrations.get(key)
         if cached is None or cached[0] != gen:
             cached = (gen, codec.decode_registration(reg, meta or b""), reg)
-            self._registrations[key] = cached
+            self._registrations.put(key, cached)
         return RankRecord(cached[1], lease.decode(), int(expires or 0), int(registered or 0), gen)
 
     # ------------------------------------------------------------------ transfers

@@ -230,3 +230,6 @@ class Recent(Generic[K, V]):
         self._values[key] = value
         if len(self._values) > self.size:
             del self._values[next(iter(self._values))]
+
+    def forget(self, key: K) -> None:
+        self._values.pop(key, None)
