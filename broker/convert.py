@@ -476,7 +476,8 @@ def transfer_to_proto(t: TransferRecord, now_ms: int) -> pb.GetTransferResponse:
             for p, reason in enumerate(t.released)
         ],
         timeline=[
-            pb.TimelineEvent(at_ms=e.at_ms, event=e.event, detail=e.detail) for e in t.timeline
+            pb.TimelineEvent(at_ms=at_ms, event=event, detail=detail)
+            for at_ms, event, detail in t.timeline
         ],
         traceparent=t.traceparent,
         now_ms=now_ms,

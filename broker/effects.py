@@ -180,8 +180,9 @@ class Effects:
 
     def _log(self, t: TransferRecord, entry: TimelineEntry) -> None:
         """Log a timeline entry with its transfer and trace ids, once committed."""
-        level = logging.WARNING if entry.event in transfers.PROBLEMS else logging.DEBUG
+        _, event, detail = entry
+        level = logging.WARNING if event in transfers.PROBLEMS else logging.DEBUG
         if log.isEnabledFor(level):
-            detail = f": {entry.detail}" if entry.detail else ""
             fields = transfer_fields(t.transfer_id, t.traceparent)
-            self.later(log.log, level, "%s%s", entry.event, detail, extra=fields)
+            said = f": {detail}" if detail else ""
+            self.later(log.log, level, "%s%s", event, said, extra=fields)

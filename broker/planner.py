@@ -25,7 +25,6 @@ import sys
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
 from itertools import chain, pairwise
 
 import numpy as np
@@ -107,32 +106,29 @@ class SourceReads:
         return int(self.length.size)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class RankPlan:
     """What one decode rank reads, per source prefill rank, and what that saves.
 
     ``naive_bytes``: whole decode pages (padding included) for every page touched;
     ``vllm_descriptors``: descriptors vLLM 0.33's per-block scheme issues for the same state.
+    Its bytes, descriptors and prefill ranks are counted once, when it is made (the broker
+    reads them several times per plan request and report); in slots, no ``__dict__``.
     """
 
     decode_rank: int
     sources: tuple[SourceReads, ...]
     naive_bytes: int
     vllm_descriptors: int
+    nbytes: int = field(init=False, compare=False, repr=False)
+    num_descriptors: int = field(init=False, compare=False, repr=False)
+    prefill_ranks: tuple[int, ...] = field(init=False, compare=False, repr=False)
 
-    # Computed once: the broker reads them several times per plan request and report (the
-    # plan never changes once made).
-    @cached_property
-    def nbytes(self) -> int:
-        return sum(s.nbytes for s in self.sources)
-
-    @cached_property
-    def num_descriptors(self) -> int:
-        return sum(s.num_descriptors for s in self.sources)
-
-    @cached_property
-    def prefill_ranks(self) -> tuple[int, ...]:
-        return tuple(s.prefill_rank for s in self.sources)
+    def __post_init__(self) -> None:
+        reads = self.sources
+        object.__setattr__(self, "nbytes", sum([r.nbytes for r in reads]))
+        object.__setattr__(self, "num_descriptors", sum([r.length.size for r in reads]))
+        object.__setattr__(self, "prefill_ranks", tuple([r.prefill_rank for r in reads]))
 
 
 @dataclass(frozen=True)
@@ -438,18 +434,10 @@ class PairPlanner:
             region, local = runs[REGION, lo:hi], runs[LOCAL, lo:hi]
             remote, length = runs[REMOTE, lo:hi], runs[LENGTH, lo:hi]
             by_rank[d].append(SourceReads(p, region, local, remote, length, size, bounds))
-        plans = tuple(
+        return tuple(
             RankPlan(d, tuple(by_rank[d]), shape.naive_bytes, units)
             for d, units in zip(ranks, shape.vllm_units)
         )
-        for plan in plans:  # its cached counts, set at once: a first read costs more
-            reads = plan.sources
-            plan.__dict__.update(
-                nbytes=sum([r.nbytes for r in reads]),
-                num_descriptors=sum([r.length.size for r in reads]),
-                prefill_ranks=tuple([r.prefill_rank for r in reads]),
-            )
-        return plans
 
     def _block_pairs(
         self, num_tokens: int, p_lengths: tuple[int, ...], d_lengths: tuple[int, ...]

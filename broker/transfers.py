@@ -203,9 +203,7 @@ def publish(
     traceparent: str = "",
 ) -> Step:
     """A new transfer, PUBLISHED until ``now + ttl_ms``."""
-    entry = TimelineEntry(
-        now, "published", f"by {prefill_engine_id}, {num_tokens} tokens, ttl {ttl_ms} ms"
-    )
+    entry = (now, "published", f"by {prefill_engine_id}, {num_tokens} tokens, ttl {ttl_ms} ms")
     record = TransferRecord(
         transfer_id,
         prefill_engine_id,
@@ -508,7 +506,7 @@ class _Change:
         self.set(plans=tuple(plans))
 
     def note(self, event: str, detail: str = "") -> None:
-        entry = TimelineEntry(self.now, event, detail)
+        entry = (self.now, event, detail)
         self._noted.append(entry)
         self.effects.append(Noted(entry))
 

@@ -283,3 +283,22 @@ def test_a_registered_rank_leaves_the_collector_few_objects() -> None:
     gc.collect()
     per_rank = (len(gc.get_objects()) - before) / 64
     assert per_rank <= 6, f"{per_rank:.1f} tracked objects per registered rank"
+
+
+def test_a_transfer_in_flight_leaves_the_collector_few_objects() -> None:
+    """A transfer published and planned (both decode ranks' plans made and one handed out)
+    keeps about a dozen objects the garbage collector walks: its records keep their fields
+    in slots (no ``__dict__`` beside each) and its timeline as plain tuples, which the
+    collector stops tracking; each collection of the middle generation walks every transfer
+    in flight."""
+    service, _ = make_service(max_transfers=1000, max_transfers_per_engine=1000)
+    register_engine(service, SC.prefill, "P", Role.PREFILL, 0)
+    register_engine(service, SC.decode, "D", Role.DECODE, 1)
+    first_ask(service, SC, "D", "warm")
+    gc.collect()
+    before = len(gc.get_objects())
+    for i in range(100):
+        first_ask(service, SC, "D", f"t{i}")
+    gc.collect()
+    per_transfer = (len(gc.get_objects()) - before) / 100
+    assert per_transfer <= 12.5, f"{per_transfer:.1f} tracked objects per transfer in flight"

@@ -96,7 +96,7 @@ def plain(t: TransferRecord) -> tuple:
         )
         for p in t.plans
     }
-    fields = {k: v for k, v in vars(t).items() if k != "plans"}
+    fields = {f.name: getattr(t, f.name) for f in dataclasses.fields(t) if f.name != "plans"}
     return fields, plans
 
 

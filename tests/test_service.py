@@ -520,7 +520,7 @@ def test_abort_releases_everything_and_is_idempotent() -> None:
     assert released(service, 2)[0] == [("t1", ReleaseReason.ABORTED)]
     with pytest.raises(NotFoundError):
         service.abort("nope", "")
-    timeline = [e.event for e in service.get_transfer("t1").timeline]
+    timeline = [event for _, event, _ in service.get_transfer("t1").timeline]
     assert timeline[:3] == ["published", "claimed", "planned"] and "aborted" in timeline
 
 

@@ -22,7 +22,6 @@ from broker.records import (
     PlanRecord,
     RankRegistration,
     ReleaseEvent,
-    TimelineEntry,
     TransferRecord,
 )
 from broker.wire import (
@@ -197,7 +196,7 @@ def encode_transfer(t: TransferRecord, plans_token: str) -> str:
                 for p in t.plans
             ],
             "released": [None if r is None else r.value for r in t.released],
-            "timeline": [[e.at_ms, e.event, e.detail] for e in t.timeline],
+            "timeline": t.timeline,
             "trace": t.traceparent,
             "end": [None if t.end_reason is None else t.end_reason.value, t.end_detail],
             "token": plans_token,
@@ -250,7 +249,7 @@ def decode_transfer(values: dict[str, Any], runs: dict[int, RankPlan]) -> Transf
         plans,
         tuple(_optional(ReleaseReason)(r) for r in values["released"]),
         finished,
-        tuple(TimelineEntry(*e) for e in values["timeline"]),
+        tuple((at_ms, event, detail) for at_ms, event, detail in values["timeline"]),
         values["trace"],
         _optional(ReleaseReason)(end_reason),
         end_detail,
