@@ -12,7 +12,7 @@ import bisect
 import heapq
 from array import array
 from collections.abc import Callable, Collection, Hashable, Iterator
-from operator import itemgetter
+from operator import attrgetter
 from typing import Any, TypeVar
 
 from broker.records import (
@@ -22,53 +22,10 @@ from broker.records import (
     ReleaseEvent,
     TransferKey,
     TransferRecord,
+    evolve,
 )
 from broker.store.contract import DUE_PER_CALL, REDELIVER_MS, StateStore, held_block_ids
-from broker.wire import ReleaseReason, data_parallel_deployment
-
-#: A release event as a queue keeps it: ``(sequence, nbytes, transfer_id, block ids,
-#: reason's value, detail, released_at_ms, traceparent)``, the block ids packed as int64:
-#: the number of groups, each group's length, then every id. Plain values in a plain tuple,
-#: 8 bytes a block id, which the garbage collector stops tracking: a queue keeps many, and
-#: every collection of the middle generation walked each event and its arrays
-#: (docs/BENCHMARKS.md §7).
-KeptRelease = tuple[int, int, str, bytes, str, str, int, str]
-
-
-def kept_release(event: ReleaseEvent) -> KeptRelease:
-    packed = array("q", [len(event.block_ids), *map(len, event.block_ids)])
-    for group in event.block_ids:
-        packed.extend(group)
-    return (
-        event.sequence,
-        event.nbytes,
-        event.transfer_id,
-        packed.tobytes(),
-        event.reason.value,
-        event.detail,
-        event.released_at_ms,
-        event.traceparent,
-    )
-
-
-def release_of(kept: KeptRelease) -> ReleaseEvent:
-    sequence, _, transfer_id, packed, reason, detail, released_at_ms, traceparent = kept
-    values = array("q")
-    values.frombytes(packed)
-    groups, start, block_ids = values[0], 1 + values[0], []
-    for length in values[1 : 1 + groups]:
-        block_ids.append(values[start : start + length])
-        start += length
-    return ReleaseEvent(
-        sequence,
-        transfer_id,
-        tuple(block_ids),
-        ReleaseReason(reason),
-        detail,
-        released_at_ms,
-        traceparent,
-    )
-
+from broker.wire import data_parallel_deployment
 
 T = TypeVar("T")
 _MISSING = object()
@@ -111,7 +68,7 @@ class InMemoryStateStore(StateStore):
         self._deadlines: dict[TransferKey, int] = {}
         self._usage: dict[str, tuple[int, int]] = {}  # engine_usage by prefill engine
         self._contacts: dict[RankKey, set[str]] = {}
-        self._releases: dict[RankKey, list[KeptRelease]] = {}
+        self._releases: dict[RankKey, list[ReleaseEvent]] = {}
         self._delivered: dict[RankKey, int] = {}
         self._release_bytes: dict[RankKey, int] = {}  # kept events' nbytes, by rank
         self._totals: dict[str, int] = {"release_bytes": 0}
@@ -381,8 +338,11 @@ class InMemoryStateStore(StateStore):
     def append_release(
         self, key: RankKey, event: ReleaseEvent, rank_bytes: int, total_bytes: int
     ) -> None:
+        # Block ids as arrays of int64: 8 bytes an id rather than a Python int each (long
+        # groups already are, and are shared with the record they came from).
+        compact = tuple(g if isinstance(g, array) else array("q", g) for g in event.block_ids)
         queue = self._releases.setdefault(key, [])
-        queue.append(kept_release(event))
+        queue.append(evolve(event, block_ids=compact))
         self._on_undo(lambda: self._unappend(key))
         self._add_bytes(key, event.nbytes)
         self._forget_oldest(key, lambda: self._release_bytes[key] > rank_bytes)
@@ -405,10 +365,10 @@ class InMemoryStateStore(StateStore):
         queue = self._releases[key]
         dropped = 0
         while dropped < len(queue) and (dropped < at_least or over()):
-            self._add_bytes(key, -queue[dropped][1])
+            self._add_bytes(key, -queue[dropped].nbytes)
             dropped += 1
         if dropped:
-            self._set(self._compacted, key, queue[dropped - 1][0])
+            self._set(self._compacted, key, queue[dropped - 1].sequence)
             forgotten = queue[:dropped]
             del queue[:dropped]
             self._on_undo(lambda: queue.__setitem__(slice(0, 0), forgotten))
@@ -420,9 +380,9 @@ class InMemoryStateStore(StateStore):
         queue = self._releases.get(key, [])
         # Sequences are increasing: scan back from the newest event.
         start = len(queue)
-        while start > 0 and queue[start - 1][0] > sequence:
+        while start > 0 and queue[start - 1].sequence > sequence:
             start -= 1
-        return [release_of(kept) for kept in queue[start:]]
+        return queue[start:]
 
     def mark_delivered(self, key: RankKey, sequence: int) -> None:
         if sequence > self._delivered.get(key, 0):
@@ -436,7 +396,7 @@ class InMemoryStateStore(StateStore):
         if not queue:
             return
         cursor = self._delivered.get(key, 0)
-        delivered = bisect.bisect_right(queue, cursor, key=itemgetter(0))
+        delivered = bisect.bisect_right(queue, cursor, key=attrgetter("sequence"))
         if delivered > keep_delivered:
             self._forget_oldest(key, lambda: False, at_least=delivered - keep_delivered)
 
