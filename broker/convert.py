@@ -10,6 +10,7 @@ ids, packed descriptors) are translated by :mod:`broker.wire`.
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -28,7 +29,7 @@ from broker.api import (
     TransferName,
 )
 from broker.errors import InvalidFieldError, LimitExceededError, PdbrokerError, RequestError
-from broker.layout import shared_layout
+from broker.layout import RankLayout, shared_layout
 from broker.limits import LIMITS
 from broker.plans import PlanTicket
 from broker.records import (
@@ -87,6 +88,23 @@ def _check_disjoint(regions: Sequence[MemoryRegion]) -> None:
             )
 
 
+#: Rank layouts converted from registrations, by tp rank and the layout's bytes, while some
+#: registration holds them: a rank declaring what another rank of that tp rank declared is
+#: not converted and validated again (most of a registration's conversion).
+_CONVERTED: weakref.WeakValueDictionary[tuple[int, bytes], RankLayout] = (
+    weakref.WeakValueDictionary()
+)
+
+
+def _rank_layout(msg: pb.RegisterRankRequest) -> RankLayout:
+    key = (msg.tp_rank, msg.layout.SerializeToString(deterministic=True))
+    layout = _CONVERTED.get(key)
+    if layout is None:
+        layout = shared_layout(rank_layout_from_proto(msg.layout, msg.tp_rank))
+        _CONVERTED[key] = layout
+    return layout
+
+
 def registration_from_proto(msg: pb.RegisterRankRequest) -> RankRegistration:
     engine_id = ident(msg.engine_id, "engine_id")
     role = ROLE.from_proto(msg.role, "role")
@@ -115,7 +133,7 @@ def registration_from_proto(msg: pb.RegisterRankRequest) -> RankRegistration:
     _check_disjoint(regions)
     if not msg.HasField("layout"):
         raise InvalidFieldError("layout", "missing")
-    layout = shared_layout(rank_layout_from_proto(msg.layout, msg.tp_rank))
+    layout = _rank_layout(msg)
     fingerprint = ident(msg.model_fingerprint, "model_fingerprint")
     return RankRegistration(
         engine_id,

@@ -25,7 +25,7 @@ from broker import convert
 from broker.api import PlanQuery, PlanResult, Publication
 from broker.auth import AccessGuard, Authenticator, Identity
 from broker.config import ServiceConfig
-from broker.errors import IncompatibleLayoutsError, LimitExceededError
+from broker.errors import IncompatibleLayoutsError, LayoutError, LimitExceededError
 from broker.observer import ServiceObserver
 from broker.planner import PairPlanner, RankPlan
 from broker.presets import resolve_model
@@ -302,3 +302,26 @@ def test_a_transfer_in_flight_leaves_the_collector_few_objects() -> None:
     gc.collect()
     per_transfer = (len(gc.get_objects()) - before) / 100
     assert per_transfer <= 12.5, f"{per_transfer:.1f} tracked objects per transfer in flight"
+
+
+def test_a_layout_declared_before_is_not_converted_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Converting and validating a layout is most of a registration's conversion: a rank
+    declaring the layout another rank of its tp rank holds gets that one without either; a
+    layout refused is refused each time it is declared."""
+    converted: list[int] = []
+    convert_layout = convert.rank_layout_from_proto
+    monkeypatch.setattr(
+        convert,
+        "rank_layout_from_proto",
+        lambda msg, tp_rank: converted.append(tp_rank) or convert_layout(msg, tp_rank),
+    )
+    gc.collect()  # layouts of earlier tests gone
+    service, _ = make_service()
+    register_converted(service, 3)
+    assert sorted(converted) == list(range(8))  # once per tp rank, for three engines
+    bad = register_request(NANO_TP8.decode, "X", pb.ROLE_DECODE, 0, 9)
+    bad.layout.groups[0].segments[0].shape[0] = 0
+    for _ in range(2):
+        with pytest.raises(LayoutError):
+            convert.registration_from_proto(bad)
+    assert len(converted) == 10
