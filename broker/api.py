@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from broker.errors import PdbrokerError
-from broker.records import RankRecord, TransferRecord
+from broker.records import ANY_DECODE_ENGINE, RankRecord, TransferRecord
 from broker.wire import BlockIds, MemoryKind, ReportStatus, Role, TransferState
 
 
@@ -36,7 +36,7 @@ class Publication:
     block_ids: BlockIds
     num_tokens: int
     ttl_ms: int = 0
-    allowed_decode_engines: frozenset[str] = frozenset()
+    allowed_decode_engines: frozenset[str] = ANY_DECODE_ENGINE
     traceparent: str = ""
 
 

@@ -33,6 +33,7 @@ from broker.layout import RankLayout, shared_layout
 from broker.limits import LIMITS
 from broker.plans import PlanTicket
 from broker.records import (
+    ANY_DECODE_ENGINE,
     MemoryRegion,
     RankRegistration,
     ReleaseEvent,
@@ -197,9 +198,12 @@ def publication_from_proto(msg: pb.PublishBlocksRequest, traceparent: str = "") 
     check_count(
         msg.allowed_decode_engines, LIMITS.max_allowed_decode_engines, "allowed_decode_engines"
     )
-    allowed = frozenset(
-        ident(e, f"allowed_decode_engines[{i}]") for i, e in enumerate(msg.allowed_decode_engines)
-    )
+    allowed = ANY_DECODE_ENGINE
+    if msg.allowed_decode_engines:
+        allowed = frozenset(
+            ident(e, f"allowed_decode_engines[{i}]")
+            for i, e in enumerate(msg.allowed_decode_engines)
+        )
     return Publication(
         transfer_id,
         engine_id,

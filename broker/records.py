@@ -139,6 +139,10 @@ class RankLoss:
         return self.engine_id, self.tp_rank, self.generation
 
 
+#: ``allowed_decode_engines`` naming none (any engine may read): one object however many
+#: transfers keep it (each empty frozenset made is an object the garbage collector tracks).
+ANY_DECODE_ENGINE: frozenset[str] = frozenset()
+
 #: One event of a transfer's timeline: ``(at_ms, event, detail)``; a plain tuple of plain
 #: values, which the garbage collector stops tracking (as :data:`RegionRow`).
 TimelineEntry = tuple[int, str, str]

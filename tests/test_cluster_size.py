@@ -325,3 +325,30 @@ def test_a_layout_declared_before_is_not_converted_again(monkeypatch: pytest.Mon
         with pytest.raises(LayoutError):
             convert.registration_from_proto(bad)
     assert len(converted) == 10
+
+
+def test_a_transfer_published_leaves_the_collector_few_objects() -> None:
+    """A transfer published (from its request, as the server converts it) and not yet
+    asked for keeps a few objects the garbage collector walks: a publication naming no
+    decode engine shares one empty set of them, not one of its own."""
+    service, _ = make_service(max_transfers=1000, max_transfers_per_engine=1000)
+    register_engine(service, SC.prefill, "P", Role.PREFILL, 0)
+    groups = [pb.BlockIds(ids=g) for g in SC.request.prefill_block_ids]
+
+    def publish(transfer_id: str) -> None:
+        request = pb.PublishBlocksRequest(
+            transfer_id=transfer_id,
+            engine_id="P",
+            block_ids=groups,
+            num_tokens=SC.request.num_tokens,
+        )
+        service.publish(convert.publication_from_proto(request))
+
+    publish("warm")
+    gc.collect()
+    before = len(gc.get_objects())
+    for i in range(100):
+        publish(f"t{i}")
+    gc.collect()
+    per_transfer = (len(gc.get_objects()) - before) / 100
+    assert per_transfer <= 3.5, f"{per_transfer:.1f} tracked objects per transfer published"

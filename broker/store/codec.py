@@ -19,6 +19,7 @@ import numpy as np
 from broker.layout import GroupKind, GroupLayout, RankLayout, Segment, shared_layout
 from broker.planner import RankPlan, SourceReads
 from broker.records import (
+    ANY_DECODE_ENGINE,
     PlanRecord,
     RankRegistration,
     ReleaseEvent,
@@ -238,7 +239,7 @@ def decode_transfer(values: dict[str, Any], runs: dict[int, RankPlan]) -> Transf
         tp_size,
         values["tokens"],
         _ids(values["ids"]),
-        frozenset(values["allowed"]),
+        frozenset(values["allowed"]) if values["allowed"] else ANY_DECODE_ENGINE,
         published,
         values.get("ttl", expires - published),  # stored before extensions: never extended
         expires,
