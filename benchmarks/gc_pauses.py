@@ -1,6 +1,7 @@
 """Summarise the collections ``benchmarks/gc_probe`` recorded: per broker process, the
 collections of each generation after its first second (start-up), their total time, the
-longest ones and the longest of each generation.
+longest ones and the longest of each generation; and, where the probe counted them
+(``PDBROKER_GC_PROBE_TYPES=1``), what the largest such walk after start-up held, by type.
 
     .venv/bin/python benchmarks/gc_pauses.py /tmp/gc
 """
@@ -23,6 +24,10 @@ def main(folder: str) -> None:
             f"{sum(pauses):.1f} ms in all, longest {[round(p, 1) for p in pauses[:4]]} ms, "
             f"longest by generation {[round(p, 1) for p in longest]} ms"
         )
+        walked = [w for w in json.loads(path.read_text()).get("walked", []) if w[0] > 1.0]
+        if walked:
+            since, generation, count, kinds = max(walked, key=lambda w: w[2])
+            print(f"  largest walk: generation {generation} at {since} s, {count} objects: {kinds}")
 
 
 if __name__ == "__main__":

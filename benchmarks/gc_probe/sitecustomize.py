@@ -3,7 +3,9 @@
 writes ``<pid>.json`` there when it exits (seconds since start, generation, ms, objects
 collected); ``benchmarks/gc_pauses.py DIR`` summarises them. On ``SIGUSR1`` it writes
 ``<pid>-garbage-<n>.json``: what a full collection frees then, counted by type
-(``benchmarks/gc_garbage.py`` asks for it around a number of calls).
+(``benchmarks/gc_garbage.py`` asks for it around a number of calls). With
+``PDBROKER_GC_PROBE_TYPES=1`` it also counts, by type, what each collection of the middle
+or oldest generation walks (``walked``).
 
     PDBROKER_GC_PROBE_DIR=/tmp/gc PYTHONPATH=.:benchmarks/gc_probe \\
         .venv/bin/python -m broker.cli bench scale --engines 256 --held 100 --tp 8 \\
@@ -29,9 +31,20 @@ if _DIR and "serve" in sys.argv:
     _started = time.monotonic()
     _records: list[tuple[float, int, float, int]] = []
     _collection_start = [0.0]
+    #: With PDBROKER_GC_PROBE_TYPES set, what each collection of an older generation walks,
+    #: counted by type before it starts (the count itself is not timed).
+    _walked: list[tuple[float, int, int, list[tuple[str, int]]]] = []
+    _census_types = bool(os.environ.get("PDBROKER_GC_PROBE_TYPES"))
 
     def _timed(phase: str, info: dict[str, int]) -> None:
         if phase == "start":
+            generation = info["generation"]
+            if _census_types and generation >= 1:
+                walked = [o for g in range(generation + 1) for o in gc.get_objects(g)]
+                kinds = Counter(type(o).__qualname__ for o in walked)
+                since = round(time.monotonic() - _started, 3)
+                _walked.append((since, generation, len(walked), kinds.most_common(8)))
+                del walked
             _collection_start[0] = time.perf_counter()
             return
         ms = (time.perf_counter() - _collection_start[0]) * 1e3
@@ -40,7 +53,7 @@ if _DIR and "serve" in sys.argv:
 
     def _write() -> None:
         path = Path(_DIR) / f"{os.getpid()}.json"
-        path.write_text(json.dumps({"argv": sys.argv, "collections": _records}))
+        path.write_text(json.dumps({"argv": sys.argv, "collections": _records, "walked": _walked}))
 
     def _census(signum: int, frame: object) -> None:
         gc.set_debug(gc.DEBUG_SAVEALL)  # keep what a collection would free, to count it
