@@ -397,3 +397,26 @@ def test_reports_are_checked_against_their_plan() -> None:
     first = run.apply(report(run.record, 0))
     again = run.apply(report(first.record, 0, ReportStatus.FAILED))  # the first report wins
     assert again.record.plans[0].status is ReportStatus.DONE and again.effects == ()
+
+
+@pytest.mark.parametrize(
+    "record", [published(2), PlanRecord("t-0", 0, BLOCKS, rank_plan(0, frozenset({0})))]
+)
+def test_evolve_copies_every_field_and_applies_the_changes(record: object) -> None:
+    """The state machine's copies: each field of the class set (a copier missing one would
+    leave it unset), the changes applied, the original untouched."""
+    from dataclasses import fields
+
+    from broker.records import evolve
+
+    names = [f.name for f in fields(record)]  # type: ignore[arg-type]
+    same = evolve(record)
+    assert same is not record and type(same) is type(record)
+    assert all(getattr(same, n) is getattr(record, n) for n in names)
+    for name in names:
+        value = ("changed",)
+        copy = evolve(record, **{name: value})
+        assert getattr(copy, name) is value and getattr(record, name) is not value
+        assert all(getattr(copy, n) is getattr(record, n) for n in names if n != name)
+    with pytest.raises(KeyError):
+        evolve(record, no_such_field=1)
