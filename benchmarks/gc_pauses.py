@@ -1,7 +1,8 @@
 """Summarise the collections ``benchmarks/gc_probe`` recorded: per broker process, the
 collections of each generation after its first second (start-up), their total time, the
 longest ones and the longest of each generation; and, where the probe counted them
-(``PDBROKER_GC_PROBE_TYPES=1``), what the largest such walk after start-up held, by type.
+(``PDBROKER_GC_PROBE_TYPES=1``), what the largest such walk after start-up held, by type;
+and, where it broke stalls down (``PDBROKER_STALL_PROBE_MS``), the longest ones.
 
     .venv/bin/python benchmarks/gc_pauses.py /tmp/gc
 """
@@ -28,6 +29,13 @@ def main(folder: str) -> None:
         if walked:
             since, generation, count, kinds = max(walked, key=lambda w: w[2])
             print(f"  largest walk: generation {generation} at {since} s, {count} objects: {kinds}")
+        stalls = sorted(json.loads(path.read_text()).get("stalls", []), key=lambda s: -s[1])
+        for since, ms, ran, waited, others, collecting in stalls[:5]:
+            print(
+                f"  stall {ms} ms at {since} s; over the probe's interval the loop ran {ran} ms, "
+                f"waited {waited} ms for a CPU; other threads ran {others} ms; "
+                f"collecting {collecting} ms"
+            )
 
 
 if __name__ == "__main__":

@@ -5,7 +5,10 @@ collected); ``benchmarks/gc_pauses.py DIR`` summarises them. On ``SIGUSR1`` it w
 ``<pid>-garbage-<n>.json``: what a full collection frees then, counted by type
 (``benchmarks/gc_garbage.py`` asks for it around a number of calls). With
 ``PDBROKER_GC_PROBE_TYPES=1`` it also counts, by type, what each collection of the middle
-or oldest generation walks (``walked``).
+or oldest generation walks (``walked``). With ``PDBROKER_STALL_PROBE_MS=N`` it breaks down
+each event loop stall longer than N ms the broker's own probe measures (``stalls``): over the
+probe's interval, the loop thread's time running and waiting for a CPU, the other threads'
+time running and the collector's (Linux ``/proc/self/task/*/schedstat``).
 
     PDBROKER_GC_PROBE_DIR=/tmp/gc PYTHONPATH=.:benchmarks/gc_probe \\
         .venv/bin/python -m broker.cli bench scale --engines 256 --held 100 --tp 8 \\
@@ -21,6 +24,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -50,10 +54,15 @@ if _DIR and "serve" in sys.argv:
         ms = (time.perf_counter() - _collection_start[0]) * 1e3
         since = time.monotonic() - _started
         _records.append((round(since, 3), info["generation"], round(ms, 2), info["collected"]))
+        _collecting_ms[0] += ms
 
     def _write() -> None:
         path = Path(_DIR) / f"{os.getpid()}.json"
-        path.write_text(json.dumps({"argv": sys.argv, "collections": _records, "walked": _walked}))
+        path.write_text(
+            json.dumps(
+                {"argv": sys.argv, "collections": _records, "walked": _walked, "stalls": _stalls}
+            )
+        )
 
     def _census(signum: int, frame: object) -> None:
         gc.set_debug(gc.DEBUG_SAVEALL)  # keep what a collection would free, to count it
@@ -64,6 +73,54 @@ if _DIR and "serve" in sys.argv:
         done = len(list(Path(_DIR).glob(f"{os.getpid()}-garbage-*.json")))
         path = Path(_DIR) / f"{os.getpid()}-garbage-{done}.json"
         path.write_text(json.dumps(found.most_common()))
+
+    #: (seconds since start, stall ms, then over the probe's interval: the loop thread's ms
+    #: running, its ms waiting for a CPU, the other threads' ms running, ms collecting).
+    _stalls: list[tuple[float, float, float, float, float, float]] = []
+    _collecting_ms = [0.0]
+    _stall_ms = float(os.environ.get("PDBROKER_STALL_PROBE_MS") or 0)
+
+    def _threads() -> dict[int, tuple[int, int]]:
+        """Each thread's nanoseconds running and waiting for a CPU."""
+        times = {}
+        for task in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{task}/schedstat") as f:
+                    run, wait = f.read().split()[:2]
+            except OSError:  # a thread that just ended
+                continue
+            times[int(task)] = (int(run), int(wait))
+        return times
+
+    def _probe_stalls() -> None:
+        """Wrap the broker's stall probe: it calls ``loop_stalled`` on the loop's thread
+        once every interval, so the times between two calls are the interval's."""
+        from broker import metrics
+
+        stalled = metrics.BrokerMetrics.loop_stalled
+        last: list[tuple[dict[int, tuple[int, int]], float]] = []
+
+        def loop_stalled(self: object, seconds: float) -> None:
+            now, collected = _threads(), _collecting_ms[0]
+            if last and seconds * 1e3 > _stall_ms:
+                before, collected_before = last[0]
+                loop = threading.get_native_id()
+                ran, waited = (now[loop][i] - before.get(loop, (0, 0))[i] for i in (0, 1))
+                others = sum(
+                    t[0] - before.get(tid, (0, 0))[0] for tid, t in now.items() if tid != loop
+                )
+                since = round(time.monotonic() - _started, 3)
+                _stalls.append(
+                    (since, round(seconds * 1e3, 2), round(ran / 1e6, 2), round(waited / 1e6, 2),
+                     round(others / 1e6, 2), round(collected - collected_before, 2))
+                )  # fmt: skip
+            last[:] = [(now, collected)]
+            stalled(self, seconds)
+
+        metrics.BrokerMetrics.loop_stalled = loop_stalled  # type: ignore[method-assign]
+
+    if _stall_ms:
+        _probe_stalls()
 
     gc.callbacks.append(_timed)
     atexit.register(_write)
