@@ -120,6 +120,21 @@ def cpu_seconds(pid: int) -> float:
     return own + sum(cpu_seconds(int(child)) for child in children)
 
 
+def context_switches(pid: int) -> int:
+    """Context switches of every thread of process ``pid`` and of its running children (a
+    broker's workers), voluntary (a thread waited: a lock, I/O) and not (preempted), from
+    /proc (Linux; a thread that ended took its count with it)."""
+    switches = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            lines = (task / "status").read_text().splitlines()
+        except OSError:  # a thread that just ended
+            continue
+        switches += sum(int(line.split()[1]) for line in lines if "ctxt_switches:" in line)
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return switches + sum(context_switches(int(child)) for child in children)
+
+
 def rss_bytes(pid: int) -> int:
     """Resident memory of process ``pid`` (bytes), from /proc (Linux)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():

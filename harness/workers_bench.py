@@ -13,7 +13,7 @@ over the same window, the limits that stop the scaling: Redis, which runs comman
 thread (its commands/s from ``INFO stats``, its CPU from /proc), the host's cores
 (/proc/stat), and each worker's store threads, which run its calls taking turns at its
 service code (how long they ran calls, their CPU and how long they held the turn, from every
-worker's ``/metrics``); with ``--store-threads`` several counts, every phase for each. After each phase, the host's own parallel efficiency at as many busy
+worker's ``/metrics``, and how often the workers' threads switched, from /proc); with ``--store-threads`` several counts, every phase for each. After each phase, the host's own parallel efficiency at as many busy
 processes as the phase ran (workers, client processes and Redis;
 :mod:`~harness.host_calibration`), and from it the host's scaling: that efficiency over the
 one-worker phase's at the same client count, the scaling the host itself would allow the
@@ -43,7 +43,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from broker.console import Progress
 from broker.errors import UsageError
 from harness.bench_clients import client_ranks, client_specs, run_clients, warm_transfers
-from harness.bench_engines import BenchEngines, cpu_seconds
+from harness.bench_engines import BenchEngines, context_switches, cpu_seconds
 from harness.brokers import OWN_CONNECTIONS, BrokerProcess
 from harness.delay_proxy import DelayProxy
 from harness.host_calibration import PROBE_SECONDS, alone_rate, host_efficiency
@@ -196,6 +196,7 @@ def _phases(
             time.monotonic(),
             commands,
             cpu_seconds(server.process.pid),
+            context_switches(broker.process.pid),
             *host_cpu_seconds(),
             *(busy for busy, _, _ in seconds),
             *(cpu for _, cpu, _ in seconds),
@@ -227,7 +228,7 @@ def _phases(
                     OWN_CONNECTIONS,
                     meter,
                 )
-                wall, commands, redis_cpu, busy, total, *stores = run.metered
+                wall, commands, redis_cpu, switches, busy, total, *stores = run.metered
                 store_busy, store_cpu = stores[:workers], stores[workers : 2 * workers]
                 store_turn = stores[2 * workers :]
                 redis_us = redis_cpu / run.entries * 1e6
@@ -238,6 +239,7 @@ def _phases(
                     "client_procs": procs,
                     "ran_out": run.ran_out,
                     **run.summary("plan_"),
+                    "broker_switches_per_plan": round(switches / run.entries, 2),
                     "redis_commands_per_s": round(commands / wall),
                     "redis_commands_per_plan": round(commands / run.entries, 2),
                     "redis_cpu_of_core": round(redis_cpu / wall, 3),
@@ -321,7 +323,7 @@ def table(r: dict) -> str:
         ),
         (
             f"{'workers':>7} {'threads':>7} {'clients':>7} {'plans/s':>8} {'p50 ms':>7} {'p99 ms':>7} "
-            f"{'broker us':>9} {'scaling':>7} {'redis cmd/s':>11} {'cmd/plan':>8} "
+            f"{'broker us':>9} {'sw/plan':>7} {'scaling':>7} {'redis cmd/s':>11} {'cmd/plan':>8} "
             f"{'redis cpu':>9} {'redis us':>8} {'redis full':>10} {'host cpu':>8} "
             f"{'procs':>5} {'host eff':>8} {'host scal':>9} {'of host':>7} {'store':>5} "
             f"{'turn':>5} {'waits':>5}  limit"
@@ -335,7 +337,7 @@ def table(r: dict) -> str:
         lines.append(
             f"{p['workers']:>7} {p['store_threads']:>7} {p['clients']:>7} {p['plan_per_s']:>8,.0f} "
             f"{p['plan_p50_ms']:>7.2f} {p['plan_p99_ms']:>7.2f} {p['plan_broker_cpu_us']:>9.0f} "
-            f"{figure(p['scaling']):>7} {p['redis_commands_per_s']:>11,} "
+            f"{p['broker_switches_per_plan']:>7.1f} {figure(p['scaling']):>7} {p['redis_commands_per_s']:>11,} "
             f"{p['redis_commands_per_plan']:>8.1f} {p['redis_cpu_of_core']:>9.0%} "
             f"{p['redis_cpu_us_per_plan']:>8.0f} {p['redis_saturated_per_s']:>10,} "
             f"{p['host_cpu_busy']:>8.0%} {p['host_processes']:>5} {p['host_efficiency']:>8.2f} "
@@ -347,7 +349,7 @@ def table(r: dict) -> str:
     lines.append(
         f"goal: scaling >= {r['target_scaling']} until a limit is named; scaling: plans/s / "
         "(workers x the 1-worker plans/s, same threads and clients); broker us: CPU per plan of every "
-        f"worker; redis cpu: of one core; redis us: its CPU per plan; redis full: plans/s at "
+        "worker; sw/plan: context switches per plan of every worker's threads; redis cpu: of one core; redis us: its CPU per plan; redis full: plans/s at "
         f"which that is {REDIS_SATURATED:.0%} of a core; host cpu: of all cores; host eff: "
         f"work rate of each of procs (workers + client processes + Redis) probe processes "
         f"run together, over one alone's ({r['probe_seconds']:g} s each); host scal: host eff "

@@ -207,6 +207,8 @@ def test_bench_control_plane_compares_worker_counts(capsys: pytest.CaptureFixtur
         assert 0 < p["host_efficiency"] <= 1.5
         # Every plan's calls ran on a store thread, for part of the phase, partly waiting.
         assert 0 < p["store_thread_busy"] <= 1.05 and 0 < p["store_thread_waiting"] < 1
+        # A call hops from the event loop to a store thread and back: two switches at least.
+        assert p["broker_switches_per_plan"] >= 2, p
     assert phases[0]["host_scaling"] == 1.0
     assert phases[1]["host_scaling"] == round(
         phases[1]["host_efficiency"] / phases[0]["host_efficiency"], 3
@@ -224,6 +226,32 @@ def test_host_calibration_sees_processes_share_the_cores() -> None:
     assert alone > 100_000  # iterations/s of the pure-Python loop
     full, over = host_efficiency(cpus, alone, 0.5), host_efficiency(2 * cpus, alone, 0.5)
     assert 0 < over < 0.8 and over < full <= 1.5, (full, over)
+
+
+def test_context_switches_count_every_thread_of_a_process() -> None:
+    """A thread that waits switches out each time: 30 waits of another thread of this
+    process are counted while it lives (the main thread itself waits once or twice)."""
+    import threading
+    import time
+
+    from harness.bench_engines import context_switches
+
+    waited, finish = threading.Event(), threading.Event()
+
+    def wait_often() -> None:
+        for _ in range(30):
+            time.sleep(0.001)
+        waited.set()
+        finish.wait()  # alive while counted: a thread that ended took its count with it
+
+    before = context_switches(os.getpid())
+    waiter = threading.Thread(target=wait_often, daemon=True)
+    waiter.start()
+    waited.wait()
+    try:
+        assert context_switches(os.getpid()) - before >= 30
+    finally:
+        finish.set()
 
 
 @pytest.mark.parametrize(
