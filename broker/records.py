@@ -267,10 +267,10 @@ class ReleaseEvent:
     @property
     def nbytes(self) -> int:
         """What the event counts against a release backlog: 8 bytes a block id, its texts,
-        and 64 for the rest."""
+        and 64 for the rest (a group a store keeps packed into ``bytes`` counts its length)."""
         return (
             64
-            + 8 * sum(len(g) for g in self.block_ids)
+            + sum(len(g) if type(g) is bytes else 8 * len(g) for g in self.block_ids)
             + len(self.transfer_id)
             + len(self.detail)
             + len(self.traceparent)

@@ -12,8 +12,9 @@ import bisect
 import heapq
 from array import array
 from collections.abc import Callable, Collection, Hashable, Iterator
+from functools import partial
 from operator import attrgetter
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from broker.records import (
     RankKey,
@@ -382,7 +383,10 @@ class InMemoryStateStore(StateStore):
         start = len(queue)
         while start > 0 and queue[start - 1].sequence > sequence:
             start -= 1
-        return queue[start:]
+        events = queue[start:]
+        if events and _packed(events[0]):  # a stream resuming before what was delivered
+            events = [_unpacked(e) if _packed(e) else e for e in events]
+        return events
 
     def mark_delivered(self, key: RankKey, sequence: int) -> None:
         if sequence > self._delivered.get(key, 0):
@@ -399,6 +403,17 @@ class InMemoryStateStore(StateStore):
         delivered = bisect.bisect_right(queue, cursor, key=attrgetter("sequence"))
         if delivered > keep_delivered:
             self._forget_oldest(key, lambda: False, at_least=delivered - keep_delivered)
+            delivered = keep_delivered
+        # Delivered events stay only for streams that resume: their block ids packed into
+        # bytes, which the garbage collector does not track (it walks every array in each
+        # collection of the generation holding it). Newest first, down to one packed before.
+        for i in range(delivered - 1, -1, -1):
+            event = queue[i]
+            if _packed(event):
+                break
+            groups = cast("tuple[array[int], ...]", event.block_ids)  # see append_release
+            queue[i] = evolve(event, block_ids=tuple(g.tobytes() for g in groups))
+            self._on_undo(partial(queue.__setitem__, i, event))
 
     def drop_releases(self, key: RankKey) -> None:
         self._pop(self._releases, key)
@@ -406,3 +421,12 @@ class InMemoryStateStore(StateStore):
         self._pop(self._compacted, key)
         dropped = self._pop(self._release_bytes, key) or 0
         self._set(self._totals, "release_bytes", self._totals["release_bytes"] - dropped)
+
+
+def _packed(event: ReleaseEvent) -> bool:
+    """Whether ``event``'s block ids are packed (an event with none counts as packed)."""
+    return not event.block_ids or type(event.block_ids[0]) is bytes
+
+
+def _unpacked(event: ReleaseEvent) -> ReleaseEvent:
+    return evolve(event, block_ids=tuple(array("q", g) for g in event.block_ids))
