@@ -288,7 +288,9 @@ def test_bench_scale_sweeps_both_stores(capsys: pytest.CaptureFixture[str], tmp_
     every point measured, ratios of the last point over the first, the plot written."""
     require_binary("redis-server", "bash scripts/test.sh installs it with apt-get")
     flags = ("--engines", "2,4", "--held", "3,30", "--tp", "1,2", "--samples", "4")
-    timing = ("--expiries", "2", "--lease-ttl-ms", "1000", "--tokens", "2048")
+    # Leases of 2 s: a sweep late with its keep-alives under load must not lose ranks
+    # before their bytes are measured.
+    timing = ("--expiries", "2", "--lease-ttl-ms", "2000", "--tokens", "2048")
     result = run_json(capsys, "scale", *flags, *timing, "--out", str(tmp_path))["scale"]
     points = result["points"]
     assert [(p["store"], p["engines"], p["ranks"], p["held"]) for p in points] == [
