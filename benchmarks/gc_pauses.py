@@ -16,7 +16,8 @@ from pathlib import Path
 
 def main(folder: str) -> None:
     for path in sorted(Path(folder).glob("*.json")):
-        records = [r for r in json.loads(path.read_text())["collections"] if r[0] > 1.0]
+        probed = json.loads(path.read_text())
+        records = [r for r in probed["collections"] if r[0] > 1.0]
         per_generation = [sum(1 for r in records if r[1] == g) for g in range(3)]
         pauses = sorted((r[2] for r in records), reverse=True)
         longest = [max((r[2] for r in records if r[1] == g), default=0.0) for g in range(3)]
@@ -25,11 +26,11 @@ def main(folder: str) -> None:
             f"{sum(pauses):.1f} ms in all, longest {[round(p, 1) for p in pauses[:4]]} ms, "
             f"longest by generation {[round(p, 1) for p in longest]} ms"
         )
-        walked = [w for w in json.loads(path.read_text()).get("walked", []) if w[0] > 1.0]
+        walked = [w for w in probed.get("walked", []) if w[0] > 1.0]
         if walked:
             since, generation, count, kinds = max(walked, key=lambda w: w[2])
             print(f"  largest walk: generation {generation} at {since} s, {count} objects: {kinds}")
-        stalls = sorted(json.loads(path.read_text()).get("stalls", []), key=lambda s: -s[1])
+        stalls = sorted(probed.get("stalls", []), key=lambda s: -s[1])
         for since, ms, ran, waited, others, collecting in stalls[:5]:
             print(
                 f"  stall {ms} ms at {since} s; over the probe's interval the loop ran {ran} ms, "

@@ -12,7 +12,7 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -111,13 +111,21 @@ def published_service(
     return service
 
 
+def _process_tree(pid: int) -> Iterator[int]:
+    """``pid`` and its running children (a broker's workers), theirs and so on (/proc)."""
+    yield pid
+    for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+        yield from _process_tree(int(child))
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of process ``pid`` (all its threads) and of its running
     children (a broker's workers), from /proc (Linux)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    own = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return own + sum(cpu_seconds(int(child)) for child in children)
+    ticks = 0
+    for process in _process_tree(pid):
+        fields = Path(f"/proc/{process}/stat").read_text().rsplit(")", 1)[1].split()
+        ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def context_switches(pid: int) -> int:
@@ -125,14 +133,14 @@ def context_switches(pid: int) -> int:
     broker's workers), voluntary (a thread waited: a lock, I/O) and not (preempted), from
     /proc (Linux; a thread that ended took its count with it)."""
     switches = 0
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            lines = (task / "status").read_text().splitlines()
-        except OSError:  # a thread that just ended
-            continue
-        switches += sum(int(line.split()[1]) for line in lines if "ctxt_switches:" in line)
-    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    return switches + sum(context_switches(int(child)) for child in children)
+    for process in _process_tree(pid):
+        for task in Path(f"/proc/{process}/task").iterdir():
+            try:
+                lines = (task / "status").read_text().splitlines()
+            except OSError:  # a thread that just ended
+                continue
+            switches += sum(int(line.split()[1]) for line in lines if "ctxt_switches:" in line)
+    return switches
 
 
 def rss_bytes(pid: int) -> int:

@@ -13,7 +13,9 @@ over the same window, the limits that stop the scaling: Redis, which runs comman
 thread (its commands/s from ``INFO stats``, its CPU from /proc), the host's cores
 (/proc/stat), and each worker's store threads, which run its calls taking turns at its
 service code (how long they ran calls, their CPU and how long they held the turn, from every
-worker's ``/metrics``, and how often the workers' threads switched, from /proc); with ``--store-threads`` several counts, every phase for each. After each phase, the host's own parallel efficiency at as many busy
+worker's ``/metrics``, and how often the workers' threads switched, from /proc); with
+``--store-threads`` several counts, every phase for each. After each phase, the host's own
+parallel efficiency at as many busy
 processes as the phase ran (workers, client processes and Redis;
 :mod:`~harness.host_calibration`), and from it the host's scaling: that efficiency over the
 one-worker phase's at the same client count, the scaling the host itself would allow the
@@ -349,7 +351,8 @@ def table(r: dict) -> str:
     lines.append(
         f"goal: scaling >= {r['target_scaling']} until a limit is named; scaling: plans/s / "
         "(workers x the 1-worker plans/s, same threads and clients); broker us: CPU per plan of every "
-        "worker; sw/plan: context switches per plan of every worker's threads; redis cpu: of one core; redis us: its CPU per plan; redis full: plans/s at "
+        "worker; sw/plan: context switches per plan of every worker's threads; redis cpu: "
+        "of one core; redis us: its CPU per plan; redis full: plans/s at "
         f"which that is {REDIS_SATURATED:.0%} of a core; host cpu: of all cores; host eff: "
         f"work rate of each of procs (workers + client processes + Redis) probe processes "
         f"run together, over one alone's ({r['probe_seconds']:g} s each); host scal: host eff "

@@ -5,10 +5,11 @@ collected); ``benchmarks/gc_pauses.py DIR`` summarises them. On ``SIGUSR1`` it w
 ``<pid>-garbage-<n>.json``: what a full collection frees then, counted by type
 (``benchmarks/gc_garbage.py`` asks for it around a number of calls). With
 ``PDBROKER_GC_PROBE_TYPES=1`` it also counts, by type, what each collection of the middle
-or oldest generation walks (``walked``). With ``PDBROKER_STALL_PROBE_MS=N`` it breaks down
-each event loop stall longer than N ms the broker's own probe measures (``stalls``): over the
-probe's interval, the loop thread's time running and waiting for a CPU, the other threads'
-time running and the collector's (Linux ``/proc/self/task/*/schedstat``).
+or oldest generation walks (``walked``; release events delivered apart from the others).
+With ``PDBROKER_STALL_PROBE_MS=N`` it breaks down each event loop stall longer than N ms the
+broker's own probe measures (``stalls``): over the probe's interval, the loop thread's time
+running and waiting for a CPU, the other threads' time running and the collector's (Linux
+``/proc/self/task/*/schedstat``).
 
     PDBROKER_GC_PROBE_DIR=/tmp/gc PYTHONPATH=.:benchmarks/gc_probe \\
         .venv/bin/python -m broker.cli bench scale --engines 256 --held 100 --tp 8 \\
@@ -40,12 +41,21 @@ if _DIR and "serve" in sys.argv:
     _walked: list[tuple[float, int, int, list[tuple[str, int]]]] = []
     _census_types = bool(os.environ.get("PDBROKER_GC_PROBE_TYPES"))
 
+    def _kind(o: object) -> str:
+        """``o``'s type name; release events delivered (the in-memory store keeps them with
+        their block ids packed into ``bytes``) apart from those not yet delivered."""
+        name = type(o).__qualname__
+        if name == "ReleaseEvent":
+            groups = o.block_ids  # type: ignore[attr-defined]
+            return f"{name} ({'delivered' if groups and type(groups[0]) is bytes else 'not yet'})"
+        return name
+
     def _timed(phase: str, info: dict[str, int]) -> None:
         if phase == "start":
             generation = info["generation"]
             if _census_types and generation >= 1:
                 walked = [o for g in range(generation + 1) for o in gc.get_objects(g)]
-                kinds = Counter(type(o).__qualname__ for o in walked)
+                kinds = Counter(map(_kind, walked))
                 since = round(time.monotonic() - _started, 3)
                 _walked.append((since, generation, len(walked), kinds.most_common(8)))
                 del walked
