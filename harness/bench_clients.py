@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from broker.client_security import PLAINTEXT, ChannelSecurity
+from broker.errors import UsageError
 from broker.layout import EngineLayout
 from broker.v1 import broker_pb2 as pb
 from clients.decode import AsyncDecodeClient, PlanAsk, PlanReport
@@ -102,6 +103,11 @@ def client_specs(
         ranks = tuple(range(decode_tp))
         jobs = [[(t, d) for t in transfer_ids[c::clients] for d in ranks] for c in range(clients)]
         engines = [(c, ranks) for c in range(clients)]
+    if DECODE_ADDR - len(engines) * DECODE_ADDRESS_SPAN <= 0:
+        most = DECODE_ADDR // DECODE_ADDRESS_SPAN - 1
+        raise UsageError(
+            "--clients", f"{len(engines)} decode engines: their fake memory fits {most} at most"
+        )
     return [
         ClientSpec(
             f"{phase}-D{e}",

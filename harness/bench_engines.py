@@ -12,7 +12,7 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Coroutine, Iterator, Sequence
+from collections.abc import Coroutine, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 PREFILL_ADDR, DECODE_ADDR = 0x7F00_0000_0000, 0x7E00_0000_0000
 #: Address space of each decode engine's fake regions (below DECODE_ADDR's).
-DECODE_ADDRESS_SPAN = 1 << 40
+DECODE_ADDRESS_SPAN = 1 << 36
 #: Size of each rank's agent metadata (bytes; NIXL's is a few KiB).
 AGENT_METADATA_BYTES = 4096
 #: Deadline of one RPC (seconds).
@@ -79,18 +79,20 @@ def published_service(
     store: StateStore | None = None,
     clock: Clock | None = None,
     ttl_ms: int = 3_600_000,
+    capacity: int = 0,
 ) -> BrokerService:
     """An in-process broker service (no gRPC; on ``store`` and ``clock``, by default in
     memory and on the system clock) with ``sc``'s prefill ``P`` and decode ``D`` registered
     (fake addresses, leases of an hour) and ``transfers`` of its request published by ``P``
-    as ``t0``, ``t1``, ... for ``ttl_ms``: what the in-process benchmarks work on."""
+    as ``t0``, ``t1``, ... for ``ttl_ms`` (:func:`publish_transfers`); it holds at most
+    ``capacity`` transfers (``transfers`` for 0): what the in-process benchmarks work on."""
     from broker import convert
     from broker.config import ServiceConfig
     from broker.service import BrokerService
 
     config = ServiceConfig(
-        max_transfers=transfers,
-        max_transfers_per_engine=transfers,
+        max_transfers=capacity or transfers,
+        max_transfers_per_engine=capacity or transfers,
         default_ttl_ms=ttl_ms,
         lease_ttl_ms=3_600_000,
     )
@@ -99,8 +101,17 @@ def published_service(
         sc.decode, "D", Role.DECODE, DECODE_ADDR
     ):
         service.register_rank(convert.registration_from_proto(registration))
+    publish_transfers(service, sc, range(transfers))
+    return service
+
+
+def publish_transfers(service: BrokerService, sc: Scenario, numbers: Iterable[int]) -> None:
+    """``P`` of :func:`published_service` publishes ``sc``'s request as ``t<n>`` for each of
+    ``numbers``."""
+    from broker import convert
+
     published = [pb.BlockIds(ids=g) for g in sc.request.prefill_block_ids]
-    for i in range(transfers):
+    for i in numbers:
         publication = pb.PublishBlocksRequest(
             transfer_id=f"t{i}",
             engine_id="P",
@@ -108,7 +119,6 @@ def published_service(
             num_tokens=sc.request.num_tokens,
         )
         service.publish(convert.publication_from_proto(publication, ""))
-    return service
 
 
 def _process_tree(pid: int) -> Iterator[int]:

@@ -48,7 +48,7 @@ from harness.bench_clients import client_ranks, client_specs, run_clients, warm_
 from harness.bench_engines import BenchEngines, context_switches, cpu_seconds
 from harness.brokers import OWN_CONNECTIONS, BrokerProcess
 from harness.delay_proxy import DelayProxy
-from harness.host_calibration import PROBE_SECONDS, alone_rate, host_efficiency
+from harness.host_calibration import PROBE_SECONDS, WORKS, alone_rate, host_efficiency
 from harness.redis_server import RedisServer, start_redis
 from harness.scenarios import Scenario
 
@@ -101,8 +101,8 @@ def worker_scaling(
         raise UsageError("--workers", "brokers of several workers need redis-server on PATH")
     for n in clients:
         client_ranks(n, sc.decode.tp_size)  # a count that maps onto no engine fails first
-    progress.phase("the host alone: one probe process")
-    alone_per_s = alone_rate()
+    progress.phase("the host alone: one probe process of each kind of work")
+    alone_per_s = {work: alone_rate(work=work) for work in WORKS}
     with tempfile.TemporaryDirectory(prefix="pdbroker-bench-redis-") as directory:
         server = start_redis(Path(directory), binary=binary)
         proxy = DelayProxy.start(server.port, redis_delay_us) if redis_delay_us else None
@@ -126,15 +126,19 @@ def worker_scaling(
     cpus = os.cpu_count() or 1
     for p in phases:
         alone = one.get((p["store_threads"], p["clients"]))
-        p["scaling"] = p["host_scaling"] = p["scaling_of_host"] = None
+        p["scaling"] = None
+        for kind in ("", "work_"):
+            p[f"host_{kind}scaling"] = p[f"scaling_of_host_{kind}".rstrip("_")] = None
         if alone:
             p["scaling"] = round(p["plan_per_s"] / (p["workers"] * alone["plan_per_s"]), 3)
-            p["host_scaling"] = round(p["host_efficiency"] / alone["host_efficiency"], 3)
-            p["scaling_of_host"] = round(p["scaling"] / p["host_scaling"], 3)
+            for kind in ("", "work_"):
+                allowed = p[f"host_{kind}efficiency"] / alone[f"host_{kind}efficiency"]
+                p[f"host_{kind}scaling"] = round(allowed, 3)
+                p[f"scaling_of_host_{kind}".rstrip("_")] = round(p["scaling"] / allowed, 3)
         p["limit"] = limits(
             p["redis_cpu_of_core"],
             p["host_cpu_busy"],
-            p["host_efficiency"],
+            (p["host_efficiency"], p["host_work_efficiency"]),
             p["store_thread_busy"],
             p["store_turn"],
             cpus,
@@ -151,7 +155,8 @@ def worker_scaling(
         "redis_delay_us": redis_delay_us,
         "target_scaling": TARGET_SCALING,
         "probe_seconds": PROBE_SECONDS,
-        "probe_alone_per_s": round(alone_per_s),
+        "probe_alone_per_s": round(alone_per_s["spin"]),
+        "work_probe_alone_per_s": round(alone_per_s["broker"], 1),
         "phases": phases,
     }
 
@@ -164,11 +169,11 @@ def _phases(
     clients: list[int],
     seconds: float,
     client_procs: int,
-    alone_per_s: float,
+    alone_per_s: dict[str, float],
 ) -> list[dict]:
     """The phases of one broker of ``(workers, store threads each)``, a client count each,
     each followed by the host's efficiency at as many busy processes (the broker and Redis
-    idle)."""
+    idle), for each kind of probe work (``alone_per_s``: one probe's rate alone)."""
     import redis
 
     workers, threads = broker_shape
@@ -254,9 +259,12 @@ def _phases(
                 }
                 busy_processes = workers + procs + 1  # Redis runs commands on one thread
                 progress.phase(f"the host: {busy_processes} probe processes")
-                efficiency = host_efficiency(busy_processes, alone_per_s)
+                spin, work = (
+                    host_efficiency(busy_processes, alone_per_s[w], work=w) for w in WORKS
+                )
                 phase["host_processes"] = busy_processes
-                phase["host_efficiency"] = round(efficiency, 3)
+                phase["host_efficiency"] = round(spin, 3)
+                phase["host_work_efficiency"] = round(work, 3)
                 phases.append(phase)
         finally:
             engines.close()
@@ -268,7 +276,7 @@ def _phases(
 def limits(
     redis_of_core: float,
     host_busy: float,
-    host_efficiency: float,
+    host_efficiency: tuple[float, float],
     store_thread_busy: float,
     store_turn: float,
     cpus: int,
@@ -276,7 +284,8 @@ def limits(
     """Every limit a phase reached, '; '-separated ('' for none): Redis with its one core at
     least :data:`REDIS_SATURATED` busy; the host's CPU with all of it at least
     :data:`HOST_SATURATED` busy; the host's cores where, at the phase's process count, each
-    probe process ran below :data:`TARGET_SCALING` of one alone; a worker's store threads
+    probe process (``host_efficiency``: spinning, and doing the broker's work) ran below
+    :data:`TARGET_SCALING` of one alone; a worker's store threads
     all busy, or its turn held, at least :data:`STORE_THREAD_SATURATED` of the time (its
     calls queue for them)."""
     named = []
@@ -284,8 +293,11 @@ def limits(
         named.append("Redis (one core)")
     if host_busy >= HOST_SATURATED:
         named.append(f"host CPU ({cpus} cores)")
-    if host_efficiency < TARGET_SCALING:
-        named.append(f"host cores (efficiency {host_efficiency:.3f})")
+    spin, work = host_efficiency
+    if spin < TARGET_SCALING:
+        named.append(f"host cores (efficiency {spin:.3f})")
+    if work < TARGET_SCALING:
+        named.append(f"host cores at the broker's work (efficiency {work:.3f})")
     if store_thread_busy >= STORE_THREAD_SATURATED:
         named.append("a worker's store threads")
     if store_turn >= STORE_THREAD_SATURATED:
@@ -327,7 +339,8 @@ def table(r: dict) -> str:
             f"{'workers':>7} {'threads':>7} {'clients':>7} {'plans/s':>8} {'p50 ms':>7} {'p99 ms':>7} "
             f"{'broker us':>9} {'sw/plan':>7} {'scaling':>7} {'redis cmd/s':>11} {'cmd/plan':>8} "
             f"{'redis cpu':>9} {'redis us':>8} {'redis full':>10} {'host cpu':>8} "
-            f"{'procs':>5} {'host eff':>8} {'host scal':>9} {'of host':>7} {'store':>5} "
+            f"{'procs':>5} {'host eff':>8} {'host scal':>9} {'of host':>7} {'work eff':>8} "
+            f"{'work scal':>9} {'of work':>7} {'store':>5} "
             f"{'turn':>5} {'waits':>5}  limit"
         ),
     ]
@@ -344,6 +357,8 @@ def table(r: dict) -> str:
             f"{p['redis_cpu_us_per_plan']:>8.0f} {p['redis_saturated_per_s']:>10,} "
             f"{p['host_cpu_busy']:>8.0%} {p['host_processes']:>5} {p['host_efficiency']:>8.2f} "
             f"{figure(p['host_scaling']):>9} {figure(p['scaling_of_host']):>7} "
+            f"{p['host_work_efficiency']:>8.2f} {figure(p['host_work_scaling']):>9} "
+            f"{figure(p['scaling_of_host_work']):>7} "
             f"{p['store_thread_busy']:>5.0%} {p['store_turn']:>5.0%} "
             f"{p['store_thread_waiting']:>5.0%}  "
             f"{p['limit'] or '-'}" + (" (ran out of transfers)" if p["ran_out"] else "")
@@ -357,11 +372,14 @@ def table(r: dict) -> str:
         f"work rate of each of procs (workers + client processes + Redis) probe processes "
         f"run together, over one alone's ({r['probe_seconds']:g} s each); host scal: host eff "
         "over the 1-worker phase's (same clients), the scaling the host allows; of host: "
-        "scaling / host scal; store: the busiest worker's store threads, their share of the "
+        "scaling / host scal; work eff, work scal, of work: the same with probes doing the "
+        "broker's own work in process (transfers published, planned and reported, "
+        f"{r['work_probe_alone_per_s']:g}/s alone) instead of spinning; store: the busiest worker's store threads, their share of the "
         "time running calls; turn: the busiest worker's turn at service code, its share of the "
         "time held; waits: the share of the store threads' busy time not on a CPU (waiting for "
         f"Redis or the turn). Limits: Redis at {REDIS_SATURATED:.0%} of its core, host CPU at "
-        f"{HOST_SATURATED:.0%} of all cores, host cores at host eff < {r['target_scaling']}, "
+        f"{HOST_SATURATED:.0%} of all cores, host cores at host eff or work eff < "
+        f"{r['target_scaling']}, "
         f"a worker's store threads or turn at {STORE_THREAD_SATURATED:.0%}"
     )
     return "\n".join(lines)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import statistics
 import subprocess
 import sys
+import time
 
 import pytest
 from prerequisites import require_binary, require_module
@@ -204,28 +206,42 @@ def test_bench_control_plane_compares_worker_counts(capsys: pytest.CaptureFixtur
         assert abs(p["redis_saturated_per_s"] - full) <= 0.01 * full
         assert 0 < p["host_cpu_busy"] <= 1
         assert p["host_processes"] == p["workers"] + 1 + 1  # one client process, Redis
-        assert 0 < p["host_efficiency"] <= 1.5
+        assert 0 < p["host_efficiency"] <= 1.5 and 0 < p["host_work_efficiency"] <= 1.5
         # Every plan's calls ran on a store thread, for part of the phase, partly waiting.
         assert 0 < p["store_thread_busy"] <= 1.05 and 0 < p["store_thread_waiting"] < 1
         # A call hops from the event loop to a store thread and back: two switches at least.
         assert p["broker_switches_per_plan"] >= 2, p
-    assert phases[0]["host_scaling"] == 1.0
-    assert phases[1]["host_scaling"] == round(
-        phases[1]["host_efficiency"] / phases[0]["host_efficiency"], 3
-    )
-    assert phases[1]["scaling_of_host"] == round(
-        phases[1]["scaling"] / phases[1]["host_scaling"], 3
-    )
+    for kind in ("", "work_"):  # the host's scaling by each kind of probe, and ours of it
+        assert phases[0][f"host_{kind}scaling"] == 1.0
+        allowed = phases[1][f"host_{kind}efficiency"] / phases[0][f"host_{kind}efficiency"]
+        assert abs(phases[1][f"host_{kind}scaling"] - allowed) <= 0.001
+        of_host = phases[1][f"scaling_of_host_{kind}".rstrip("_")]
+        assert abs(of_host - phases[1]["scaling"] / allowed) <= 0.002
 
 
-def test_host_calibration_sees_processes_share_the_cores() -> None:
+@pytest.mark.parametrize(("work", "least_per_s"), [("spin", 100_000), ("broker", 100)])
+def test_host_calibration_sees_processes_share_the_cores(work: str, least_per_s: int) -> None:
     """One probe per CPU and then twice as many: each of the oversubscribed ones gets at most
-    about half of what one alone does."""
+    about half of what one alone does, spinning or doing the broker's work."""
     cpus = len(os.sched_getaffinity(0))
-    alone = alone_rate(0.5)
-    assert alone > 100_000  # iterations/s of the pure-Python loop
-    full, over = host_efficiency(cpus, alone, 0.5), host_efficiency(2 * cpus, alone, 0.5)
+    alone = alone_rate(0.5, work)
+    assert alone > least_per_s  # iterations/s of the loop; transfers/s of the broker's work
+    full = host_efficiency(cpus, alone, 0.5, work)
+    over = host_efficiency(2 * cpus, alone, 0.5, work)
     assert 0 < over < 0.8 and over < full <= 1.5, (full, over)
+
+
+def test_broker_work_completes_transfers() -> None:
+    """The broker-work probe publishes, plans both ranks and reports whole transfers: each
+    one it counts leaves a finished transfer on its service."""
+    from broker.wire import TransferState
+    from harness.host_calibration import WARM_TRANSFERS, BrokerWork
+
+    work = BrokerWork()
+    done = work(time.time() + 0.3)
+    assert done > 10
+    counts = work.service.list_transfers().counts
+    assert counts == {TransferState.COMPLETED: WARM_TRANSFERS + done}
 
 
 def test_context_switches_count_every_thread_of_a_process() -> None:
@@ -257,28 +273,35 @@ def test_context_switches_count_every_thread_of_a_process() -> None:
 @pytest.mark.parametrize(
     ("redis", "busy", "host", "store", "turn", "named"),
     [
-        (0.5, 0.5, 1.0, 0.5, 0.5, ""),
-        (0.5, 0.5, 0.8, 0.89, 0.89, ""),
-        (0.5, 0.5, 0.795, 0.5, 0.5, "host cores (efficiency 0.795)"),
-        (0.9, 0.5, 0.85, 0.5, 0.5, "Redis (one core)"),
-        (0.89, 0.9, 0.85, 0.5, 0.5, "host CPU (16 cores)"),
-        (0.5, 0.5, 0.85, 0.9, 0.5, "a worker's store threads"),
-        (0.5, 0.5, 0.85, 0.5, 0.9, "a worker's turn"),
+        (0.5, 0.5, (1.0, 1.0), 0.5, 0.5, ""),
+        (0.5, 0.5, (0.8, 0.8), 0.89, 0.89, ""),
+        (0.5, 0.5, (0.795, 0.9), 0.5, 0.5, "host cores (efficiency 0.795)"),
+        (0.5, 0.5, (0.95, 0.79), 0.5, 0.5, "host cores at the broker's work (efficiency 0.790)"),
+        (0.9, 0.5, (0.85, 0.85), 0.5, 0.5, "Redis (one core)"),
+        (0.89, 0.9, (0.85, 0.85), 0.5, 0.5, "host CPU (16 cores)"),
+        (0.5, 0.5, (0.85, 0.85), 0.9, 0.5, "a worker's store threads"),
+        (0.5, 0.5, (0.85, 0.85), 0.5, 0.9, "a worker's turn"),
         (
             0.95,
             0.95,
-            0.6,
+            (0.6, 0.7),
             0.95,
             0.95,
             (
                 "Redis (one core); host CPU (16 cores); host cores (efficiency 0.600); "
+                "host cores at the broker's work (efficiency 0.700); "
                 "a worker's store threads; a worker's turn"
             ),
         ),
     ],
 )
 def test_a_phase_names_every_limit_it_reached(
-    redis: float, busy: float, host: float, store: float, turn: float, named: str
+    redis: float,
+    busy: float,
+    host: tuple[float, float],
+    store: float,
+    turn: float,
+    named: str,
 ) -> None:
     assert limits(redis, busy, host, store, turn, 16) == named
 
@@ -369,3 +392,24 @@ def test_bench_transfer_moves_verified_bytes_and_prints_json_alone() -> None:
     assert figures["coalesced_descriptors"] < figures["per_block_descriptors"]
     for key in ("coalesced_gbps", "per_block_gbps", "single_desc_gbps", "memcpy_gbps"):
         assert figures[key] > 0
+
+
+def test_bench_clients_fake_memory_stays_apart_and_in_range() -> None:
+    """Hundreds of decode clients each get fake regions of their own (disjoint, positive
+    addresses); more engines than the fake address space holds are refused naming
+    ``--clients``, not failed later inside a client."""
+    from broker.errors import UsageError
+    from clients.transport import fake_memory
+    from harness.bench_clients import client_specs
+
+    sc = build_scenario(resolve_model("nemotron-3-nano-30b-a3b"), 8, 8, 32768)
+    specs = client_specs("p", ["t"], 8, 384, warm=False, batch=16)
+    spans = sorted(
+        (region.base_addr, region.base_addr + region.length_bytes)
+        for spec in specs
+        for regions in fake_memory(sc.decode, spec.first_addr).values()
+        for region in regions
+    )
+    assert spans[0][0] > 0 and all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
+    with pytest.raises(UsageError, match="--clients"):
+        client_specs("p", ["t"], 2, 4096, warm=False, batch=16)
