@@ -143,8 +143,9 @@ def main() -> None:
             for i, (name, python_parser) in enumerate(parsers.items()):
                 store = redis_store(server, f"cost{i}:", python_parser)
                 ways[name] = Way(sc, BrokerService(store, config=config))
-            counts = commands_per_call(ways[next(iter(parsers))], redis.Redis.from_url(server.url))
             best, redis_cycle = measure(ways, args, server)
+            # After the trials: the steady state (each decode rank knows its prefill agents).
+            counts = commands_per_call(ways[next(iter(parsers))], redis.Redis.from_url(server.url))
         finally:
             server.stop()
     print(

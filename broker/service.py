@@ -398,7 +398,8 @@ class BrokerService:
         for reads in plan.rank_plan.sources:
             p_rank = prefill.ranks[reads.prefill_rank]
             p_reg = p_rank.registration
-            first = self.store.add_contact(d_rank.key, f"{p_reg.agent_name}#{p_rank.generation}")
+            agent = f"{p_reg.agent_name}#{p_rank.generation}"
+            first = self.store.add_contact(d_rank.key, d_rank.generation, agent)
             agents.append(
                 SourceAgent(
                     reads.prefill_rank,

@@ -7,10 +7,12 @@ service's own calls."""
 from __future__ import annotations
 
 import dataclasses
+import uuid
 from collections.abc import Callable, Iterator
 
 import pytest
 from broker_helpers import FakeClock, hybrid, register_engine, registration
+from conftest import RedisServer
 
 from broker.api import PlanQuery, Publication, Report
 from broker.config import ServiceConfig
@@ -179,6 +181,46 @@ def test_a_unit_that_raises_midway_commits_nothing(store: StateStore, failing_af
     # The deadlines index was undone too: both transfers come due at their own deadline.
     assert store.due_transfers(4_999) == []
     assert sorted(store.due_transfers(5_000)) == [("P", "t1"), ("Q", "t1")]
+
+
+def test_a_contact_stays_known_to_its_rank_generation_only(store: StateStore) -> None:
+    """A decode rank's generation is told an agent's metadata once; a unit that fails tells
+    nothing; the rank's next generation (its contacts dropped with it) is told again."""
+    decode = ("D", 0)
+    assert store.transact(lambda: store.add_contact(decode, 1, "a#1"))
+    assert not store.transact(lambda: store.add_contact(decode, 1, "a#1"))
+
+    def told_then_failed() -> None:
+        assert store.add_contact(decode, 1, "b#1")
+        raise Injected
+
+    with pytest.raises(Injected):
+        store.transact(told_then_failed)
+    assert store.transact(lambda: store.add_contact(decode, 1, "b#1"))
+    store.transact(lambda: store.drop_contacts(decode))
+    assert store.transact(lambda: store.add_contact(decode, 2, "a#1"))
+    assert not store.transact(lambda: store.add_contact(decode, 2, "a#1"))
+
+
+def test_a_replica_remembers_contacts_by_rank_generation(redis_server: RedisServer) -> None:
+    """A replica that knows a contact asks Redis nothing for it again, and a decode rank
+    registered afresh through another replica (its contacts dropped) is told again by it."""
+    from broker.store.redis import RedisStateStore
+    from harness.redis_counts import RedisCost, RedisCounter
+
+    prefix = f"contacts-{uuid.uuid4().hex[:12]}:"
+    first = RedisStateStore.from_url(redis_server.url, prefix)
+    other = RedisStateStore.from_url(redis_server.url, prefix)
+    counter = RedisCounter(first)
+    decode = ("D", 0)
+
+    def told(store: StateStore, generation: int) -> bool:
+        return store.transact(lambda: store.add_contact(decode, generation, "a#1"))
+
+    assert told(first, 1) and not told(other, 1)  # the other learns it from Redis
+    assert counter.measure(lambda: told(first, 1)) == (False, RedisCost(0, {}))
+    other.transact(lambda: other.drop_contacts(decode))  # the rank went, through the other
+    assert told(first, 2)
 
 
 def test_losses_are_kept_by_rank_and_generation_and_read_by_engine(store: StateStore) -> None:

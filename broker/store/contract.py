@@ -192,8 +192,10 @@ class StateStore(ABC):
     # ---- agent contacts (which prefill agents a decode rank already knows)
 
     @abstractmethod
-    def add_contact(self, decode: RankKey, agent: str) -> bool:
-        """Record that ``decode`` was given ``agent``'s metadata; ``True`` if it was new."""
+    def add_contact(self, decode: RankKey, generation: int, agent: str) -> bool:
+        """Record that ``decode`` (registered as ``generation``) was given ``agent``'s
+        metadata; ``True`` if it was new. Once given, it stays known to that generation of
+        the rank: its contacts go only with the rank (:meth:`drop_contacts`)."""
 
     @abstractmethod
     def drop_contacts(self, decode: RankKey) -> None: ...

@@ -325,7 +325,7 @@ class InMemoryStateStore(StateStore):
 
     # ------------------------------------------------------------------ agent contacts
 
-    def add_contact(self, decode: RankKey, agent: str) -> bool:
+    def add_contact(self, decode: RankKey, generation: int, agent: str) -> bool:
         if agent in self._contacts.get(decode, ()):
             return False
         self._add_to(self._contacts, decode, agent)

@@ -137,6 +137,7 @@ class RedisStateStore(RedisReleaseQueues, RedisRankLosses, RedisContacts, StateS
         self._written: Recent[TransferKey, tuple[bytes, TransferRecord]] = Recent(1024)
         #: The transfer of each plan id written here (a plan id never names another).
         self._plan_transfers: Recent[str, TransferKey] = Recent()
+        self._known_contacts = Recent()
         self._scripts = {name: client.register_script(text) for name, text in SCRIPTS.items()}
 
     @classmethod

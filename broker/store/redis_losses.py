@@ -13,7 +13,7 @@ import redis
 
 from broker.records import RankKey, RankLoss
 from broker.store.redis_link import fails_fast
-from broker.store.redis_unit import ThreadUnits, rank_member
+from broker.store.redis_unit import Recent, ThreadUnits, rank_member
 
 
 @fails_fast
@@ -70,21 +70,34 @@ class RedisContacts:
     _key: Callable[..., bytes]
     _fetch: Callable[..., list[Any]]
     _write: Callable[..., None]
+    #: Contacts known to have been given, by (decode rank, its generation, agent): a contact
+    #: stays known to that generation of the rank, so a later plan of the pair asks Redis
+    #: nothing.
+    _known_contacts: Recent[tuple[RankKey, int, str], bool]
 
-    def add_contact(self, decode: RankKey, agent: str) -> bool:
+    def add_contact(self, decode: RankKey, generation: int, agent: str) -> bool:
+        contact = (decode, generation, agent)
+        if self._known_contacts.get(contact):
+            return False
         key = self._key("contacts", rank_member(decode))
         if self._units.unit is None:
             with self.client.pipeline(transaction=False) as pipe:
                 pipe.sadd(key, agent)
                 pipe.pexpire(key, self.rank_ttl_ms)
                 added, _ = pipe.execute()
+            self._known_contacts.put(contact, True)
             return bool(added)
+        unit = self._units.unit
         (known,) = self._fetch([key], [("SISMEMBER", key, agent)])
-        if (decode, agent) in self._units.unit.contacts or known:
+        if (decode, agent) in unit.contacts:
             return False
-        self._units.unit.contacts.add((decode, agent))
+        if known:
+            self._known_contacts.put(contact, True)
+            return False
+        unit.contacts.add((decode, agent))
         ttl = self.rank_ttl_ms
         self._write(lambda c: (c.sadd(key, agent), c.pexpire(key, ttl)))
+        unit.on_commit.append(lambda: self._known_contacts.put(contact, True))
         return True
 
     def drop_contacts(self, decode: RankKey) -> None:
