@@ -13,7 +13,6 @@ START (``time.time()``) and print their work rate.
 
 from __future__ import annotations
 
-import logging
 import subprocess
 import sys
 import time
@@ -61,7 +60,6 @@ class BrokerWork:
         self.scenario = build_scenario(resolve_model("nemotron-3-nano-30b-a3b"), 2, 2, 32768)
         self.service = published_service(self.scenario, 0, capacity=BROKER_WORK_CAPACITY)
         self.done = 0
-        logging.disable(logging.WARNING)
         for _ in range(WARM_TRANSFERS):  # the planner's caches, as a worker's once serving
             self.transfer()
 
