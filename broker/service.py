@@ -320,6 +320,7 @@ class BrokerService:
         """The transfer ``query`` names (what time did to it stored), its prefill and decode
         engine, once the decode engine's ``ranks`` may be handed plans of it."""
         store = self.store
+        store.expect_engines((query.engine_id,))  # read with the transfer, where a store can
         t = self._find(query.transfer_id, query.prefill_engine_id, query.engine_id)
         t = self._settle_time(t, now)
         if t.state.terminal:

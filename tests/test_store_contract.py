@@ -183,6 +183,45 @@ def test_a_unit_that_raises_midway_commits_nothing(store: StateStore, failing_af
     assert sorted(store.due_transfers(5_000)) == [("P", "t1"), ("Q", "t1")]
 
 
+def test_engines_expected_are_read_as_the_unit_sees_them(store: StateStore) -> None:
+    """Expecting engines is a hint: their ranks, read ahead, still show the unit's own
+    writes, and an engine with no ranks reads as none."""
+    store.put_rank(rank("P", 0, 1))
+
+    def work() -> tuple[list, list]:
+        store.expect_engines(["P", "nobody"])
+        store.transfers_named("t1")  # a read the expected engines may go with
+        store.put_rank(rank("P", 1, 1))
+        return [r.key for r in store.engine_ranks("P")], store.engine_ranks("nobody")
+
+    assert store.transact(work) == ([("P", 0), ("P", 1)], [])
+
+
+def test_engines_read_ahead_are_watched(redis_server: RedisServer) -> None:
+    """A rank removed through another replica after its engine was read ahead fails the
+    unit's commit: the unit runs again and reads the engine as it is."""
+    from broker.store.redis import RedisStateStore
+
+    prefix = f"ahead-{uuid.uuid4().hex[:12]}:"
+    first = RedisStateStore.from_url(redis_server.url, prefix)
+    other = RedisStateStore.from_url(redis_server.url, prefix)
+    first.put_rank(rank("P", 0, 1))
+    first.put_rank(rank("P", 1, 1))
+    first.transact(lambda: first.engine_ranks("P"))  # its ranks, guessed in reads ahead
+    seen: list[list] = []
+
+    def work() -> list:
+        first.expect_engines(["P"])
+        first.transfers_named("t1")
+        if not seen:
+            other.delete_rank(("P", 0))  # between the read ahead and the commit
+        seen.append([r.key for r in first.engine_ranks("P")])
+        return seen[-1]
+
+    assert first.transact(work) == [("P", 1)]
+    assert seen == [[("P", 0), ("P", 1)], [("P", 1)]]
+
+
 def test_a_contact_stays_known_to_its_rank_generation_only(store: StateStore) -> None:
     """A decode rank's generation is told an agent's metadata once; a unit that fails tells
     nothing; the rank's next generation (its contacts dropped with it) is told again."""

@@ -23,7 +23,7 @@ Storage only: no business rules, no clocks. What both stores promise, and
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from typing import TypeVar
 
 from broker.records import (
@@ -188,6 +188,10 @@ class StateStore(ABC):
     @abstractmethod
     def transfers(self) -> Iterator[TransferRecord]:
         """Every stored transfer (operator listings)."""
+
+    def expect_engines(self, engine_ids: Iterable[str]) -> None:
+        """A hint: the unit of work will read these engines' ranks (:meth:`engine_ranks`),
+        which a store may read with its next round trip. Nothing else changes."""
 
     # ---- agent contacts (which prefill agents a decode rank already knows)
 

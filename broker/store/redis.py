@@ -204,6 +204,13 @@ class RedisStateStore(RedisReleaseQueues, RedisRankLosses, RedisContacts, StateS
                 return exchange(connection, commands)
             finally:
                 pool.release(connection)
+        if unit.engines_expected:  # read them with this round trip
+            engine_ids = sorted(unit.engines_expected)
+            unit.engines_expected.clear()
+            engine_watch, engine_reads, guesses = self._engine_reads(engine_ids)
+            replies = self._fetch([*watch, *engine_watch], [*commands, *engine_reads])
+            self._keep_engines_ahead(engine_ids, guesses, replies[len(commands) :])
+            return replies[: len(commands)]
         new = [k for k in dict.fromkeys(watch) if k not in unit.watched]
         unit.watched.update(new)
         if new:
@@ -346,11 +353,23 @@ class RedisStateStore(RedisReleaseQueues, RedisRankLosses, RedisContacts, StateS
         records = (found[k] if k in found else self._decode_rank(k, read[k]) for k in keys)
         return [r for r in records if r is not None]
 
+    def expect_engines(self, engine_ids: Iterable[str]) -> None:
+        unit = self._units.unit
+        if unit is not None:
+            unit.engines_expected.update(e for e in engine_ids if e not in unit.engines_ahead)
+
     def _read_engines(self, engine_ids: list[str]) -> None:
         """Read (and watch) the engines' sets of ranks in one round trip, each with the ranks
         it had when last read here (so one round trip unless they changed), for the unit's
         :meth:`engine_ranks` to take."""
         assert self._units.unit is not None
+        watch, reads, guesses = self._engine_reads(engine_ids)
+        self._keep_engines_ahead(engine_ids, guesses, self._fetch(watch, reads))
+
+    def _engine_reads(
+        self, engine_ids: list[str]
+    ) -> tuple[list[bytes], list[Command], list[list[RankKey]]]:
+        """The keys to watch and the reads of :meth:`_read_engines`, and the ranks guessed."""
         watch: list[bytes] = []
         reads: list[Command] = []
         guesses = []
@@ -361,7 +380,13 @@ class RedisStateStore(RedisReleaseQueues, RedisRankLosses, RedisContacts, StateS
             watch += keys
             reads += [("SMEMBERS", keys[0]), *(("HMGET", k, *_RANK_FIELDS) for k in keys[1:])]
             guesses.append(guess)
-        replies = self._fetch(watch, reads)
+        return watch, reads, guesses
+
+    def _keep_engines_ahead(
+        self, engine_ids: list[str], guesses: list[list[RankKey]], replies: list[Any]
+    ) -> None:
+        """The replies of :meth:`_engine_reads`, for the unit's :meth:`engine_ranks`."""
+        assert self._units.unit is not None
         for engine_id, guess in zip(engine_ids, guesses):
             self._units.unit.engines_ahead[engine_id] = (guess, replies[: 1 + len(guess)])
             del replies[: 1 + len(guess)]
@@ -490,6 +515,7 @@ class RedisStateStore(RedisReleaseQueues, RedisRankLosses, RedisContacts, StateS
         reads += [("HGET", k, "m") for k in hash_keys]
         with_losses = unit is not None and bool(ahead) and unit.losses_read is None
         losses = [self._key("losses")] if with_losses else []
+        self.expect_engines(k[0] for k in ahead)  # their publishers, read in the same trip
         members, *raws = self._fetch(
             [index, *hash_keys, *losses], [*reads, *(("HGETALL", k) for k in losses)]
         )

@@ -114,6 +114,8 @@ class Unit:
         self.near_engines: frozenset[str] = frozenset()
         #: Engines read ahead: the ranks guessed, and the replies (set, then each guess).
         self.engines_ahead: dict[str, tuple[list[RankKey], list[Any]]] = {}
+        #: Engines the unit will read: their ranks go with its next round trip.
+        self.engines_expected: set[str] = set()
         #: Plans blobs this unit writes, by plan object id, and what to remember of them
         #: once it committed.
         self.plan_tokens: dict[int, str] = {}
