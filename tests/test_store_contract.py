@@ -222,6 +222,32 @@ def test_engines_read_ahead_are_watched(redis_server: RedisServer) -> None:
     assert seen == [[("P", 0), ("P", 1)], [("P", 1)]]
 
 
+def test_ranks_read_ahead_for_a_report_are_watched(redis_server: RedisServer) -> None:
+    """A replica reads the prefill ranks of a plan it handed out with the plan's transfer
+    (what its report may release); one removed through another replica before the commit
+    fails the unit, which reads it again."""
+    from broker.store.redis import RedisStateStore
+
+    prefix = f"ranks-ahead-{uuid.uuid4().hex[:12]}:"
+    first = RedisStateStore.from_url(redis_server.url, prefix)
+    other = RedisStateStore.from_url(redis_server.url, prefix)
+    service, _ = _service(first)
+    service.publish(Publication("t1", "P", SC.request.prefill_block_ids, SC.request.num_tokens))
+    plan = service.get_plan(PlanQuery("t1", "D", 0, SC.request.decode_block_ids))
+    seen: list[bool] = []
+
+    def work() -> bool:
+        key = first.transfer_of_plan(plan.plan_id)
+        assert key is not None and first.get_transfer(key) is not None
+        if not seen:
+            other.delete_rank(("P", 0))  # between the read ahead and the commit
+        seen.append(first.get_rank(("P", 0)) is not None)
+        return seen[-1]
+
+    assert first.transact(work) is False
+    assert seen == [True, False]
+
+
 def test_a_contact_stays_known_to_its_rank_generation_only(store: StateStore) -> None:
     """A decode rank's generation is told an agent's metadata once; a unit that fails tells
     nothing; the rank's next generation (its contacts dropped with it) is told again."""

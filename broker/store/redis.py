@@ -69,11 +69,13 @@ import redis
 from broker.records import RankKey, RankRecord, RankRegistration, TransferKey, TransferRecord
 from broker.store import codec
 from broker.store.contract import DUE_PER_CALL, REDELIVER_MS, StateStore, held_block_ids
+from broker.store.redis_ahead import RedisReadsAhead
 from broker.store.redis_link import STORE_TIMEOUT_MS, Availability, client_for, fails_fast
 from broker.store.redis_losses import RedisContacts, RedisRankLosses, decode_losses
 from broker.store.redis_releases import RedisReleaseQueues
 from broker.store.redis_scripts import SCRIPTS
 from broker.store.redis_unit import (
+    RANK_FIELDS,
     Command,
     PlanBlobs,
     Recent,
@@ -89,15 +91,15 @@ from broker.wire import data_parallel_deployment, names_engine
 
 T = TypeVar("T")
 
-_RANK_FIELDS = ("reg", "meta", "lease", "exp", "at", "gen")
-
 
 class ConflictError(RuntimeError):
     """:meth:`RedisStateStore.transact` kept losing races with other replicas."""
 
 
 @fails_fast
-class RedisStateStore(RedisReleaseQueues, RedisRankLosses, RedisContacts, StateStore):
+class RedisStateStore(
+    RedisReleaseQueues, RedisRankLosses, RedisContacts, RedisReadsAhead, StateStore
+):
     """Records in one Redis server (or primary); see the module docstring.
 
     ``rank_ttl_ms`` must exceed the service's lease TTL and ``transfer_ttl_ms`` the longest
@@ -135,8 +137,9 @@ class RedisStateStore(RedisReleaseQueues, RedisRankLosses, RedisContacts, StateS
         #: The transfers last written here, with their text as stored (``m``): a read that
         #: finds that text again takes the record as written rather than decoding it.
         self._written: Recent[TransferKey, tuple[bytes, TransferRecord]] = Recent(1024)
-        #: The transfer of each plan id written here (a plan id never names another).
-        self._plan_transfers: Recent[str, TransferKey] = Recent()
+        #: The transfer of each plan id written here (a plan id never names another), and the
+        #: prefill ranks the plan reads from: a report of it reads them with the transfer.
+        self._plan_transfers: Recent[str, tuple[TransferKey, tuple[int, ...]]] = Recent()
         self._known_contacts = Recent()
         self._scripts = {name: client.register_script(text) for name, text in SCRIPTS.items()}
 
@@ -204,12 +207,10 @@ class RedisStateStore(RedisReleaseQueues, RedisRankLosses, RedisContacts, StateS
                 return exchange(connection, commands)
             finally:
                 pool.release(connection)
-        if unit.engines_expected:  # read them with this round trip
-            engine_ids = sorted(unit.engines_expected)
-            unit.engines_expected.clear()
-            engine_watch, engine_reads, guesses = self._engine_reads(engine_ids)
-            replies = self._fetch([*watch, *engine_watch], [*commands, *engine_reads])
-            self._keep_engines_ahead(engine_ids, guesses, replies[len(commands) :])
+        if unit.engines_expected or unit.ranks_expected:  # read them with this round trip
+            ahead_watch, ahead_reads, keep = self._reads_ahead(unit)
+            replies = self._fetch([*watch, *ahead_watch], [*commands, *ahead_reads])
+            keep(replies[len(commands) :])
             return replies[: len(commands)]
         new = [k for k in dict.fromkeys(watch) if k not in unit.watched]
         unit.watched.update(new)
@@ -296,7 +297,7 @@ class RedisStateStore(RedisReleaseQueues, RedisRankLosses, RedisContacts, StateS
             [] if guess is None or guess in pending else [self._key("rank", rank_member(guess))]
         )
         member, *row = self._fetch(
-            [index, *guessed], [("GET", index), *(("HMGET", k, *_RANK_FIELDS) for k in guessed)]
+            [index, *guessed], [("GET", index), *(("HMGET", k, *RANK_FIELDS) for k in guessed)]
         )
         for record in pending.values():
             if record is not None and matches(record):
@@ -328,68 +329,6 @@ class RedisStateStore(RedisReleaseQueues, RedisRankLosses, RedisContacts, StateS
         if self._units.unit is not None:
             self._units.unit.ranks[key] = None
         self._write(lambda c: self._run("delete_rank", keys, args, c), ("rank", key))
-
-    def engine_ranks(self, engine_id: str) -> list[RankRecord]:
-        engine_key = self._key("engine", engine_id)
-        if self._units.unit is None:  # one round trip
-            rows = self._run(
-                "engine", [engine_key], [self._prefix_of("rank"), engine_id], self.client
-            )
-            records = (self._decode_rank((engine_id, int(tp)), row) for tp, *row in rows)
-            return sorted((r for r in records if r is not None), key=lambda r: r.key[1])
-        unit = self._units.unit
-        if engine_id not in unit.engines_ahead:
-            self._read_engines([engine_id, *sorted(unit.near_engines - {engine_id})])
-            unit.near_engines = frozenset()
-        guess, (members, *rows) = unit.engines_ahead.pop(engine_id)
-        tp_ranks = {int(m) for m in members}
-        self._engine_members[engine_id] = tuple(sorted(tp_ranks))
-        pending = unit.ranks
-        tp_ranks |= {k[1] for k in pending if k[0] == engine_id}
-        keys = [(engine_id, r) for r in sorted(tp_ranks)]
-        read = {k: row for k, row in zip(guess, rows) if k not in pending}
-        rest = [k for k in keys if k not in read]
-        found = dict(zip(rest, self._ranks(rest)))
-        records = (found[k] if k in found else self._decode_rank(k, read[k]) for k in keys)
-        return [r for r in records if r is not None]
-
-    def expect_engines(self, engine_ids: Iterable[str]) -> None:
-        unit = self._units.unit
-        if unit is not None:
-            unit.engines_expected.update(e for e in engine_ids if e not in unit.engines_ahead)
-
-    def _read_engines(self, engine_ids: list[str]) -> None:
-        """Read (and watch) the engines' sets of ranks in one round trip, each with the ranks
-        it had when last read here (so one round trip unless they changed), for the unit's
-        :meth:`engine_ranks` to take."""
-        assert self._units.unit is not None
-        watch, reads, guesses = self._engine_reads(engine_ids)
-        self._keep_engines_ahead(engine_ids, guesses, self._fetch(watch, reads))
-
-    def _engine_reads(
-        self, engine_ids: list[str]
-    ) -> tuple[list[bytes], list[Command], list[list[RankKey]]]:
-        """The keys to watch and the reads of :meth:`_read_engines`, and the ranks guessed."""
-        watch: list[bytes] = []
-        reads: list[Command] = []
-        guesses = []
-        for engine_id in engine_ids:
-            guess = [(engine_id, tp) for tp in self._engine_members.get(engine_id, ())]
-            keys = [self._key("engine", engine_id)]
-            keys += [self._key("rank", rank_member(k)) for k in guess]
-            watch += keys
-            reads += [("SMEMBERS", keys[0]), *(("HMGET", k, *_RANK_FIELDS) for k in keys[1:])]
-            guesses.append(guess)
-        return watch, reads, guesses
-
-    def _keep_engines_ahead(
-        self, engine_ids: list[str], guesses: list[list[RankKey]], replies: list[Any]
-    ) -> None:
-        """The replies of :meth:`_engine_reads`, for the unit's :meth:`engine_ranks`."""
-        assert self._units.unit is not None
-        for engine_id, guess in zip(engine_ids, guesses):
-            self._units.unit.engines_ahead[engine_id] = (guess, replies[: 1 + len(guess)])
-            del replies[: 1 + len(guess)]
 
     def count_ranks(self) -> int:
         """Registered ranks (in a unit of work, not counting its own writes)."""
@@ -429,11 +368,14 @@ class RedisStateStore(RedisReleaseQueues, RedisRankLosses, RedisContacts, StateS
 
     def _ranks(self, keys: list[RankKey], watch: bool = True) -> list[RankRecord | None]:
         """The records at ``keys`` (``None`` where missing), in one round trip."""
-        pending = {} if self._units.unit is None else self._units.unit.ranks
-        remote = [k for k in keys if k not in pending]
+        unit = self._units.unit
+        pending = {} if unit is None else unit.ranks
+        ahead = {} if unit is None else unit.ranks_ahead  # read (and watched) ahead
+        rows = {k: ahead.pop(k) for k in keys if k in ahead and k not in pending}
+        remote = [k for k in keys if k not in pending and k not in rows]
         rank_keys = [self._key("rank", rank_member(k)) for k in remote]
-        reads: list[Command] = [("HMGET", k, *_RANK_FIELDS) for k in rank_keys]
-        rows = dict(zip(remote, self._fetch(rank_keys if watch else [], reads)))
+        reads: list[Command] = [("HMGET", k, *RANK_FIELDS) for k in rank_keys]
+        rows.update(zip(remote, self._fetch(rank_keys if watch else [], reads)))
         return [pending[k] if k in pending else self._decode_rank(k, rows[k]) for k in keys]
 
     def _decode_rank(self, key: RankKey, row: list[bytes | None]) -> RankRecord | None:
@@ -464,7 +406,7 @@ class RedisStateStore(RedisReleaseQueues, RedisRankLosses, RedisContacts, StateS
         if self._units.unit is not None:
             self._units.unit.transfers[key] = record
         for plan in record.plans:
-            self._plan_transfers.put(plan.plan_id, key)
+            self._plan_transfers.put(plan.plan_id, (key, plan.prefill_ranks))
         named = self._named.get(keys[4]) or ()
         if key not in named:
             self._named.put(keys[4], (*named, key))
@@ -548,7 +490,10 @@ class RedisStateStore(RedisReleaseQueues, RedisRankLosses, RedisContacts, StateS
                     return record.key
         known = self._plan_transfers.get(plan_id)
         if known is not None:  # whether it still exists is for the read of its record
-            return known
+            key, sources = known
+            if self._units.unit is not None:  # the ranks its report may release
+                self._units.unit.ranks_expected.update((key[0], p) for p in sources)
+            return key
         value = self.client.get(self._key("plan", plan_id))
         return None if value is None else parse_transfer(value)
 

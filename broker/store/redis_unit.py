@@ -116,6 +116,9 @@ class Unit:
         self.engines_ahead: dict[str, tuple[list[RankKey], list[Any]]] = {}
         #: Engines the unit will read: their ranks go with its next round trip.
         self.engines_expected: set[str] = set()
+        #: Ranks the unit may read, to go with its next round trip; and those read so.
+        self.ranks_expected: set[RankKey] = set()
+        self.ranks_ahead: dict[RankKey, list[Any]] = {}
         #: Plans blobs this unit writes, by plan object id, and what to remember of them
         #: once it committed.
         self.plan_tokens: dict[int, str] = {}
@@ -136,6 +139,10 @@ class ThreadUnits(threading.local):
     def __init__(self, pool: redis.ConnectionPool) -> None:
         self.unit: Unit | None = None
         self.link = UnitLink(pool)
+
+
+#: The fields of a rank's hash a read of its record takes, in order.
+RANK_FIELDS = ("reg", "meta", "lease", "exp", "at", "gen")
 
 
 def transfer_member(key: TransferKey) -> str:
