@@ -7,7 +7,9 @@ rank), ``ReportTransfer`` of both plans (the last releases the prefill ranks) an
 
 The ways alternate trial by trial, ``--cycles`` fresh transfers each: in memory; on Redis
 with redis-py's pure-Python reply parser; on Redis with ``hiredis``'s (when it is
-installed; the store packs its own commands either way). Printed per call: the lowest of ``--trials`` CPU times per call of
+installed; the store packs its own commands either way), its replies read as the store
+reads them (a round trip's straight from hiredis's reader) and, as a way of its own, one
+redis-py ``read_response`` a reply. Printed per call: the lowest of ``--trials`` CPU times per call of
 each way and the ratios to memory; Redis's commands per call (counted once, in the steady
 state); per cycle, the broker's and Redis's CPU (Redis's from /proc, the lowest trial).
 
@@ -37,7 +39,9 @@ from broker.api import PlanQuery, Publication, Report
 from broker.config import ServiceConfig
 from broker.presets import resolve_model
 from broker.service import BrokerService
+from broker.store import redis_unit
 from broker.store.redis import RedisStateStore
+from broker.store.redis_link import read_replies
 from broker.wire import ReportStatus, Role
 from harness.bench_engines import DECODE_ADDR, PREFILL_ADDR, cpu_seconds, registrations
 from harness.redis_server import RedisServer, start_redis
@@ -53,11 +57,22 @@ CALLS = (
 )
 
 
-class Way:
-    """A service and its engines' leases; ``transfers`` numbers its fresh transfers."""
+def read_each(connection: Any, count: int) -> list[Any]:
+    """``count`` replies, one redis-py ``read_response`` each."""
+    return [connection.read_response() for _ in range(count)]
 
-    def __init__(self, sc: Scenario, service: BrokerService) -> None:
-        self.sc, self.service = sc, service
+
+class Way:
+    """A service and its engines' leases; ``transfers`` numbers its fresh transfers; its
+    store reads a round trip's replies with ``reader``."""
+
+    def __init__(
+        self,
+        sc: Scenario,
+        service: BrokerService,
+        reader: Callable[[Any, int], list[Any]] = read_replies,
+    ) -> None:
+        self.sc, self.service, self.reader = sc, service, reader
         ranks = registrations(sc.prefill, "P", Role.PREFILL, PREFILL_ADDR)
         ranks += registrations(sc.decode, "D", Role.DECODE, DECODE_ADDR)
         self.leases = [
@@ -91,6 +106,7 @@ class Way:
     def trial(self, cycles: int) -> list[float]:
         """CPU seconds per call of each kind over ``cycles`` cycles."""
         spent = [0.0] * len(CALLS)
+        redis_unit.read_replies = self.reader
         for _ in range(cycles):
             for i, call in enumerate(self.calls()):
                 before = time.process_time()
@@ -122,6 +138,40 @@ def commands_per_call(way: Way, client: redis.Redis) -> list[int]:
     return counts
 
 
+def replies_alone(way: Way, rounds: int = 2_000, trials: int = 10) -> tuple[int, list[float]]:
+    """The first round trip of a later rank's ``GetTransferPlan`` (its reads) sent again
+    and again on one of the store's connections, its replies read by the store's
+    :func:`~broker.store.redis_link.read_replies` and by :func:`read_each` in turn,
+    ``rounds`` a trial: the replies' count, and the lowest CPU seconds per round trip of
+    each."""
+    sent: list[list[redis_unit.Command]] = []
+    pack = redis_unit.pack
+
+    def recording(commands: list[redis_unit.Command]) -> bytes:
+        sent.append(commands)
+        return pack(commands)
+
+    calls = way.calls()
+    for call in calls[:2]:  # published, first ask
+        call()
+    redis_unit.pack = recording
+    try:
+        calls[2]()
+    finally:
+        redis_unit.pack = pack
+    packed, count = pack(sent[0]), len(sent[0])
+    connection = way.service.store.client.connection_pool.get_connection()  # type: ignore[attr-defined]
+    best = [float("inf")] * 2
+    for trial in range(trials):
+        for i, read in sorted(enumerate((read_replies, read_each)), reverse=trial % 2 == 1):
+            before = time.process_time()
+            for _ in range(rounds):
+                connection.send_packed_command([packed])
+                read(connection, count)
+            best[i] = min(best[i], (time.process_time() - before) / rounds)
+    return count, best
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="nemotron-3-nano-30b-a3b")
@@ -139,13 +189,16 @@ def main() -> None:
             parsers = {"Redis, Python parser": True}
             if HIREDIS_AVAILABLE:
                 parsers["Redis, hiredis"] = False
+                parsers["hiredis, read each"] = False
             ways = {"memory": Way(sc, BrokerService(config=config))}
             for i, (name, python_parser) in enumerate(parsers.items()):
                 store = redis_store(server, f"cost{i}:", python_parser)
-                ways[name] = Way(sc, BrokerService(store, config=config))
+                reader = read_each if name.endswith("read each") else read_replies
+                ways[name] = Way(sc, BrokerService(store, config=config), reader)
             best, redis_cycle = measure(ways, args, server)
             # After the trials: the steady state (each decode rank knows its prefill agents).
             counts = commands_per_call(ways[next(iter(parsers))], redis.Redis.from_url(server.url))
+            alone = replies_alone(ways["Redis, hiredis"]) if HIREDIS_AVAILABLE else None
         finally:
             server.stop()
     print(
@@ -162,6 +215,12 @@ def main() -> None:
         + "".join(f"{sum(best[name]) * 1e6:22.0f}" for name in ways)
         + f"  {sum(counts):14d}"
     )
+    if alone is not None:
+        count, (at_once, each) = alone
+        print(
+            f"a later rank's read round trip alone ({count} replies), broker CPU us: read at "
+            f"once {at_once * 1e6:.1f}, read each {each * 1e6:.1f} ({at_once / each:.2f}x)"
+        )
     print(
         f"{'cycle (redis-server)':34s}{'':22s}"
         + "".join(f"{redis_cycle[name] * 1e6:22.0f}" for name in parsers)

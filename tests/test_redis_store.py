@@ -18,6 +18,7 @@ from collections.abc import Callable
 import grpc
 import numpy as np
 import pytest
+import redis
 from broker_helpers import (
     FakeClock,
     hybrid,
@@ -27,6 +28,7 @@ from broker_helpers import (
     registration,
 )
 from conftest import RedisServer, start_redis
+from redis._parsers import _RESP2Parser
 from redis._parsers.encoders import Encoder
 from redis.connection import PythonRespSerializer
 
@@ -564,6 +566,50 @@ def test_commands_packed_here_reach_redis_as_redis_py_packs_them(
     for bad in (True, None, [1]):
         with pytest.raises(TypeError, match="is not a Redis argument"):
             pack([("SET", "k", bad)])
+
+
+@pytest.mark.parametrize("parser", ["hiredis", "python"])
+def test_a_round_trips_replies_read_at_once_are_redis_pys(
+    redis_server: RedisServer, parser: str
+) -> None:
+    """Replies of every kind, one larger than a socket read among them, come back as
+    ``read_response`` gives them, with hiredis's reader or redis-py's own parser; an error
+    reply raises and drops the connection (its other replies unread), which the next round
+    trip opens again; a round trip counts as the health check it makes unneeded."""
+    store = RedisStateStore.from_url(redis_server.url, f"replies-{parser}:")
+    if parser == "python":
+        kwargs = store.client.connection_pool.connection_kwargs
+        kwargs["parser_class"] = _RESP2Parser  # the RESP3 one where RESP3 is spoken
+    connection = store.client.connection_pool.get_connection()
+    assert (type(connection._parser).__name__ == "_HiredisParser") == (parser == "hiredis")
+    big = os.urandom(3 << 20)  # several socket reads
+    k = store.prefix
+    writes = [
+        ("DEL", f"{k}s", f"{k}h", f"{k}big"),
+        ("SADD", f"{k}s", "a", "b"),
+        ("HSET", f"{k}h", "f", "v"),
+        ("SET", f"{k}big", big),
+    ]
+    assert exchange(connection, writes) == [0, 2, 1, b"OK"]
+    reads = [
+        ("GET", f"{k}big"),
+        ("HMGET", f"{k}h", "f", "missing"),
+        ("GET", f"{k}none"),
+        ("INCRBY", f"{k}n", 0),
+        ("SMEMBERS", f"{k}s"),
+        ("HGETALL", f"{k}h"),
+    ]
+    connection.next_health_check = time.monotonic() + 1  # not due: no PING sent first
+    replies = exchange(connection, reads)
+    assert connection.next_health_check > time.monotonic() + 25  # 30 s from the replies
+    for command in reads:
+        connection.send_command(*command)
+    assert replies == [connection.read_response() for _ in reads]
+    assert replies[0] == big and replies[1] == [b"v", None] and replies[2] is None
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        exchange(connection, [("GET", f"{k}s"), ("GET", f"{k}h"), ("GET", f"{k}big")])
+    assert connection._sock is None  # dropped: the replies after the error are not read
+    assert exchange(connection, [("GET", f"{k}big")]) == [big]
 
 
 def test_a_changed_registration_is_written_anew(redis_server: RedisServer) -> None:

@@ -15,6 +15,7 @@ import redis
 from broker.planner import RankPlan
 from broker.records import RankKey, RankLoss, RankRecord, TransferKey, TransferRecord
 from broker.store import codec
+from broker.store.redis_link import read_replies
 from broker.store.turns import waiting
 
 Command = tuple[Any, ...]
@@ -50,7 +51,7 @@ def exchange(connection: Any, commands: list[Command]) -> list[Any]:
 def _exchange(connection: Any, packed: bytes, count: int) -> list[Any]:
     connection.send_packed_command([packed])
     try:
-        return [connection.read_response() for _ in range(count)]
+        return read_replies(connection, count)
     except BaseException:
         connection.disconnect()
         raise
