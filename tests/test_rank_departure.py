@@ -5,8 +5,9 @@ report of a plan that read it is refused), the reaper of another broker on the s
 (a replica, or this one restarted) finishes what a removal left, every transfer ends FAILED
 and the surviving prefill rank is released once per transfer; on Redis a replica whose unit
 read a transfer before another removed its rank runs again and sees it. In memory, a broker whose
-rank's lease expires under 3,000 transfers never holds its event loop for more than a few ms
-of CPU (its wall-clock gaps are printed: on a shared host they are the host's too). The
+rank's lease expires under 3,000 transfers holds its event loop, in any one reap, for a small
+share of the CPU all its reaps take (the times and wall-clock gaps are printed: on a shared
+host they are the host's too). The
 reaper's pass over transfers past their deadline stops starting units once its slice is
 spent, as its pass over expired leases does."""
 
@@ -269,8 +270,14 @@ def test_an_expiry_under_many_transfers_keeps_the_loop_answering(
     finally:
         gc.enable()
     assert service.list_transfers().counts == {TransferState.FAILED: held}
+    total = sum(busy)
     print(
         f"\n3,000 transfers failed in {len(busy)} reaps, the longest {max(busy) * 1e3:.1f} ms "
-        f"of CPU; longest event loop gap {longest * 1e3:.1f} ms"
+        f"of CPU of {total * 1e3:.1f}; longest event loop gap {longest * 1e3:.1f} ms"
     )
-    assert max(busy) < 0.015, f"a reap held the loop for {max(busy) * 1e3:.0f} ms of CPU"
+    # Against the reaps' own total, so the bound holds on a slow or busy machine: one reap
+    # failing them all would hold nearly all of it; sliced, each holds a few percent.
+    assert max(busy) < total / 4, (
+        f"a reap held the loop for {max(busy) * 1e3:.0f} ms of CPU, "
+        f"{max(busy) / total:.0%} of the {total * 1e3:.0f} ms all reaps took"
+    )
