@@ -95,9 +95,9 @@ def read_replies(connection: Any, count: int) -> list[Any]:
     """The next ``count`` replies on ``connection``, each as its ``read_response`` returns
     it (an error reply raised, an unreadable socket ``redis.ConnectionError``), every socket
     read waiting no longer than its call's :data:`DEADLINE`. With hiredis's parser the
-    replies come straight from its reader, the socket read only when it needs more (a
-    round trip's replies mostly arrive in one read): redis-py's layers around each reply cost
-    a store call more CPU than the parsing. Other parsers: one ``read_response`` a reply."""
+    replies come straight from its reader, the socket read only when it needs more:
+    redis-py's layers around each reply cost a store call more CPU than the parsing. Other
+    parsers: one ``read_response`` a reply."""
     parser = connection._parser
     reader = getattr(parser, "_reader", None)
     if type(parser) is not _HiredisParser or reader is None:
